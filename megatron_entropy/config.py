@@ -1,0 +1,387 @@
+"""One typed config tree for a run, loaded from YAML with dotted command-line overrides.
+
+Every section is a dataclass; a field's type is the schema and its metadata holds its bounds.
+``load_config`` rejects unknown keys (suggesting the closest one), wrong types and out-of-range
+values with a single ConfigError that names the key path, the bad value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A bad config value; the message names the key path."""
+
+
+def _f(default: Any = dataclasses.MISSING, *, ge: Optional[float] = None, gt: Optional[float] = None,
+       le: Optional[float] = None, lt: Optional[float] = None, help: str = "",
+       default_factory: Any = dataclasses.MISSING) -> Any:
+    meta = {"ge": ge, "gt": gt, "le": le, "lt": lt, "help": help}
+    if default_factory is not dataclasses.MISSING:
+        return field(default_factory=default_factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class ModelConfig:
+    hf_path: str = _f("", help="HF folder: config.json, tokenizer files and (optionally) weights")
+    megatron_ckpt: Optional[str] = _f(None, help="dist checkpoint from tools/convert_hf_to_mcore.py; "
+                                                 "if null, weights are read from hf_path")
+    dtype: Literal["fp32", "bf16", "fp16"] = "bf16"
+    transformer_impl: Literal["auto", "local", "transformer_engine"] = _f(
+        "auto", help="auto: Transformer Engine when installed with CUDA, else the local spec")
+    recompute_activations: bool = False
+    seq_length: int = _f(4096, ge=16, help="max prompt + response tokens (rope table size)")
+
+
+@dataclass
+class ParallelConfig:
+    tensor: int = _f(1, ge=1)
+    pipeline: int = _f(1, ge=1)
+    sequence_parallel: bool = _f(False, help="GPU with Transformer Engine only")
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    timeout_minutes: float = _f(30.0, gt=0)
+
+
+@dataclass
+class ServerConfig:
+    """Inference servers for rollout.engine = vllm | sglang."""
+
+    urls: list[str] = _f(default_factory=list, help="servers that already run (http://host:port)")
+    urls_file: Optional[str] = _f(None, help="file with one URL per line (written by slurm/ scripts)")
+    launch: int = _f(0, ge=0, help="number of servers to start ourselves on this node")
+    server_python: str = _f("python", help="interpreter of the serving stack's own environment")
+    host: str = "127.0.0.1"
+    base_port: int = _f(30000, ge=1024, le=65535)
+    extra_args: list[str] = _f(default_factory=list, help="extra command-line args for each server")
+    startup_timeout_s: float = _f(600.0, gt=0)
+    request_timeout_s: float = _f(600.0, gt=0)
+    max_concurrency: int = _f(64, ge=1, help="requests in flight per server")
+    max_retries: int = _f(3, ge=0)
+    weight_sync: Literal["disk", "distributed"] = "disk"
+    weight_sync_dir: Optional[str] = _f(None, help="shared folder for disk sync (default: run dir)")
+    bucket_mb: int = _f(512, ge=1, help="bucket size of the NCCL broadcast weight sync")
+
+
+@dataclass
+class RolloutConfig:
+    engine: Literal["inprocess", "vllm", "sglang"] = "inprocess"
+    n_samples: int = _f(8, ge=1, help="responses per prompt (group size)")
+    temperature: float = _f(1.0, gt=0)
+    top_p: float = _f(1.0, gt=0, le=1)
+    top_k: int = _f(-1, ge=-1, help="-1 disables")
+    max_new_tokens: int = _f(1024, ge=1)
+    max_prompt_tokens: int = _f(1024, ge=1)
+    stop: list[str] = _f(default_factory=list)
+    stop_token_ids: list[int] = _f(default_factory=list)
+    seed: int = 0
+    dtype: Literal["fp32", "bf16", "fp16"] = _f("fp32", help="in-process engine's dtype")
+    batch_size: int = _f(64, ge=1, help="in-process engine: sequences decoded together")
+    val_n_samples: int = _f(4, ge=1, help="k of pass@1 averaged over k samples")
+    val_temperature: float = _f(0.6, ge=0, help="0 = greedy")
+    server: ServerConfig = _f(default_factory=ServerConfig)
+
+
+@dataclass
+class AlgorithmConfig:
+    loss: Literal["ppo_clip", "clip_cov", "kl_cov"] = "kl_cov"
+    advantage: Literal["grpo", "drgrpo", "rloo"] = "grpo"
+    norm_adv_by_std: bool = _f(True, help="GRPO: divide by the group std (+1e-6)")
+    clip_ratio_low: float = _f(0.2, ge=0)
+    clip_ratio_high: float = _f(0.28, ge=0)
+    dual_clip_c: Optional[float] = _f(None, gt=1, help="ppo_clip dual-clip constant (>1), null=off")
+    clip_cov_ratio: float = _f(2e-4, gt=0, le=1, help="fraction of tokens detached by Clip-Cov")
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = _f(2e-3, gt=0, le=1, help="fraction of tokens KL-penalised by KL-Cov")
+    kl_cov_coef: float = _f(1.0, ge=0)
+    cov_scope: Literal["micro_batch", "global"] = _f(
+        "micro_batch", help="micro_batch = paper code/verl; global = the whole optimizer step")
+    global_selection_logprobs: Literal["recompute", "fresh"] = _f(
+        "recompute", help="global scope: select with the old-logprob recompute (free) or with a "
+                          "forward-only pass of the current policy per mini-batch (exact, +1 fwd)")
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
+    entropy_coef: float = _f(0.0, ge=0)
+    kl_coef: float = _f(0.0, ge=0, help="> 0 loads a frozen reference model")
+    kl_type: Literal["k1", "abs", "k3"] = "k3"
+    logprob_impl: Literal["chunked", "fused"] = "fused"
+    logprob_chunk_tokens: int = _f(1024, ge=1)
+
+
+@dataclass
+class ArithmeticConfig:
+    """The synthetic multi-step integer arithmetic task for CPU runs."""
+
+    num_train: int = _f(20000, ge=1)
+    num_val: int = _f(64, ge=1)
+    min_ops: int = _f(1, ge=1)
+    max_ops: int = _f(2, ge=1)
+    max_operand: int = _f(20, ge=1)
+    seed: int = 0
+
+
+@dataclass
+class DataConfig:
+    train_files: list[str] = _f(default_factory=list, help="jsonl/parquet; empty = synthetic task")
+    val_files: list[str] = _f(default_factory=list)
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    source_key: str = "data_source"
+    apply_chat_template: bool = True
+    prompt_suffix: str = _f("default", help="'default' = the paper's \\boxed{} instruction; '' = none")
+    shuffle: bool = True
+    seed: int = 0
+    prompts_per_step: int = _f(256, ge=1)
+    dynamic_sampling: bool = _f(True, help="drop groups whose rewards are all equal and refill")
+    max_refill_rounds: int = _f(3, ge=0)
+    arithmetic: ArithmeticConfig = _f(default_factory=ArithmeticConfig)
+
+
+@dataclass
+class TrainerConfig:
+    steps: int = _f(100, ge=1)
+    lr: float = _f(1e-6, gt=0)
+    min_lr: float = _f(0.0, ge=0)
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    warmup_steps: int = _f(0, ge=0)
+    weight_decay: float = _f(0.1, ge=0)
+    grad_clip: float = _f(1.0, ge=0, help="0 disables")
+    adam_beta1: float = _f(0.9, ge=0, lt=1)
+    adam_beta2: float = _f(0.999, ge=0, lt=1)
+    adam_eps: float = _f(1e-8, gt=0)
+    mini_batches_per_step: int = _f(1, ge=1, help="optimizer steps per rollout batch (per epoch)")
+    ppo_epochs: int = _f(1, ge=1)
+    micro_batch_tokens: int = _f(16384, ge=1, help="token budget of one micro-batch (dynamic bsz)")
+    seed: int = 42
+    save_interval: int = _f(0, ge=0, help="steps between checkpoints; 0 = only at the end")
+    keep_last: int = _f(2, ge=1)
+    resume: str = _f("auto", help="'auto' (latest in the run dir), 'none', or a checkpoint folder")
+    val_interval: int = _f(0, ge=0, help="steps between validations; 0 = never")
+    val_before_train: bool = False
+
+
+@dataclass
+class LoggingConfig:
+    name: str = "run"
+    runs_dir: str = "runs"
+    progress_bar: bool = True
+    tensorboard: bool = False
+    wandb: bool = False
+    wandb_project: str = "megatron-entropy"
+
+
+@dataclass
+class Config:
+    model: ModelConfig = _f(default_factory=ModelConfig)
+    parallel: ParallelConfig = _f(default_factory=ParallelConfig)
+    rollout: RolloutConfig = _f(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = _f(default_factory=AlgorithmConfig)
+    data: DataConfig = _f(default_factory=DataConfig)
+    trainer: TrainerConfig = _f(default_factory=TrainerConfig)
+    logging: LoggingConfig = _f(default_factory=LoggingConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.logging.runs_dir) / self.logging.name
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# --------------------------------------------------------------------------------------- parsing
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is list:
+        return f"list of {_type_name(typing.get_args(tp)[0])}"
+    if tp is type(None):
+        return "null"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, path: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, path)
+            except ConfigError as e:
+                errors.append(e)
+        raise errors[0] if len(errors) == 1 else ConfigError(
+            f"{path}: {value!r} is not {_type_name(tp)}")
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if value not in allowed:
+            close = difflib.get_close_matches(str(value), [str(a) for a in allowed], n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"{path}: {value!r} is not allowed; choose one of "
+                              f"{', '.join(repr(a) for a in allowed)}{hint}")
+        return value
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{path}: expected {_type_name(tp)}, got {value!r}")
+        (item,) = typing.get_args(tp)
+        return [_coerce(v, item, f"{path}[{i}]") for i, v in enumerate(value)]
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a mapping (section), got {value!r}")
+        return _build(tp, value, path)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{path}: expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{path}: expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{path}: expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{path}: expected a string, got {value!r}")
+    raise ConfigError(f"{path}: unsupported config type {tp!r}")
+
+
+def _check_bounds(value: Any, meta: dict, path: str) -> None:
+    if value is None or not isinstance(value, (int, float)) or isinstance(value, bool):
+        return
+    checks = [("ge", lambda b: value >= b, ">="), ("gt", lambda b: value > b, ">"),
+              ("le", lambda b: value <= b, "<="), ("lt", lambda b: value < b, "<")]
+    for key, ok, sym in checks:
+        bound = meta.get(key)
+        if bound is not None and not ok(bound):
+            raise ConfigError(f"{path}: {value!r} is out of range; it must be {sym} {bound}")
+
+
+def _build(cls: type, data: dict, prefix: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        path = f"{prefix}.{key}" if prefix else str(key)
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.6)
+            hint = f"; did you mean {(prefix + '.' if prefix else '') + close[0]!r}?" if close else ""
+            raise ConfigError(f"unknown config key {path!r}{hint} (allowed in "
+                              f"{prefix or 'the top level'}: {', '.join(fields)})")
+        value = _coerce(value, hints[key], path)
+        _check_bounds(value, dict(fields[key].metadata), path)
+        kwargs[key] = value
+    return cls(**kwargs)
+
+
+def _merge(base: dict, update: dict) -> dict:
+    out = dict(base)
+    for k, v in update.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def parse_overrides(overrides: list[str]) -> dict:
+    """``["algorithm.loss=kl_cov", "trainer.lr=1e-6"]`` -> nested dict; values parsed as YAML."""
+    tree: dict = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like section.key=value")
+        key, raw = item.split("=", 1)
+        try:
+            value = _floats_in_yaml(yaml.safe_load(raw)) if raw != "" else ""
+        except yaml.YAMLError:
+            value = raw
+        node = tree
+        parts = key.strip().split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r} conflicts with another override")
+        node[parts[-1]] = value
+    return tree
+
+
+def _floats_in_yaml(node: Any) -> Any:
+    # PyYAML (YAML 1.1) reads "1e-6" as a string; the config means a number there.
+    if isinstance(node, dict):
+        return {k: _floats_in_yaml(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_floats_in_yaml(v) for v in node]
+    if isinstance(node, str):
+        try:
+            return float(node) if any(c in node for c in "eE") and node[0] in "+-.0123456789" \
+                else node
+        except ValueError:
+            return node
+    return node
+
+
+def load_config(path: Optional[Union[str, Path]] = None, overrides: Optional[list[str]] = None,
+                data: Optional[dict] = None) -> Config:
+    """Build the config from a YAML file (or a dict), then apply dotted overrides."""
+    tree: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist")
+        try:
+            loaded = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {str(p)!r} must hold a mapping of sections")
+        tree = _floats_in_yaml(loaded)
+    if data:
+        tree = _merge(tree, data)
+    if overrides:
+        tree = _merge(tree, parse_overrides(overrides))
+    cfg = _build(Config, tree, "")
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    """Cross-field checks that one field's type cannot express."""
+    a = cfg.algorithm
+    if a.clip_cov_lb >= a.clip_cov_ub:
+        raise ConfigError(f"algorithm.clip_cov_lb ({a.clip_cov_lb}) must be below "
+                          f"algorithm.clip_cov_ub ({a.clip_cov_ub})")
+    ar = cfg.data.arithmetic
+    if ar.min_ops > ar.max_ops:
+        raise ConfigError(f"data.arithmetic.min_ops ({ar.min_ops}) must be <= "
+                          f"data.arithmetic.max_ops ({ar.max_ops})")
+    if cfg.trainer.min_lr > cfg.trainer.lr:
+        raise ConfigError(f"trainer.min_lr ({cfg.trainer.min_lr}) must be <= trainer.lr "
+                          f"({cfg.trainer.lr})")
+    if cfg.parallel.sequence_parallel and cfg.parallel.tensor == 1:
+        raise ConfigError("parallel.sequence_parallel needs parallel.tensor > 1")
+    if cfg.rollout.engine != "inprocess":
+        s = cfg.rollout.server
+        if not (s.urls or s.urls_file or s.launch):
+            raise ConfigError(f"rollout.engine={cfg.rollout.engine} needs servers: set "
+                              "rollout.server.urls, rollout.server.urls_file or "
+                              "rollout.server.launch")
+
+
+def dump_config(cfg: Config, path: Union[str, Path]) -> None:
+    Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))

@@ -1,0 +1,135 @@
+"""Build a Megatron-Core GPTModel (this rank's TP/PP part) from a ``ModelArch``."""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Literal, Optional
+
+import torch
+import torch.nn.functional as F
+
+from megatron_entropy.models.arch import ModelArch
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def transformer_engine_available() -> bool:
+    if not torch.cuda.is_available() or importlib.util.find_spec("transformer_engine") is None:
+        return False
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:  # an empty meta-package or a CUDA mismatch: fall back to the local spec
+        return False
+    return True
+
+
+def resolve_transformer_impl(impl: str) -> str:
+    if impl == "auto":
+        return "transformer_engine" if transformer_engine_available() else "local"
+    if impl == "transformer_engine" and not transformer_engine_available():
+        raise RuntimeError("model.transformer_impl=transformer_engine needs CUDA and an importable "
+                           "transformer_engine (pip install -e .[gpu]); use 'local' or 'auto'")
+    return impl
+
+
+def transformer_config(arch: ModelArch, tensor: int = 1, pipeline: int = 1, dtype: str = "fp32",
+                       sequence_parallel: bool = False, recompute: bool = False,
+                       use_cpu_initialization: Optional[bool] = None):
+    from megatron.core.transformer import TransformerConfig
+
+    arch.check_parallel(tensor, pipeline)
+    on_gpu = torch.cuda.is_available()
+    params_dtype = DTYPES[dtype]
+    kwargs = dict(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        ffn_hidden_size=arch.ffn_hidden_size,
+        num_attention_heads=arch.num_attention_heads,
+        num_query_groups=arch.num_query_groups,
+        kv_channels=arch.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_layernorm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=arch.init_std,
+        tensor_model_parallel_size=tensor,
+        pipeline_model_parallel_size=pipeline,
+        sequence_parallel=sequence_parallel,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=dtype == "bf16",
+        fp16=dtype == "fp16",
+        # Same full weights on every layout (TP=2 equals TP=1) and no CUDA needed to build.
+        use_cpu_initialization=(not on_gpu) if use_cpu_initialization is None
+        else use_cpu_initialization,
+        # RL batches have a different length every micro-batch.
+        variable_seq_lengths=True,
+        moe_token_dispatcher_type="alltoall",
+        # Fused kernels (apex/TE/jit) only where they exist.
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        batch_p2p_sync=on_gpu,
+    )
+    if recompute:
+        kwargs.update(recompute_granularity="full", recompute_method="uniform",
+                      recompute_num_layers=1)
+    return TransformerConfig(**kwargs)
+
+
+def layer_spec(arch: ModelArch, impl: Literal["local", "transformer_engine"]):
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if impl == "transformer_engine":
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            qk_layernorm=arch.qk_layernorm)
+    return gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=arch.qk_layernorm,
+                                                    normalization="RMSNorm")
+
+
+def build_gpt_model(arch: ModelArch, tensor: int = 1, pipeline: int = 1, dtype: str = "fp32",
+                    transformer_impl: str = "auto", seq_length: int = 4096,
+                    sequence_parallel: bool = False, recompute: bool = False,
+                    use_cpu_initialization: Optional[bool] = None):
+    """This rank's part of the model, for the parallel state already initialised.
+
+    The output layer returns vocab-parallel logits [S, B, V/tp] (``parallel_output=True``); the
+    vocab is padded to ``arch.padded_vocab_size`` and the padded columns must be masked by the
+    caller (the ops take the real vocab size).
+    """
+    import warnings
+
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    impl = resolve_transformer_impl(transformer_impl)
+    config = transformer_config(arch, tensor, pipeline, dtype, sequence_parallel, recompute,
+                                use_cpu_initialization)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*Apex is not installed.*")
+        spec = layer_spec(arch, impl)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=arch.padded_vocab_size,
+        max_sequence_length=max(seq_length, 16),
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        parallel_output=True,
+        share_embeddings_and_output_weights=arch.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(arch.rope_theta) if float(arch.rope_theta).is_integer() else arch.rope_theta,
+        rope_scaling=arch.rope_scaling_factor is not None,
+        rope_scaling_factor=arch.rope_scaling_factor or 8.0,
+    )
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    return model

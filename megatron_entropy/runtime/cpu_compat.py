@@ -1,0 +1,174 @@
+"""Let megatron-core run without CUDA (CPU machines, CI) — active only when CUDA is absent.
+
+megatron-core allocates with ``device=torch.cuda.current_device()`` or ``device="cuda"``, reads and
+writes the CUDA RNG state, synchronises CUDA streams and asserts ``torch.cuda.FloatTensor`` grads.
+On a machine without CUDA each of these raises. This layer redirects them to the CPU:
+
+* ``torch.cuda.current_device`` -> ``torch.device("cpu")``; ``synchronize``/``empty_cache`` no-ops;
+  streams and events are inert; the CUDA RNG API maps to the CPU default generator, so Megatron's
+  model-parallel RNG tracker forks the CPU generator exactly as it forks the CUDA one on a GPU;
+  ``Tensor.cuda()`` returns the tensor unchanged.
+* In the megatron modules that spell ``device="cuda"`` literally, the module's ``torch`` name is
+  replaced by a proxy whose tensor factories map "cuda" to "cpu".
+* ``clip_grad_by_total_norm_fp32`` asserts a CUDA grad type; it is replaced by the same computation
+  without that assertion.
+
+The layer was written against the megatron-core versions in ``SUPPORTED_MEGATRON_VERSIONS``; any other
+version raises instead of half-working. It is never applied when CUDA is available, so nothing here
+touches the GPU path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import types
+from typing import Any
+
+import torch
+
+SUPPORTED_MEGATRON_VERSIONS = ("0.16",)
+
+# Modules of megatron.core that spell device="cuda" (or 'cuda') literally.
+_LITERAL_CUDA_MODULES = (
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.grad_scaler",
+    "megatron.core.distributed.param_and_grad_buffer",
+    "megatron.core.transformer.utils",
+    "megatron.core.tensor_parallel.data",
+    "megatron.core.utils",
+)
+
+_FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange", "rand", "randn", "randint",
+              "zeros_like", "ones_like", "empty_like", "full_like", "as_tensor")
+
+_applied = False
+
+
+def _to_cpu_device(device: Any) -> Any:
+    if isinstance(device, str) and device.startswith("cuda"):
+        return "cpu"
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return torch.device("cpu")
+    if isinstance(device, int):
+        return "cpu"
+    return device
+
+
+def _cpu_factory(fn):
+    def wrapped(*args, **kwargs):
+        if "device" in kwargs:
+            kwargs["device"] = _to_cpu_device(kwargs["device"])
+        kwargs.pop("pin_memory", None)
+        return fn(*args, **kwargs)
+
+    wrapped.__name__ = fn.__name__
+    return wrapped
+
+
+class _CpuTorch(types.ModuleType):
+    """Stand-in for ``torch`` inside one megatron module: everything is torch's, except that the
+    tensor factories place "cuda" tensors on the CPU."""
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+        for name in _FACTORIES:
+            setattr(self, name, _cpu_factory(getattr(torch, name)))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+class _InertStream:
+    """A CUDA stream/event stand-in: every method is a no-op."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __getattr__(self, name: str) -> Any:
+        return lambda *a, **k: None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+def _clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False):
+    # Same as megatron's version, minus its assertion that grads are torch.cuda.FloatTensor.
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    grads = []
+    for param in parameters:
+        grad = param.decoupled_grad if use_decoupled_grad else param.grad
+        if grad is not None:
+            grads.append(grad.detach())
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff < 1.0:
+        for grad in grads:
+            grad.mul_(clip_coeff)
+
+
+def _check_version() -> None:
+    import megatron.core
+
+    version = megatron.core.__version__
+    if not any(version == v or version.startswith(v + ".") for v in SUPPORTED_MEGATRON_VERSIONS):
+        raise RuntimeError(
+            f"megatron-entropy's CPU compatibility layer supports megatron-core "
+            f"{', '.join(v + '.x' for v in SUPPORTED_MEGATRON_VERSIONS)}, but {version} is installed. "
+            "On a CPU machine install megatron-core==0.16.1 (pip install -e . does); on a GPU "
+            "machine this layer is not used."
+        )
+
+
+def apply() -> bool:
+    """Install the CPU redirections if CUDA is absent. Returns True when the layer is active.
+
+    Idempotent; a no-op (returns False) on a machine with CUDA.
+    """
+    global _applied
+    if torch.cuda.is_available():
+        return False
+    if _applied:
+        return True
+    _check_version()
+
+    cuda = torch.cuda
+    cuda.current_device = lambda: torch.device("cpu")
+    cuda.synchronize = lambda *a, **k: None
+    cuda.empty_cache = lambda: None
+    cuda.current_stream = lambda *a, **k: _InertStream()
+    cuda.default_stream = lambda *a, **k: _InertStream()
+    cuda.Stream = _InertStream
+    cuda.Event = _InertStream
+    cuda.stream = lambda *a, **k: contextlib.nullcontext()
+    cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
+    cuda.set_rng_state = lambda state, device="cuda": torch.set_rng_state(state)
+    cuda.manual_seed = lambda seed: torch.manual_seed(seed)
+    cuda.random.get_rng_state = cuda.get_rng_state
+    cuda.random.set_rng_state = cuda.set_rng_state
+    torch.Tensor.cuda = lambda self, *a, **k: self
+
+    random = importlib.import_module("megatron.core.tensor_parallel.random")
+    random._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: (
+        torch.get_rng_state()
+    )
+    random._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: (
+        torch.set_rng_state(new_state)
+    )
+
+    proxy = _CpuTorch()
+    for name in _LITERAL_CUDA_MODULES:
+        importlib.import_module(name).torch = proxy
+
+    clip_grads = importlib.import_module("megatron.core.optimizer.clip_grads")
+    optimizer = importlib.import_module("megatron.core.optimizer.optimizer")
+    clip_grads.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
+    optimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
+
+    _applied = True
+    return True

@@ -1,0 +1,101 @@
+"""The trainable Megatron model: GPTModel wrapped in Megatron's DDP, its optimizer and LR schedule.
+
+Loss normalisation contract: the loss a micro-batch returns is already divided by the size of the
+whole optimizer step (tokens or sequences over every DP rank and micro-batch, see
+``algorithms.aggregation``). So the pipeline schedule must not divide by the number of
+micro-batches and DDP must sum over DP instead of averaging: ``calculate_per_token_loss=True`` does
+both, and ``finalize_model_grads`` is called without a token count so that it does not rescale.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from megatron_entropy.models.arch import ModelArch
+from megatron_entropy.models.builder import build_gpt_model
+
+
+@dataclass
+class OptimSettings:
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    lr_schedule: str = "constant"  # constant | cosine
+    warmup_steps: int = 0
+    total_steps: int = 1
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+
+    @classmethod
+    def from_trainer_config(cls, t: Any, total_steps: int) -> "OptimSettings":
+        return cls(lr=t.lr, min_lr=t.min_lr, lr_schedule=t.lr_schedule, warmup_steps=t.warmup_steps,
+                   total_steps=total_steps, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
+                   adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps)
+
+
+def _finalize_without_rescale(model, num_tokens=None, *args, **kwargs):
+    from megatron.core.distributed import finalize_model_grads
+
+    # Losses arrive normalised by the whole step already (module docstring).
+    return finalize_model_grads(model, None, *args, **kwargs)
+
+
+def build_trainable_model(arch: ModelArch, tensor: int, pipeline: int, dtype: str = "fp32",
+                          transformer_impl: str = "auto", seq_length: int = 4096,
+                          sequence_parallel: bool = False, recompute: bool = False) -> list:
+    """GPTModel in Megatron's DDP (one chunk: no virtual pipeline), ready for the schedules."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    model = build_gpt_model(arch, tensor, pipeline, dtype, transformer_impl, seq_length,
+                            sequence_parallel, recompute)
+    config = model.config
+    config.calculate_per_token_loss = True
+    config.finalize_model_grads_func = _finalize_without_rescale
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False,
+        check_for_nan_in_grad=True)
+    ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    return [ddp]
+
+
+def build_optimizer(model_chunks: list, settings: OptimSettings, dtype: str = "fp32"):
+    """Megatron's AdamW (fp32 master weights for bf16/fp16 params) and its LR/WD schedule."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    opt_config = OptimizerConfig(
+        optimizer="adam", lr=settings.lr, min_lr=settings.min_lr,
+        weight_decay=settings.weight_decay, adam_beta1=settings.adam_beta1,
+        adam_beta2=settings.adam_beta2, adam_eps=settings.adam_eps,
+        clip_grad=settings.grad_clip, bf16=dtype == "bf16", fp16=dtype == "fp16",
+        params_dtype={"fp32": torch.float32, "bf16": torch.bfloat16,
+                      "fp16": torch.float16}[dtype],
+        use_distributed_optimizer=False)
+    optimizer = get_megatron_optimizer(opt_config, model_chunks)
+    decay_steps = max(settings.total_steps, settings.warmup_steps + 1)
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if settings.warmup_steps else settings.lr, max_lr=settings.lr,
+        min_lr=settings.min_lr if settings.lr_schedule == "cosine" else settings.lr,
+        lr_warmup_steps=settings.warmup_steps, lr_decay_steps=decay_steps,
+        lr_decay_style="cosine" if settings.lr_schedule == "cosine" else "constant",
+        start_wd=settings.weight_decay, end_wd=settings.weight_decay, wd_incr_steps=decay_steps,
+        wd_incr_style="constant")
+    return optimizer, scheduler
+
+
+def optimizer_step(optimizer, scheduler, model_chunks: list) -> dict[str, Optional[float]]:
+    """Step the optimizer and the schedule; zero the grad buffers for the next step."""
+    lr = float(optimizer.param_groups[0]["lr"])  # the rate this update uses
+    update_successful, grad_norm, _ = optimizer.step()
+    scheduler.step(increment=1)
+    for chunk in model_chunks:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    return {"grad_norm": None if grad_norm is None else float(grad_norm),
+            "update_successful": bool(update_successful),
+            "lr": lr}

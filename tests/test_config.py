@@ -1,0 +1,94 @@
+import subprocess
+import sys
+
+import pytest
+
+from megatron_entropy.config import ConfigError, load_config, parse_overrides
+from megatron_entropy.models.arch import UnsupportedModelError, arch_from_hf_config
+from megatron_entropy.runtime import ParallelLayoutError, check_layout
+from tiny_models import tiny_hf_config
+
+
+def _yaml(tmp_path, text):
+    p = tmp_path / "c.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_typo_key_names_path_and_suggests(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        load_config(_yaml(tmp_path, "algorithm:\n  clip_cov_ration: 0.1\n"))
+    assert "algorithm.clip_cov_ration" in str(e.value)
+    assert "did you mean 'algorithm.clip_cov_ratio'" in str(e.value)
+
+
+def test_wrong_type_names_key_and_value(tmp_path):
+    with pytest.raises(ConfigError, match=r"trainer\.lr: expected a number, got 'fast'"):
+        load_config(_yaml(tmp_path, "trainer:\n  lr: fast\n"))
+    with pytest.raises(ConfigError, match=r"parallel\.tensor: expected an integer"):
+        load_config(_yaml(tmp_path, "parallel:\n  tensor: 2.5\n"))
+
+
+def test_out_of_range_and_choices(tmp_path):
+    with pytest.raises(ConfigError, match=r"rollout\.top_p: 1\.5 is out of range; it must be <= 1"):
+        load_config(overrides=["rollout.top_p=1.5"])
+    with pytest.raises(ConfigError, match=r"algorithm\.loss: 'klcov'.*did you mean 'kl_cov'"):
+        load_config(overrides=["algorithm.loss=klcov"])
+    with pytest.raises(ConfigError, match=r"clip_cov_lb"):
+        load_config(overrides=["algorithm.clip_cov_lb=6"])
+
+
+def test_impossible_parallel_layout_names_keys():
+    with pytest.raises(ParallelLayoutError, match=r"parallel\.tensor x parallel\.pipeline = 3 x 1"):
+        check_layout(world_size=4, tensor=3, pipeline=1)
+    assert check_layout(world_size=8, tensor=2, pipeline=2) == 2
+    arch = arch_from_hf_config(tiny_hf_config("qwen2"))  # 4 heads, 2 KV heads
+    with pytest.raises(UnsupportedModelError, match=r"parallel\.tensor=4 does not divide.*2 query"):
+        arch.check_parallel(4, 1)
+    with pytest.raises(UnsupportedModelError, match=r"parallel\.pipeline=3 does not divide"):
+        arch.check_parallel(1, 3)
+
+
+def test_yaml_then_dotted_overrides(tmp_path):
+    cfg = load_config(_yaml(tmp_path, "algorithm:\n  loss: clip_cov\ntrainer:\n  lr: 1e-6\n"),
+                      overrides=["algorithm.loss=kl_cov", "trainer.lr=2e-6", "rollout.stop=[a, b]",
+                                 "algorithm.dual_clip_c=3"])
+    assert cfg.algorithm.loss == "kl_cov"
+    assert cfg.trainer.lr == 2e-6
+    assert cfg.rollout.stop == ["a", "b"]
+    assert cfg.algorithm.dual_clip_c == 3.0
+    assert parse_overrides(["a.b.c=1"]) == {"a": {"b": {"c": 1}}}
+    with pytest.raises(ConfigError, match="section.key=value"):
+        parse_overrides(["trainer.lr"])
+
+
+def test_missing_file_and_bad_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(_yaml(tmp_path, "a: [1,\n"))
+
+
+def test_unsupported_architecture_lists_supported():
+    with pytest.raises(UnsupportedModelError, match="supported: Qwen2ForCausalLM, Qwen3ForCausalLM"):
+        arch_from_hf_config({"architectures": ["GPT2LMHeadModel"]})
+    with pytest.raises(UnsupportedModelError, match="sliding-window"):
+        arch_from_hf_config(tiny_hf_config("mistral", sliding_window=64))
+    with pytest.raises(UnsupportedModelError, match="rope scaling type 'yarn'"):
+        arch_from_hf_config(tiny_hf_config("llama", rope_scaling={"rope_type": "yarn"}))
+
+
+def test_family_flags():
+    q2, q3, ll = (arch_from_hf_config(tiny_hf_config(f)) for f in ("qwen2", "qwen3", "llama"))
+    assert q2.qkv_bias and not q2.qk_layernorm
+    assert q3.qk_layernorm and not q3.qkv_bias and q3.head_dim == 32
+    assert ll.rope_scaling_factor == 8.0 and not ll.qkv_bias
+    assert q2.padded_vocab_size == 1024
+    # transformers 5 writes rope_parameters instead of rope_theta
+    new = tiny_hf_config("qwen2", rope_parameters={"rope_theta": 5.0, "rope_type": "default"})
+    del new["rope_theta"]
+    assert arch_from_hf_config(new).rope_theta == 5.0
+
+
+def test_package_imports_in_fresh_interpreter():
+    subprocess.run([sys.executable, "-c", "import megatron_entropy"], check=True)
