@@ -1,0 +1,74 @@
+"""The rollout engine interface: generate n samples per prompt, take new weights, report health.
+
+Every engine (in-process transformers, vLLM server, SGLang server) implements ``RolloutEngine``.
+The trainer talks to it only from data-parallel leader ranks.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Iterable, Literal, Optional
+
+import torch
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1 = off
+    max_new_tokens: int = 256
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    seed: Optional[int] = None  # sample j of prompt i uses a seed derived from (seed, i, j)
+
+
+@dataclass
+class Completion:
+    """One sampled response.
+
+    ``logprobs[t]`` is the log-probability of ``token_ids[t]`` under softmax(logits / temperature)
+    over the full vocabulary, before top-p/top-k truncation: exactly what the actor recomputes, so
+    that |actor - engine| measures train/rollout drift. (Greedy: temperature 1.)
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str
+    finish_reason: FinishReason
+    # Filled by engines that know it: which server answered, weight version used.
+    meta: dict = field(default_factory=dict)
+
+
+NamedTensors = Iterable[tuple[str, torch.Tensor]]
+
+
+class RolloutEngine(abc.ABC):
+    """Generation backend. ``shared`` engines (servers) are updated once for the whole job, by
+    global rank 0; per-rank engines (in-process) are updated by every DP leader."""
+
+    shared: bool = False
+
+    @abc.abstractmethod
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[list[Completion]]:
+        """``sampling.n`` completions for each prompt (token ids), in prompt order."""
+
+    @abc.abstractmethod
+    def update_weights(self, named_tensors: NamedTensors, version: int) -> dict[str, float]:
+        """Replace the weights with full HF-named tensors (as ``model.state_dict()`` of the HF
+        model names them), streamed one at a time. Returns metrics (seconds, bytes). Raises if
+        any replica fails to take them: training must not go on against stale weights."""
+
+    def health(self) -> bool:
+        return True
+
+    def shutdown(self) -> None:
+        """Stop whatever the engine started."""
+
+    def metrics(self) -> dict[str, float]:
+        """Engine-side metrics since the last call (tokens/s, per-server latency, ...)."""
+        return {}
