@@ -1,0 +1,366 @@
+"""Policy losses by name — ``ppo_clip`` (GRPO), ``clip_cov``, ``kl_cov`` — with the entropy bonus
+and KL-to-reference regularisers, on one micro-batch of [B, S] tensors.
+
+Per valid token (ratio = exp(logp - old_logp), L1 = -A ratio, L2 = -A clamp(ratio, 1 - eps_low,
+1 + eps_high)):
+- ppo_clip: max(L1, L2) (log-ratio clamped to +-20 as verl); with ``dual_clip_c`` = c, tokens with
+  A < 0 take min(max(L1, L2), -A c).
+- clip_cov: max(L1, L2), times 0 for the drawn tokens (no gradient; they stay in the denominator).
+  Candidates: valid, not (L2 > L1), clip_cov_lb < Cov < clip_cov_ub; n = min(max(int(r N), 1),
+  n_candidates) drawn uniformly.
+- kl_cov: L1 (no clipping), plus kl_cov_coef |logp - old_logp| on the top k = max(1, int(N r))
+  tokens by Cov.
+Cov_i = (A_i - mean A)(logp_i - mean logp) over the scope's valid tokens, logp detached.
+
+Scopes (``selection``):
+- None (``micro_batch``): the micro-batch is the population and its own ``logp.detach()`` selects,
+  exactly as the paper's code and verl 0.9 ``compute_policy_loss_clip_cov``/``_kl_cov``.
+- a ``TokenSelection`` from ``select_tokens_global`` (``global``): the population is the whole
+  optimizer step over the DP group. Which log-probs select is the caller's choice
+  (``global_selection_logprobs``): ``recompute`` passes the old-logprob recompute (free; equal to
+  the training forward's log-probs on the first update of an on-policy step, when the weights
+  have not moved yet — later mini-batches/epochs select with the old policy's log-probs);
+  ``fresh`` passes a forward-only pass of the current weights before each optimizer step (exact
+  for every update: all micro-batches of one step see the same weights; costs one extra forward).
+
+Metrics are reducible: name -> float64 tensor [sum, count] (a mean), or, for names ending in
+``_max``, [max]. ``reduce_metrics`` sums/maxes them over micro-batches and DP ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from megatron_entropy.algorithms.aggregation import AGG_MODES, aggregate
+from megatron_entropy.algorithms.regularizers import KL_TYPES, kl_penalty
+from megatron_entropy.ops import covariance as cov_ops
+
+
+@dataclass
+class PolicyLossSettings:
+    """The knobs of ``config.AlgorithmConfig`` that the loss uses (same names and defaults)."""
+
+    loss: str = "kl_cov"
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.28
+    dual_clip_c: Optional[float] = None
+    clip_cov_ratio: float = 2e-4
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 2e-3
+    kl_cov_coef: float = 1.0
+    loss_agg_mode: str = "token-mean"
+    entropy_coef: float = 0.0
+    kl_coef: float = 0.0
+    kl_type: str = "k3"
+
+    def __post_init__(self) -> None:
+        if self.loss not in POLICY_LOSSES:
+            raise ValueError(f"unknown policy loss {self.loss!r}; choose one of "
+                             f"{', '.join(POLICY_LOSSES)}")
+        if self.loss_agg_mode not in AGG_MODES:
+            raise ValueError(f"unknown loss_agg_mode {self.loss_agg_mode!r}; choose one of "
+                             f"{', '.join(AGG_MODES)}")
+        if self.kl_type not in KL_TYPES:
+            raise ValueError(f"unknown kl_type {self.kl_type!r}; choose one of "
+                             f"{', '.join(KL_TYPES)}")
+        if self.dual_clip_c is not None and self.dual_clip_c <= 1:
+            raise ValueError(f"dual_clip_c must be > 1 (or None); got {self.dual_clip_c}")
+        for name in ("clip_cov_ratio", "kl_cov_ratio"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"{name} is a fraction in (0, 1]; got {getattr(self, name)}")
+        if self.clip_cov_lb >= self.clip_cov_ub:
+            raise ValueError(f"clip_cov_lb ({self.clip_cov_lb}) must be below clip_cov_ub "
+                             f"({self.clip_cov_ub})")
+
+    @classmethod
+    def from_config(cls, algorithm: Any) -> "PolicyLossSettings":
+        """From ``config.AlgorithmConfig`` (or anything with the same attribute names)."""
+        return cls(**{f.name: getattr(algorithm, f.name) for f in fields(cls)})
+
+
+@dataclass
+class TokenSelection:
+    """A precomputed (``global`` scope) choice of tokens for one micro-batch."""
+
+    selected: Tensor  # bool [B, S]: Clip-Cov's detached tokens / KL-Cov's penalised tokens
+    cov: Tensor       # [B, S] Cov_i over the step's population (0 where masked)
+
+
+# ------------------------------------------------------------------------------ metrics
+
+
+def _mean(values: Tensor, where: Tensor) -> Tensor:
+    where = where.bool()
+    return torch.stack([torch.where(where, values.detach().double(), 0).sum(),
+                        where.sum().double()])
+
+
+def _max(values: Tensor, where: Tensor) -> Tensor:
+    masked = torch.where(where.bool(), values.detach().double(), -float("inf"))
+    return masked.max().reshape(1) if masked.numel() else masked.new_full((1,), -float("inf"))
+
+
+def reduce_metrics(metrics: Sequence[dict[str, Tensor]],
+                   group: Optional[dist.ProcessGroup] = None) -> dict[str, float]:
+    """Combine per-micro-batch metrics over the list and the data-parallel ``group``.
+
+    Every rank of the group must call it (a rank with no micro-batch passes []). Means with no
+    element and maxima of nothing come out as NaN.
+    """
+    names: set[str] = set()
+    for m in metrics:
+        names.update(m)
+    distributed = group is not None and dist.is_initialized() and dist.get_world_size(group) > 1
+    if distributed:  # a rank may lack a metric (no micro-batch): agree on the names first
+        gathered: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, sorted(names), group=group)
+        names = set().union(*map(set, gathered))
+    mean_names = sorted(n for n in names if not n.endswith("_max"))
+    max_names = sorted(n for n in names if n.endswith("_max"))
+    sums = torch.zeros(len(mean_names), 2, dtype=torch.float64)
+    maxes = torch.full((len(max_names),), -float("inf"), dtype=torch.float64)
+    for m in metrics:
+        for i, n in enumerate(mean_names):
+            if n in m:
+                sums[i] += m[n].detach().cpu()
+        for i, n in enumerate(max_names):
+            if n in m:
+                maxes[i] = torch.maximum(maxes[i], m[n].detach().cpu().reshape(()))
+    if distributed:
+        device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+        sums, maxes = sums.to(device), maxes.to(device)
+        dist.all_reduce(sums, group=group)
+        dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=group)
+        sums, maxes = sums.cpu(), maxes.cpu()
+    out = {n: float(s / c) if c > 0 else float("nan") for n, (s, c) in zip(mean_names, sums)}
+    out.update({n: float(v) if torch.isfinite(v) else float("nan")
+                for n, v in zip(max_names, maxes)})
+    return out
+
+
+# ------------------------------------------------------------------------------ the losses
+
+
+@dataclass
+class _Batch:
+    logp: Tensor
+    old_logp: Tensor
+    advantages: Tensor
+    valid: Tensor  # bool
+    num_valid: int
+
+
+def _ppo_surrogates(s: PolicyLossSettings, b: _Batch, log_ratio: Tensor
+                    ) -> tuple[Tensor, Tensor, Tensor]:
+    ratio = torch.exp(log_ratio)
+    l1 = -b.advantages * ratio
+    l2 = -b.advantages * torch.clamp(ratio, 1 - s.clip_ratio_low, 1 + s.clip_ratio_high)
+    return l1, l2, ratio
+
+
+def _ppo_clip(s: PolicyLossSettings, b: _Batch, selection: TokenSelection, metrics: dict
+              ) -> Tensor:
+    l1, l2, _ = _ppo_surrogates(s, b, torch.clamp(b.logp - b.old_logp, -20.0, 20.0))
+    loss = torch.maximum(l1, l2)
+    metrics["pg_clipfrac"] = _mean((l2 > l1).double(), b.valid)
+    if s.dual_clip_c is not None:
+        l3 = -b.advantages * s.dual_clip_c
+        negative = b.advantages < 0
+        metrics["pg_clipfrac_lower"] = _mean(((loss > l3) & negative).double(), b.valid)
+        loss = torch.where(negative, torch.minimum(l3, loss), loss)
+    _cov_metrics(metrics, selection.cov, b.valid, None)
+    return loss
+
+
+def _clip_cov(s: PolicyLossSettings, b: _Batch, selection: TokenSelection, metrics: dict
+              ) -> Tensor:
+    l1, l2, _ = _ppo_surrogates(s, b, b.logp - b.old_logp)
+    metrics["pg_clipfrac"] = _mean(((l2 > l1) & b.valid).double(), b.valid)
+    _cov_metrics(metrics, selection.cov, b.valid, selection.selected)
+    # Drawn tokens keep their place in the denominator but pass no gradient.
+    return torch.maximum(l1, l2) * (~selection.selected).to(l1.dtype)
+
+
+def _kl_cov(s: PolicyLossSettings, b: _Batch, selection: TokenSelection, metrics: dict
+            ) -> Tensor:
+    l1, _, _ = _ppo_surrogates(s, b, b.logp - b.old_logp)
+    _cov_metrics(metrics, selection.cov, b.valid, selection.selected)
+    return torch.where(selection.selected, l1 + s.kl_cov_coef * (b.logp - b.old_logp).abs(), l1)
+
+
+def select_tokens_micro_batch(settings: PolicyLossSettings, logp: Tensor, old_logp: Tensor,
+                              advantages: Tensor, mask: Tensor,
+                              generator: Optional[torch.Generator] = None) -> TokenSelection:
+    """The ``micro_batch`` scope: Cov and the chosen tokens inside this [B, S] micro-batch, from
+    ``logp.detach()`` (the paper's code). ppo_clip chooses nothing (Cov is kept for metrics)."""
+    valid = mask.bool()
+    logp, old_logp, advantages = logp.detach(), old_logp.detach(), advantages.detach()
+    cov = cov_ops.token_covariance(logp, advantages, valid)
+    num_valid = int(valid.sum())
+    if settings.loss == "clip_cov":
+        b = _Batch(logp, old_logp, advantages, valid, num_valid)
+        l1, l2, _ = _ppo_surrogates(settings, b, logp - old_logp)
+        candidates = cov_ops.clip_cov_candidates(cov, valid, (l2 > l1) & valid,
+                                                 settings.clip_cov_lb, settings.clip_cov_ub)
+        n = cov_ops.clip_cov_count(settings.clip_cov_ratio, num_valid, int(candidates.sum()))
+        selected = cov_ops.random_subset(candidates, n, generator)
+    elif settings.loss == "kl_cov":
+        selected = cov_ops.top_k_mask(cov, valid,
+                                      cov_ops.kl_cov_count(settings.kl_cov_ratio, num_valid))
+    else:
+        selected = torch.zeros_like(valid)
+    return TokenSelection(selected, cov)
+
+
+def _cov_metrics(metrics: dict, cov: Tensor, valid: Tensor, selected: Optional[Tensor]) -> None:
+    metrics["cov_mean"] = _mean(cov, valid)
+    metrics["cov_max"] = _max(cov, valid)
+    if selected is not None:
+        metrics["selected_frac"] = _mean(selected.double(), valid)
+        metrics["cov_selected_mean"] = _mean(cov, selected & valid)
+        metrics["cov_selected_max"] = _max(cov, selected & valid)
+
+
+POLICY_LOSSES: dict[str, Callable[..., Tensor]] = {
+    "ppo_clip": _ppo_clip,
+    "clip_cov": _clip_cov,
+    "kl_cov": _kl_cov,
+}
+
+
+def _check_inputs(settings: PolicyLossSettings, named: dict[str, Optional[Tensor]],
+                  normalizer: float | Tensor, selection: Optional[TokenSelection]) -> None:
+    shape = named["logp"].shape
+    if len(shape) != 2:
+        raise ValueError(f"logp must be [B, S] (rows = sequences); got shape {tuple(shape)}")
+    for name, t in named.items():
+        if t is not None and t.shape != shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)} but logp has {tuple(shape)}; "
+                             "all per-token inputs must be [B, S]")
+    if selection is not None and (selection.selected.shape != shape or
+                                  selection.cov.shape != shape):
+        raise ValueError(f"selection is for shape {tuple(selection.selected.shape)}, this "
+                         f"micro-batch is {tuple(shape)}")
+    if settings.entropy_coef > 0 and named["entropy"] is None:
+        raise ValueError("entropy_coef > 0 needs the per-token entropy")
+    if settings.kl_coef > 0 and named["ref_logp"] is None:
+        raise ValueError("kl_coef > 0 needs the reference log-probs (ref_logp)")
+    if not float(normalizer) > 0:
+        raise ValueError(f"normalizer must be > 0 (valid tokens or sequences of the whole "
+                         f"optimizer step); got {float(normalizer)}: the step has nothing to train")
+
+
+def _check_values(named: dict[str, Optional[Tensor]], mask: Tensor) -> None:
+    """One host sync for every value problem: a non-0/1 mask or NaN/inf at a valid token."""
+    valid = mask.bool()
+    flags = [((mask != 0) & (mask != 1)).any()]
+    names = [n for n, t in named.items() if t is not None]
+    flags += [(~torch.isfinite(named[n].detach()) & valid).any() for n in names]
+    bad = torch.stack(flags).tolist()
+    if bad[0]:
+        raise ValueError("mask must hold only 0 and 1")
+    wrong = [n for n, b in zip(names, bad[1:]) if b]
+    if wrong:
+        raise ValueError(f"{', '.join(wrong)} contain NaN or inf at valid (mask = 1) tokens")
+
+
+def policy_loss(settings: PolicyLossSettings, logp: Tensor, old_logp: Tensor, advantages: Tensor,
+                mask: Tensor, *, normalizer: float | Tensor, entropy: Optional[Tensor] = None,
+                ref_logp: Optional[Tensor] = None, selection: Optional[TokenSelection] = None,
+                generator: Optional[torch.Generator] = None,
+                dp_group: Optional[dist.ProcessGroup] = None) -> tuple[Tensor, dict[str, Tensor]]:
+    """This micro-batch's loss (already divided by the step's ``normalizer``) and its metrics.
+
+    logp (with grad), old_logp, advantages (broadcast over each row's tokens), mask (float 0/1),
+    entropy, ref_logp: [B, S]. ``selection`` (global scope) comes from ``select_tokens_global``;
+    None selects inside this micro-batch. ``generator`` drives Clip-Cov's draw (None: torch's
+    global RNG, as the paper's code); every TP rank must pass an identically seeded one.
+    ``dp_group`` is unused by the loss itself (all cross-rank work is in the normalizer and in
+    ``select_tokens_global``); it is accepted so callers can pass their layout uniformly.
+
+    An all-masked micro-batch gives a loss of exactly 0 that is still connected to ``logp`` (and
+    ``entropy``), so backward runs and every rank joins the gradient collectives.
+    """
+    named = {"logp": logp, "old_logp": old_logp, "advantages": advantages, "mask": mask,
+             "entropy": entropy, "ref_logp": ref_logp}
+    _check_inputs(settings, named, normalizer, selection)
+    _check_values({k: v for k, v in named.items() if k != "mask"}, mask)
+
+    valid = mask.bool()
+    batch = _Batch(logp, old_logp.detach(), advantages.detach(), valid, int(valid.sum()))
+    metrics: dict[str, Tensor] = {}
+    if selection is None:
+        selection = select_tokens_micro_batch(settings, logp, old_logp, advantages, mask,
+                                              generator)
+    pg = POLICY_LOSSES[settings.loss](settings, batch, selection, metrics)
+    mode = settings.loss_agg_mode
+    loss = aggregate(pg, mask, mode, normalizer)
+    metrics["pg_loss"] = _mean(pg, valid)
+    metrics["ppo_kl"] = _mean(batch.old_logp - logp, valid)
+    metrics["ppo_kl_abs"] = _mean((logp - batch.old_logp).abs(), valid)
+    if entropy is not None:
+        metrics["entropy"] = _mean(entropy, valid)
+        rows = valid.any(dim=-1)
+        per_seq = torch.where(valid, entropy.detach().double(), 0).sum(-1) / \
+            valid.sum(-1).clamp(min=1)
+        metrics["entropy_seq_mean"] = torch.stack([per_seq[rows].sum(), rows.sum().double()])
+        if settings.entropy_coef > 0:
+            loss = loss - settings.entropy_coef * aggregate(entropy, mask, mode, normalizer)
+    if ref_logp is not None:
+        kl = kl_penalty(logp, ref_logp.detach(), settings.kl_type)
+        metrics["kl_ref"] = _mean(kl, valid)
+        if settings.kl_coef > 0:
+            loss = loss + settings.kl_coef * aggregate(kl, mask, mode, normalizer)
+    return loss, metrics
+
+
+# ------------------------------------------------------------------------------ global scope
+
+
+def select_tokens_global(settings: PolicyLossSettings, select_logps: Sequence[Tensor],
+                         old_logps: Sequence[Tensor], advantages: Sequence[Tensor],
+                         masks: Sequence[Tensor], *, dp_group: Optional[dist.ProcessGroup],
+                         seed: int) -> list[TokenSelection]:
+    """Clip-Cov/KL-Cov selections for the ``global`` scope, one per micro-batch of this rank.
+
+    Call once per optimizer step on every DP rank with that rank's micro-batches ([B_i, S_i]
+    tensors, in the order the loss will see them). ``select_logps`` are the log-probs that choose
+    (see the module docstring: recompute or fresh). The result equals the micro-batch-scope rule
+    applied by one process to the concatenation of all ranks' micro-batches (rank, micro-batch,
+    row, column order), with Clip-Cov's draw taken from ``torch.Generator().manual_seed(seed)``.
+    Collectives: 2 all-gathers (Clip-Cov) or 3 (KL-Cov), tiny.
+    """
+    if not (len(select_logps) == len(old_logps) == len(advantages) == len(masks)):
+        raise ValueError("select_logps, old_logps, advantages and masks must list the same "
+                         "micro-batches")
+    for i, (lp, old, adv, m) in enumerate(zip(select_logps, old_logps, advantages, masks)):
+        if not lp.shape == old.shape == adv.shape == m.shape:
+            raise ValueError(f"micro-batch {i}: select_logps {tuple(lp.shape)}, old_logps "
+                             f"{tuple(old.shape)}, advantages {tuple(adv.shape)} and masks "
+                             f"{tuple(m.shape)} must have one [B, S] shape")
+    mean_lp, mean_adv, num_valid = cov_ops.global_population_means(select_logps, advantages,
+                                                                   masks, dp_group)
+    covs = [cov_ops.token_covariance(lp, adv, m, mean_lp, mean_adv)
+            for lp, adv, m in zip(select_logps, advantages, masks)]
+    if settings.loss == "clip_cov":
+        candidates = []
+        for lp, old, adv, m, cov in zip(select_logps, old_logps, advantages, masks, covs):
+            b = _Batch(lp.detach(), old.detach(), adv.detach(), m.bool(), 0)
+            l1, l2, _ = _ppo_surrogates(settings, b, b.logp - b.old_logp)
+            candidates.append(cov_ops.clip_cov_candidates(
+                cov, m, (l2 > l1) & b.valid, settings.clip_cov_lb, settings.clip_cov_ub))
+        generator = torch.Generator().manual_seed(seed)
+        selected = cov_ops.global_random_subset(candidates, settings.clip_cov_ratio, num_valid,
+                                                generator, dp_group)
+    elif settings.loss == "kl_cov":
+        k = cov_ops.kl_cov_count(settings.kl_cov_ratio, num_valid)
+        selected = cov_ops.global_top_k(covs, masks, k, dp_group)
+    else:  # ppo_clip selects nothing; the global Cov still feeds its metrics
+        selected = [torch.zeros_like(m, dtype=torch.bool) for m in masks]
+    return [TokenSelection(sel, cov) for sel, cov in zip(selected, covs)]

@@ -1,0 +1,330 @@
+"""Log-probability of the target and full-vocabulary entropy from vocab-parallel logits.
+
+Under tensor parallelism each rank holds the logits of one vocab shard, columns
+``[rank * V_local, (rank + 1) * V_local)`` of the padded vocabulary. Per token, a rank reduces its
+shard to four numbers (tempered logits z = logits / temperature):
+
+    m_r = max_j z_j                      s_r = sum_j exp(z_j - m_r)
+    u_r = sum_j exp(z_j - m_r)(z_j - m_r)   t_r = z_target if the target is in the shard, else 0
+
+and those merge exactly by log-sum-exp (M = max_r m_r, w_r = s_r exp(m_r - M), S = sum_r w_r):
+
+    log Z = M + log S        log p(target) = sum_r t_r - log Z
+    H = log Z - E_p[z] = log S - sum_r exp(m_r - M) (u_r + s_r (m_r - M)) / S
+
+Every term of H is relative to a maximum, so large logits lose no precision to cancellation. So
+the forward needs ONE collective, an all-gather of the packed [T, 4] statistics, and the backward
+none: d log p / dz = onehot - p and dH/dz = -p (log p + H) only need this rank's logits and the
+per-token log Z and H saved from the forward.
+
+Both functions work token-chunk by token-chunk so that no [T, V_local] temporary beyond one chunk
+is alive; the fused variant computes each chunk's logits from the final hidden states and the
+output-layer shard and recomputes them in the backward, so the full logits never exist.
+
+Columns at or beyond ``vocab_size`` (the padding of the vocabulary to a multiple of 128) are never
+read: they are a suffix of the padded vocabulary, so each rank simply uses a prefix of its shard.
+Statistics are computed in float32 (float64 for float64 inputs) whatever the input dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+__all__ = ["vocab_parallel_logprob_entropy", "fused_linear_logprob_entropy"]
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _group_layout(group: Optional[dist.ProcessGroup]) -> tuple[int, int]:
+    if group is None or not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _real_columns(vocab_size: Optional[int], local_vocab: int, rank: int, world: int) -> int:
+    """How many leading columns of this rank's shard are real vocabulary (not padding)."""
+    if vocab_size is None:
+        return local_vocab
+    if not 0 < vocab_size <= local_vocab * world:
+        raise ValueError(f"vocab_size={vocab_size} must be in [1, {local_vocab * world}] "
+                         f"(shards of {local_vocab} columns on {world} rank(s))")
+    return max(0, min(local_vocab, vocab_size - rank * local_vocab))
+
+
+def _shard_stats(z: Tensor, local_targets: Tensor, owned: Tensor, inv_t: float,
+                 cdtype: torch.dtype, out: Tensor) -> None:
+    """Write [m, s, u, t] of one chunk of raw logits z [c, n_real] into ``out`` [c, 4]."""
+    if z.shape[1] == 0:  # a shard made only of padding contributes nothing
+        out.zero_()
+        out[:, 0] = -float("inf")
+        return
+    m_raw = z.amax(dim=1, keepdim=True)
+    d = z - m_raw.to(cdtype)  # promotes to cdtype: the only full-size fp32 copy of the chunk
+    if inv_t != 1.0:
+        d.mul_(inv_t)
+    e = torch.exp(d)
+    out[:, 0] = m_raw.squeeze(1).to(cdtype) * inv_t
+    out[:, 1] = e.sum(dim=1)
+    out[:, 2] = e.mul_(d).sum(dim=1)
+    picked = z.gather(1, local_targets.clamp(0, z.shape[1] - 1).unsqueeze(1)).squeeze(1)
+    out[:, 3] = torch.where(owned, picked.to(cdtype) * inv_t, 0.0)
+
+
+def _merge_stats(stats: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """[world, T, 4] per-rank statistics -> (log p(target), entropy, log Z), each [T].
+
+    The same arithmetic in the same rank order on every rank, so all ranks get identical bits.
+    """
+    m, s, u, t = stats.unbind(dim=-1)
+    big_m = m.amax(dim=0)
+    shift = m - big_m
+    w = torch.exp(shift)  # 0 for a padding-only shard (m = -inf)
+    shift = torch.where(w > 0, shift, 0.0)
+    total = (s * w).sum(dim=0)
+    log_total = torch.log(total)
+    entropy = log_total - (w * (u + s * shift)).sum(dim=0) / total
+    log_z = big_m + log_total
+    return t.sum(dim=0) - log_z, entropy, log_z
+
+
+def _gather_stats(local: Tensor, group: Optional[dist.ProcessGroup], world: int) -> Tensor:
+    if world == 1:
+        return local.unsqueeze(0)
+    out = local.new_empty((world * local.shape[0],) + tuple(local.shape[1:]))
+    dist.all_gather_into_tensor(out, local.contiguous(), group=group)
+    return out.view((world,) + tuple(local.shape))
+
+
+def _check_outputs(logp: Tensor, entropy: Tensor, targets: Tensor,
+                   vocab_size: int, what: str) -> None:
+    """One host sync for every input problem that only shows in values."""
+    bad_target = (targets < 0).any() | (targets >= vocab_size).any()
+    bad_value = ~(torch.isfinite(logp).all() & torch.isfinite(entropy).all())
+    flags = torch.stack([bad_target, bad_value]).tolist()
+    if flags[0]:
+        lo, hi = int(targets.min()), int(targets.max())
+        raise ValueError(f"targets must be token ids in [0, {vocab_size}); got ids in [{lo}, {hi}]")
+    if flags[1]:
+        raise ValueError(f"{what} contain NaN or inf in the real vocabulary: log-probs/entropies "
+                         "are not finite")
+
+
+def _grad_chunk(z: Tensor, log_z: Tensor, entropy: Tensor, g_logp: Optional[Tensor],
+                g_ent: Optional[Tensor], local_targets: Tensor, owned: Tensor, inv_t: float,
+                cdtype: torch.dtype) -> Tensor:
+    """d loss / d raw logits of one chunk [c, n_real], in cdtype.
+
+    With log p_j = z_j - log Z:  d/dz_j = g_logp (onehot_j - p_j) - g_ent p_j (log p_j + H).
+    """
+    lp = z.to(cdtype, copy=True)
+    if inv_t != 1.0:
+        lp.mul_(inv_t)
+    lp.sub_(log_z.unsqueeze(1))
+    p = torch.exp(lp)
+    coef = g_logp.unsqueeze(1) if g_logp is not None else None
+    if g_ent is not None:
+        lp.add_(entropy.unsqueeze(1)).mul_(g_ent.unsqueeze(1))
+        if coef is not None:
+            lp.add_(coef)
+        grad = lp.mul_(p).neg_()
+    else:
+        grad = p.mul_(coef).neg_()
+    if g_logp is not None:
+        rows = owned.nonzero().squeeze(1)
+        grad[rows, local_targets[rows]] += g_logp[rows]
+    if inv_t != 1.0:
+        grad.mul_(inv_t)
+    return grad
+
+
+class _VocabParallelLogprobEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: Tensor, targets: Tensor, vocab_size: Optional[int], group,
+                temperature: float, chunk_tokens: int):
+        rank, world = _group_layout(group)
+        num_tokens, local_vocab = logits.shape
+        n_real = _real_columns(vocab_size, local_vocab, rank, world)
+        vocab = vocab_size if vocab_size is not None else local_vocab * world
+        cdtype = _compute_dtype(logits.dtype)
+        inv_t = 1.0 / temperature
+        local_targets = targets - rank * local_vocab
+        owned = (local_targets >= 0) & (local_targets < n_real)
+
+        stats = torch.empty(num_tokens, 4, dtype=cdtype, device=logits.device)
+        for c0 in range(0, num_tokens, chunk_tokens):
+            c1 = min(c0 + chunk_tokens, num_tokens)
+            _shard_stats(logits[c0:c1, :n_real], local_targets[c0:c1], owned[c0:c1], inv_t,
+                         cdtype, stats[c0:c1])
+        if num_tokens == 0:  # every TP rank holds the same (no) tokens: nothing to exchange
+            empty = stats.new_empty(0)
+            return empty, empty.clone()
+        logp, entropy, log_z = _merge_stats(_gather_stats(stats, group, world))
+        _check_outputs(logp, entropy, targets, vocab, "logits")
+
+        ctx.save_for_backward(logits, local_targets, owned, log_z, entropy)
+        ctx.n_real, ctx.inv_t, ctx.chunk_tokens, ctx.cdtype = n_real, inv_t, chunk_tokens, cdtype
+        ctx.set_materialize_grads(False)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, g_logp: Optional[Tensor], g_ent: Optional[Tensor]):
+        logits, local_targets, owned, log_z, entropy = ctx.saved_tensors
+        grad = torch.empty_like(logits)
+        grad[:, ctx.n_real:] = 0  # padding columns
+        if g_logp is None and g_ent is None:
+            grad.zero_()
+            return grad, None, None, None, None, None
+        n_real, step = ctx.n_real, ctx.chunk_tokens
+        for c0 in range(0, logits.shape[0], step):
+            c1 = min(c0 + step, logits.shape[0])
+            if n_real == 0:
+                break
+            sl = slice(c0, c1)
+            grad[sl, :n_real] = _grad_chunk(
+                logits[sl, :n_real], log_z[sl], entropy[sl],
+                None if g_logp is None else g_logp[sl], None if g_ent is None else g_ent[sl],
+                local_targets[sl], owned[sl], ctx.inv_t, ctx.cdtype)
+        return grad, None, None, None, None, None
+
+
+class _FusedLinearLogprobEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, vocab_size: Optional[int],
+                group, temperature: float, chunk_tokens: int):
+        rank, world = _group_layout(group)
+        num_tokens = hidden.shape[0]
+        local_vocab = weight.shape[0]
+        n_real = _real_columns(vocab_size, local_vocab, rank, world)
+        vocab = vocab_size if vocab_size is not None else local_vocab * world
+        cdtype = _compute_dtype(hidden.dtype)
+        inv_t = 1.0 / temperature
+        local_targets = targets - rank * local_vocab
+        owned = (local_targets >= 0) & (local_targets < n_real)
+        w = weight[:n_real]
+
+        stats = torch.empty(num_tokens, 4, dtype=cdtype, device=hidden.device)
+        for c0 in range(0, num_tokens, chunk_tokens):
+            c1 = min(c0 + chunk_tokens, num_tokens)
+            # The chunk's logits exactly as the output layer would produce them (input dtype).
+            z = hidden[c0:c1] @ w.t()
+            _shard_stats(z, local_targets[c0:c1], owned[c0:c1], inv_t, cdtype, stats[c0:c1])
+            del z
+        if num_tokens == 0:
+            empty = stats.new_empty(0)
+            return empty, empty.clone()
+        logp, entropy, log_z = _merge_stats(_gather_stats(stats, group, world))
+        _check_outputs(logp, entropy, targets, vocab, "logits (hidden @ weight.T)")
+
+        ctx.save_for_backward(hidden, weight, local_targets, owned, log_z, entropy)
+        ctx.n_real, ctx.inv_t, ctx.chunk_tokens, ctx.cdtype = n_real, inv_t, chunk_tokens, cdtype
+        ctx.set_materialize_grads(False)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, g_logp: Optional[Tensor], g_ent: Optional[Tensor]):
+        hidden, weight, local_targets, owned, log_z, entropy = ctx.saved_tensors
+        n_real, step = ctx.n_real, ctx.chunk_tokens
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_h = torch.zeros_like(hidden) if need_h else None
+        grad_w = torch.zeros_like(weight) if need_w else None
+        if (g_logp is None and g_ent is None) or n_real == 0:
+            return grad_h, grad_w, None, None, None, None, None
+        w = weight[:n_real]
+        # Low-precision weight grads accumulate over chunks in fp32 (one rounding at the end,
+        # as Megatron's single full-batch GEMM would have).
+        acc_w = None
+        if need_w:
+            acc_w = grad_w[:n_real] if weight.dtype == ctx.cdtype else \
+                torch.zeros(w.shape, dtype=ctx.cdtype, device=w.device)
+        for c0 in range(0, hidden.shape[0], step):
+            c1 = min(c0 + step, hidden.shape[0])
+            sl = slice(c0, c1)
+            h = hidden[sl]
+            gz = _grad_chunk(h @ w.t(), log_z[sl], entropy[sl],
+                             None if g_logp is None else g_logp[sl],
+                             None if g_ent is None else g_ent[sl],
+                             local_targets[sl], owned[sl], ctx.inv_t, ctx.cdtype)
+            gz = gz.to(hidden.dtype)
+            if need_h:
+                torch.mm(gz, w, out=grad_h[sl])
+            if need_w:
+                if acc_w.dtype == gz.dtype:
+                    acc_w.addmm_(gz.t(), h)
+                else:
+                    acc_w.add_(gz.t() @ h)
+            del gz
+        if need_w and acc_w.data_ptr() != grad_w.data_ptr():
+            grad_w[:n_real] = acc_w
+        return grad_h, grad_w, None, None, None, None, None
+
+
+def _check_common(num_tokens: int, targets: Tensor, temperature: float, chunk_tokens: int) -> None:
+    if targets.dim() != 1 or targets.shape[0] != num_tokens:
+        raise ValueError(f"targets must have shape [{num_tokens}] (one id per token); "
+                         f"got {tuple(targets.shape)}")
+    if targets.dtype.is_floating_point or targets.dtype == torch.bool:
+        raise ValueError(f"targets must be integer token ids; got dtype {targets.dtype}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0; got {temperature}")
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1; got {chunk_tokens}")
+
+
+def vocab_parallel_logprob_entropy(logits: Tensor, targets: Tensor, *,
+                                   vocab_size: Optional[int] = None,
+                                   group: Optional[dist.ProcessGroup] = None,
+                                   temperature: float = 1.0,
+                                   chunk_tokens: int = 1024) -> tuple[Tensor, Tensor]:
+    """Log-prob of each target and entropy of each position, from this rank's vocab shard.
+
+    logits: [T, V_local], any float dtype; rank r of ``group`` holds columns
+        [r * V_local, (r + 1) * V_local) of the padded vocabulary.
+    targets: [T] global token ids (the same on every rank of the group).
+    vocab_size: the real vocabulary; columns >= it are padding and are ignored.
+    group: the tensor-parallel group; None (or size 1) means the whole vocab is here.
+    Returns (logp [T], entropy [T]) of softmax(logits / temperature), float32 (float64 for
+    float64 logits), identical on every rank and differentiable w.r.t. ``logits``.
+    One all-gather in the forward, no collective in the backward.
+    """
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [tokens, local_vocab]; got shape {tuple(logits.shape)}")
+    if not logits.dtype.is_floating_point:
+        raise ValueError(f"logits must be floating point; got dtype {logits.dtype}")
+    _check_common(logits.shape[0], targets, temperature, chunk_tokens)
+    return _VocabParallelLogprobEntropy.apply(logits, targets, vocab_size, group,
+                                              float(temperature), int(chunk_tokens))
+
+
+def fused_linear_logprob_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, *,
+                                 vocab_size: Optional[int] = None,
+                                 group: Optional[dist.ProcessGroup] = None,
+                                 temperature: float = 1.0,
+                                 chunk_tokens: int = 1024) -> tuple[Tensor, Tensor]:
+    """Same as ``vocab_parallel_logprob_entropy(hidden @ weight.T, ...)`` without the logits.
+
+    hidden: [T, H] final hidden states (after the final norm); weight: [V_local, H] this rank's
+    output-layer shard, same dtype. Logits exist one chunk at a time and are recomputed in the
+    backward; gradients flow to ``hidden`` and ``weight``.
+
+    Under TP the gradient w.r.t. ``hidden`` is this rank's partial sum (its vocab shard only),
+    exactly what a column-parallel layer's GEMM yields: the caller reduces it over TP the way
+    Megatron's output layer does (see ``models.output_head``), outside this op.
+    """
+    if hidden.dim() != 2 or weight.dim() != 2:
+        raise ValueError(f"hidden must be [tokens, hidden] and weight [local_vocab, hidden]; got "
+                         f"{tuple(hidden.shape)} and {tuple(weight.shape)}")
+    if hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"hidden size mismatch: hidden {tuple(hidden.shape)} vs weight "
+                         f"{tuple(weight.shape)}")
+    if hidden.dtype != weight.dtype or not hidden.dtype.is_floating_point:
+        raise ValueError(f"hidden and weight must share one float dtype; got {hidden.dtype} and "
+                         f"{weight.dtype}")
+    _check_common(hidden.shape[0], targets, temperature, chunk_tokens)
+    return _FusedLinearLogprobEntropy.apply(hidden, weight, targets, vocab_size, group,
+                                            float(temperature), int(chunk_tokens))
