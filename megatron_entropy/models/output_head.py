@@ -35,15 +35,35 @@ def output_layer_weight(model: torch.nn.Module) -> Tensor:
     return gpt.output_layer.weight
 
 
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the gradient contiguous.
+
+    GPTModel transposes its output to [B, S, ...], so the gradient arriving here is a transposed
+    view; Megatron's TP all-reduce (``_reduce``) reduces ``grad.contiguous()`` in place and would
+    silently drop the reduction on such a view. (Its own output layer never sees one: the GEMM's
+    input gradient is contiguous.)
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        return grad.contiguous()
+
+
 def _to_output_region(layer: torch.nn.Module, hidden: Tensor) -> Tensor:
     from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
                                                         gather_from_sequence_parallel_region)
 
     group = getattr(layer, "tp_group", None)
     if getattr(layer, "sequence_parallel", False):
-        return gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True,
-                                                    group=group)
-    return copy_to_tensor_model_parallel_region(hidden, group=group)
+        out = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True,
+                                                   group=group)
+    else:
+        out = copy_to_tensor_model_parallel_region(hidden, group=group)
+    return _ContiguousGrad.apply(out)
 
 
 @contextmanager
