@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import os
 import shutil
+import struct
 import tempfile
 from pathlib import Path
-from typing import Iterable, Iterator, Optional, Union
+from typing import IO, Iterable, Iterator, Optional, Sequence, Union
 
 import torch
 
@@ -29,43 +32,84 @@ def copy_hf_metadata(src_dir: Union[str, Path], out_dir: Union[str, Path]) -> li
     return copied
 
 
+def temp_sibling(out_dir: Path) -> Path:
+    """An empty folder beside ``out_dir`` to write into and rename, with the permissions a plain
+    mkdir would give (mkdtemp's 0700 would outlive the rename)."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)
+    return tmp
+
+
+# (name, shape, dtype) of one tensor a writer will receive, known before any data exists.
+TensorSpec = tuple[str, Sequence[int], torch.dtype]
+
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+                       torch.float64: "F64", torch.int64: "I64", torch.int32: "I32",
+                       torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+def _nbytes(spec: TensorSpec) -> int:
+    _, shape, dtype = spec
+    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+
+
+class _SafetensorsStream:
+    """One safetensors file written tensor by tensor: the header comes first, computed from the
+    specs, so no tensor has to be held after it is written."""
+
+    def __init__(self, path: Path, specs: list[TensorSpec]) -> None:
+        header: dict = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        for spec in specs:
+            name, shape, dtype = spec
+            size = _nbytes(spec)
+            header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape),
+                            "data_offsets": [offset, offset + size]}
+            offset += size
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # the format pads the header to 8 bytes with spaces
+        self.specs = specs
+        self.written = 0
+        self.file: IO[bytes] = open(path, "wb")
+        self.file.write(struct.pack("<Q", len(raw)) + raw)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        want_name, shape, dtype = self.specs[self.written]
+        if name != want_name or tuple(tensor.shape) != tuple(shape):
+            raise ValueError(f"tensor stream out of order: got {name} {tuple(tensor.shape)}, "
+                             f"expected {want_name} {tuple(shape)}")
+        t = tensor.detach().to("cpu", dtype=dtype).contiguous().reshape(-1)
+        self.file.write(t.view(torch.uint8).numpy().data)
+        self.written += 1
+
+    def close(self) -> None:
+        self.file.close()
+
+
 def save_hf_weights(named_tensors: Iterable[tuple[str, torch.Tensor]], out_dir: Union[str, Path],
                     metadata_from: Optional[Union[str, Path]] = None,
                     max_shard_bytes: int = 5 * 1024**3,
-                    dtype: Optional[torch.dtype] = None) -> dict[str, float]:
+                    dtype: Optional[torch.dtype] = None,
+                    specs: Optional[Sequence[TensorSpec]] = None) -> dict[str, float]:
     """Stream tensors into sharded ``model-0000i-of-0000n.safetensors`` files plus an index.
 
-    At most one shard is held in memory. The folder appears complete or not at all: it is written
-    under a temporary name and renamed. Returns {"tensors", "bytes", "shards"}.
+    Without ``specs`` at most one shard is held in memory. With ``specs`` (every tensor's name,
+    shape and dtype, in the order they will arrive) the shards are planned up front and each tensor
+    goes to disk as it arrives, so only one tensor is held; a tensor that does not match its spec
+    raises. The folder appears complete or not at all: it is written under a temporary name and
+    renamed. Returns {"tensors", "bytes", "shards"}.
     """
-    from safetensors.torch import save_file
-
     out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    shard: dict[str, torch.Tensor] = {}
-    shard_bytes = 0
-    shard_names: list[list[str]] = []
-    total_bytes = 0
-
-    def flush() -> None:
-        nonlocal shard, shard_bytes
-        if shard:
-            save_file(shard, str(tmp / f"shard-{len(shard_names):05d}.safetensors"),
-                      metadata={"format": "pt"})
-            shard_names.append(list(shard))
-            shard, shard_bytes = {}, 0
-
+    tmp = temp_sibling(out_dir)
     try:
-        for name, tensor in named_tensors:
-            t = tensor.detach().to("cpu", dtype=dtype or tensor.dtype).contiguous()
-            size = t.numel() * t.element_size()
-            if shard and shard_bytes + size > max_shard_bytes:
-                flush()
-            shard[name] = t
-            shard_bytes += size
-            total_bytes += size
-        flush()
+        if specs is None:
+            shard_names, total_bytes = _write_buffered(named_tensors, tmp, max_shard_bytes, dtype)
+        else:
+            shard_names, total_bytes = _write_streamed(named_tensors, tmp, max_shard_bytes,
+                                                       list(specs))
         n = len(shard_names)
         weight_map = {}
         for i, names in enumerate(shard_names):
@@ -86,6 +130,65 @@ def save_hf_weights(named_tensors: Iterable[tuple[str, torch.Tensor]], out_dir: 
     return {"tensors": float(len(weight_map)), "bytes": float(total_bytes), "shards": float(n)}
 
 
+def _write_buffered(named_tensors: Iterable[tuple[str, torch.Tensor]], tmp: Path,
+                    max_shard_bytes: int, dtype: Optional[torch.dtype]
+                    ) -> tuple[list[list[str]], int]:
+    from safetensors.torch import save_file
+
+    shard: dict[str, torch.Tensor] = {}
+    shard_bytes = 0
+    shard_names: list[list[str]] = []
+    total_bytes = 0
+
+    def flush() -> None:
+        nonlocal shard, shard_bytes
+        if shard:
+            save_file(shard, str(tmp / f"shard-{len(shard_names):05d}.safetensors"),
+                      metadata={"format": "pt"})
+            shard_names.append(list(shard))
+            shard, shard_bytes = {}, 0
+
+    for name, tensor in named_tensors:
+        t = tensor.detach().to("cpu", dtype=dtype or tensor.dtype).contiguous()
+        size = t.numel() * t.element_size()
+        if shard and shard_bytes + size > max_shard_bytes:
+            flush()
+        shard[name] = t
+        shard_bytes += size
+        total_bytes += size
+    flush()
+    return shard_names, total_bytes
+
+
+def _write_streamed(named_tensors: Iterable[tuple[str, torch.Tensor]], tmp: Path,
+                    max_shard_bytes: int, specs: list[TensorSpec]
+                    ) -> tuple[list[list[str]], int]:
+    shards: list[list[TensorSpec]] = [[]]
+    shard_bytes = 0
+    for spec in specs:
+        if shards[-1] and shard_bytes + _nbytes(spec) > max_shard_bytes:
+            shards.append([])
+            shard_bytes = 0
+        shards[-1].append(spec)
+        shard_bytes += _nbytes(spec)
+    tensors = iter(named_tensors)
+    for i, shard in enumerate(shards):
+        stream = _SafetensorsStream(tmp / f"shard-{i:05d}.safetensors", shard)
+        try:
+            for _ in shard:
+                item = next(tensors, None)
+                if item is None:
+                    raise ValueError(f"tensor stream ended early: expected "
+                                     f"{shard[stream.written][0]}")
+                stream.write(*item)
+        finally:
+            stream.close()
+    extra = next(tensors, None)
+    if extra is not None:
+        raise ValueError(f"tensor stream has more tensors than its specs, e.g. {extra[0]}")
+    return [[name for name, _, _ in shard] for shard in shards], sum(map(_nbytes, specs))
+
+
 def hf_weight_files(hf_dir: Union[str, Path]) -> dict[str, Path]:
     """Tensor name -> safetensors file, from the index or the single file; clear error if absent."""
     hf_dir = Path(hf_dir)
@@ -99,10 +202,18 @@ def hf_weight_files(hf_dir: Union[str, Path]) -> dict[str, Path]:
         return files
     single = hf_dir / "model.safetensors"
     if single.is_file():
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
-        with safe_open(str(single), "pt") as f:
-            return {name: single for name in f.keys()}
+        try:
+            with safe_open(str(single), "pt") as f:
+                return {name: single for name in f.keys()}
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"{single} is not a complete safetensors file ({e}); it is "
+                             "truncated or corrupt") from None
+    shards = sorted(p.name for p in hf_dir.glob("*.safetensors"))
+    if shards:
+        raise FileNotFoundError(f"{str(hf_dir)!r} has {len(shards)} safetensors shards "
+                                f"({shards[0]}, ...) but no model.safetensors.index.json")
     raise FileNotFoundError(f"no safetensors weights in {str(hf_dir)!r} (expected model.safetensors "
                             "or model.safetensors.index.json)")
 
@@ -124,3 +235,24 @@ def iter_hf_tensors(hf_dir: Union[str, Path], names: Optional[Iterable[str]] = N
         with safe_open(str(path), "pt") as f:
             for n in file_names:
                 yield n, f.get_tensor(n)
+
+
+@contextlib.contextmanager
+def open_hf_slices(files: dict[str, Path], names: Sequence[str]) -> Iterator[list]:
+    """Lazy handles (``safetensors`` slices: ``.get_shape()``, ``[a:b]``, ``[:, a:b]``) on the named
+    tensors; only the rows/columns indexed are read. Files are opened for the ``with`` block
+    only, so their memory maps (which count as resident memory once read) do not pile up."""
+    from safetensors import SafetensorError, safe_open
+
+    missing = [n for n in names if n not in files]
+    if missing:
+        raise KeyError(f"no tensor named {missing[0]!r} in the checkpoint's safetensors files")
+    with contextlib.ExitStack() as stack:
+        handles = {}
+        for path in dict.fromkeys(files[n] for n in names):
+            try:
+                handles[path] = stack.enter_context(safe_open(str(path), "pt"))
+            except (SafetensorError, OSError) as e:
+                raise ValueError(f"{path} is not a complete safetensors file ({e}); the shard is "
+                                 "truncated or corrupt") from None
+        yield [handles[files[n]].get_slice(n) for n in names]

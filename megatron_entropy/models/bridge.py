@@ -1,0 +1,324 @@
+"""The one Hugging Face <-> Megatron-Core weight mapping.
+
+Used by the checkpoint tools (tools/), by the trainer to start from HF weights and by the rollout
+weight sync. Megatron names are *global* (``decoder.layers.{i}`` counts layers over all pipeline
+stages, see models/sharding.py). Both layer specs are covered: the local spec keeps a layer's two
+norms as modules (``input_layernorm``, ``pre_mlp_layernorm``); Transformer Engine fuses them into
+the linear that follows (``linear_qkv.layer_norm_weight``, ``linear_fc1.layer_norm_weight``), and
+Megatron's dist checkpoints always use the Transformer-Engine names.
+
+Layout facts:
+- ``linear_qkv`` holds, for each query group g, the rows [q heads of g; k_g; v_g]; HF keeps
+  ``q_proj``, ``k_proj``, ``v_proj`` apart (same for the biases of Qwen2);
+- ``linear_fc1`` holds [gate; up] (HF ``gate_proj``, ``up_proj``);
+- the embedding and output layer have ``arch.padded_vocab_size`` rows: the rows past the real
+  vocabulary are zero on import and dropped on export;
+- tied embeddings: HF stores only ``model.embed_tokens.weight``; with PP > 1 Megatron's last stage
+  keeps a copy of it as ``output_layer.weight``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Literal, Optional, Sequence, Union
+
+import torch
+
+from megatron_entropy.models.arch import ModelArch
+from megatron_entropy.models.hf_io import TensorSpec, hf_weight_files, open_hf_slices
+from megatron_entropy.models.sharding import _unwrap, layer_offset, tp_gather, to_global_name
+
+Kind = Literal["copy", "qkv", "glu", "vocab"]
+
+
+@dataclass(frozen=True)
+class WeightMap:
+    """One Megatron parameter and the HF tensors it is made of (in the order ``kind`` uses)."""
+
+    megatron: str
+    hf: tuple[str, ...]
+    kind: Kind
+
+
+_LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_HF_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+
+# Layer-relative Megatron name -> (layer-relative HF names, kind). Local and TE names both appear.
+_LAYER_RULES: dict[str, tuple[tuple[str, ...], Kind]] = {
+    "input_layernorm.weight": (("input_layernorm.weight",), "copy"),
+    "self_attention.linear_qkv.layer_norm_weight": (("input_layernorm.weight",), "copy"),
+    "self_attention.linear_qkv.weight": (tuple(f"{p}.weight" for p in _QKV), "qkv"),
+    "self_attention.linear_qkv.bias": (tuple(f"{p}.bias" for p in _QKV), "qkv"),
+    "self_attention.q_layernorm.weight": (("self_attn.q_norm.weight",), "copy"),
+    "self_attention.k_layernorm.weight": (("self_attn.k_norm.weight",), "copy"),
+    "self_attention.linear_proj.weight": (("self_attn.o_proj.weight",), "copy"),
+    "pre_mlp_layernorm.weight": (("post_attention_layernorm.weight",), "copy"),
+    "mlp.linear_fc1.layer_norm_weight": (("post_attention_layernorm.weight",), "copy"),
+    "mlp.linear_fc1.weight": (("mlp.gate_proj.weight", "mlp.up_proj.weight"), "glu"),
+    "mlp.linear_fc2.weight": (("mlp.down_proj.weight",), "copy"),
+}
+
+# HF tensors that are not weights (older checkpoints store the rotary table).
+_IGNORED_HF = re.compile(r".*\.rotary_emb\.inv_freq$")
+
+
+def weight_map(name: str, arch: ModelArch) -> WeightMap:
+    """The HF tensors of one global Megatron parameter name (local or TE spec)."""
+    if name == "embedding.word_embeddings.weight":
+        return WeightMap(name, ("model.embed_tokens.weight",), "vocab")
+    if name == "output_layer.weight":
+        hf = "model.embed_tokens.weight" if arch.tie_word_embeddings else "lm_head.weight"
+        return WeightMap(name, (hf,), "vocab")
+    if name == "decoder.final_layernorm.weight":
+        return WeightMap(name, ("model.norm.weight",), "copy")
+    m = _LAYER_RE.match(name)
+    if m and m.group(2) in _LAYER_RULES:
+        hf, kind = _LAYER_RULES[m.group(2)]
+        return WeightMap(name, tuple(f"model.layers.{m.group(1)}.{h}" for h in hf), kind)
+    raise KeyError(f"Megatron parameter {name!r} has no Hugging Face counterpart "
+                   f"({arch.architecture} mapping)")
+
+
+def layer_param_names(arch: ModelArch, te_names: bool = False) -> list[str]:
+    """Layer-relative Megatron parameter names of one transformer layer, in Megatron's order."""
+    names = ["self_attention.linear_qkv.layer_norm_weight" if te_names
+             else "input_layernorm.weight",
+             "self_attention.linear_proj.weight", "self_attention.linear_qkv.weight"]
+    if arch.qkv_bias:
+        names.append("self_attention.linear_qkv.bias")
+    if arch.qk_layernorm:
+        names += ["self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"]
+    names += ["mlp.linear_fc1.layer_norm_weight" if te_names else "pre_mlp_layernorm.weight",
+              "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"]
+    return names
+
+
+def megatron_param_names(arch: ModelArch, te_names: bool = False) -> list[str]:
+    """Every parameter of the full (TP=1, PP=1) model, global names, in Megatron's order."""
+    names = ["embedding.word_embeddings.weight"]
+    layer = layer_param_names(arch, te_names)
+    for i in range(arch.num_layers):
+        names += [f"decoder.layers.{i}.{n}" for n in layer]
+    names.append("decoder.final_layernorm.weight")
+    if not arch.tie_word_embeddings:
+        names.append("output_layer.weight")
+    return names
+
+
+def hf_shape(name: str, arch: ModelArch) -> tuple[int, ...]:
+    """The shape the HF checkpoint must have for ``name`` (from config.json)."""
+    h, hd = arch.hidden_size, arch.head_dim
+    q_rows, kv_rows = arch.num_attention_heads * hd, arch.num_query_groups * hd
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        return (arch.vocab_size, h)
+    if name == "model.norm.weight":
+        return (h,)
+    m = _HF_LAYER_RE.match(name)
+    rel = m.group(2) if m else ""
+    shapes = {
+        "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+        "self_attn.q_proj.weight": (q_rows, h), "self_attn.q_proj.bias": (q_rows,),
+        "self_attn.k_proj.weight": (kv_rows, h), "self_attn.k_proj.bias": (kv_rows,),
+        "self_attn.v_proj.weight": (kv_rows, h), "self_attn.v_proj.bias": (kv_rows,),
+        "self_attn.o_proj.weight": (h, q_rows),
+        "self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,),
+        "mlp.gate_proj.weight": (arch.ffn_hidden_size, h),
+        "mlp.up_proj.weight": (arch.ffn_hidden_size, h),
+        "mlp.down_proj.weight": (h, arch.ffn_hidden_size),
+    }
+    if rel not in shapes:
+        raise KeyError(f"{name!r} is not a tensor of a {arch.architecture} model")
+    return shapes[rel]
+
+
+def hf_tensor_specs(arch: ModelArch, dtype: torch.dtype) -> list[TensorSpec]:
+    """(name, shape, dtype) of every HF tensor, in the order ``megatron_to_hf`` produces them when
+    the Megatron parameters are visited in ``megatron_param_names`` order."""
+    return [(n, hf_shape(n, arch), dtype)
+            for name in megatron_param_names(arch) for n in weight_map(name, arch).hf]
+
+
+def check_hf_tensor_names(names: Sequence[str], arch: ModelArch, where: Union[str, Path]) -> None:
+    """Raise if the HF checkpoint lacks tensors the model needs or has tensors it cannot place."""
+    expected = {n for name in megatron_param_names(arch) for n in weight_map(name, arch).hf}
+    present = set(names)
+    missing = sorted(expected - present, key=_natural)
+    if missing:
+        raise KeyError(f"{where}: {len(missing)} tensors of the {arch.architecture} model are "
+                       f"missing from the checkpoint, e.g. {missing[:3]} (partial or mismatched "
+                       "shards?)")
+    allowed_extra = {"lm_head.weight"} if arch.tie_word_embeddings else set()
+    extra = sorted((n for n in present - expected - allowed_extra if not _IGNORED_HF.match(n)),
+                   key=_natural)
+    if extra:
+        raise KeyError(f"{where}: {len(extra)} tensors have no place in the Megatron model, e.g. "
+                       f"{extra[:3]} (an unsupported variant of {arch.architecture}?)")
+
+
+def _natural(name: str) -> list:
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+
+
+# ------------------------------------------------------------------------------- tensor layouts
+
+
+def _shape(src) -> tuple[int, ...]:
+    return tuple(src.get_shape()) if hasattr(src, "get_shape") else tuple(src.shape)
+
+
+def _rows(src, dim: int, start: int, stop: int) -> torch.Tensor:
+    """``src[..., start:stop, ...]`` along ``dim``; reads only that part of a safetensors slice."""
+    return src[(slice(None),) * dim + (slice(start, stop),)]
+
+
+def _part(src, dim: int, rank: int, parts: int) -> torch.Tensor:
+    size = _shape(src)[dim] // parts
+    return _rows(src, dim, rank * size, (rank + 1) * size)
+
+
+def hf_to_megatron(wm: WeightMap, sources: Sequence, arch: ModelArch, tp_rank: int = 0,
+                   tp_size: int = 1, partition_dim: Optional[int] = None) -> torch.Tensor:
+    """The Megatron tensor of ``wm`` (TP rank ``tp_rank``'s shard along ``partition_dim``, or the
+    whole tensor when ``partition_dim`` is None) from its HF tensors.
+
+    ``sources`` are torch tensors or safetensors slices (``open_hf_slices``); of a slice only the
+    rows this shard needs are read.
+    """
+    for name, src in zip(wm.hf, sources, strict=True):
+        want = hf_shape(name, arch)
+        if _shape(src) != want:
+            raise ValueError(f"{name} has shape {_shape(src)}, but config.json implies {want}")
+    if partition_dim is None:
+        tp_rank, tp_size, partition_dim = 0, 1, 0
+    if wm.kind == "copy":
+        return _part(sources[0], partition_dim, tp_rank, tp_size)
+    if wm.kind == "glu":
+        gate, up = sources
+        return torch.cat([_part(gate, 0, tp_rank, tp_size), _part(up, 0, tp_rank, tp_size)])
+    if wm.kind == "vocab":
+        rows = arch.padded_vocab_size // tp_size
+        start, stop = tp_rank * rows, min((tp_rank + 1) * rows, arch.vocab_size)
+        real = _rows(sources[0], 0, start, max(start, stop))
+        out = real.new_zeros((rows, arch.hidden_size))
+        out[: real.shape[0]] = real
+        return out
+    # qkv: this rank holds whole query groups [g0, g0 + groups).
+    groups = arch.num_query_groups // tp_size
+    hd, per_group = arch.head_dim, arch.num_attention_heads // arch.num_query_groups
+    g0 = tp_rank * groups
+    q = _rows(sources[0], 0, g0 * per_group * hd, (g0 + groups) * per_group * hd)
+    k, v = (_rows(s, 0, g0 * hd, (g0 + groups) * hd) for s in sources[1:])
+    rest = q.shape[1:]
+    return torch.cat([q.reshape(groups, per_group * hd, *rest), k.reshape(groups, hd, *rest),
+                      v.reshape(groups, hd, *rest)], dim=1).reshape(-1, *rest)
+
+
+def megatron_to_hf(wm: WeightMap, full: torch.Tensor, arch: ModelArch
+                   ) -> list[tuple[str, torch.Tensor]]:
+    """The HF tensors of one whole (TP-gathered) Megatron tensor; padded vocab rows dropped."""
+    if wm.kind == "copy":
+        return [(wm.hf[0], full)]
+    if wm.kind == "vocab":
+        return [(wm.hf[0], full[: arch.vocab_size])]
+    if wm.kind == "glu":
+        return list(zip(wm.hf, full.chunk(2, dim=0)))
+    hd, per_group = arch.head_dim, arch.num_attention_heads // arch.num_query_groups
+    rest = full.shape[1:]
+    grouped = full.reshape(arch.num_query_groups, (per_group + 2) * hd, *rest)
+    q, k, v = grouped.split([per_group * hd, hd, hd], dim=1)
+    return [(name, t.reshape(-1, *rest)) for name, t in zip(wm.hf, (q, k, v))]
+
+
+# -------------------------------------------------------------------------------- model level
+
+
+def _single_chunk(model):
+    if isinstance(model, (list, tuple)):
+        if len(model) != 1:
+            raise ValueError(f"expected one model chunk (no virtual pipeline), got {len(model)}")
+        model = model[0]
+    return _unwrap(model)
+
+
+@torch.no_grad()
+def load_hf_weights(model, hf_dir: Union[str, Path], arch: ModelArch) -> None:
+    """Read this rank's TP/PP shard of every parameter of a built GPTModel (DDP-wrapped or not)
+    from an HF safetensors folder. Each rank reads only the rows/columns it holds, one tensor at a
+    time. Load before the optimizer is built (it copies fp32 master weights when built)."""
+    from megatron.core import parallel_state as ps
+
+    files = hf_weight_files(hf_dir)
+    check_hf_tensor_names(list(files), arch, hf_dir)
+    module = _single_chunk(model)
+    offset = layer_offset(module)
+    tp_rank = ps.get_tensor_model_parallel_rank()
+    tp_size = ps.get_tensor_model_parallel_world_size()
+    for name, param in module.named_parameters():
+        wm = weight_map(to_global_name(name, offset), arch)
+        dim = param.partition_dim if getattr(param, "tensor_model_parallel", False) else None
+        with open_hf_slices(files, wm.hf) as sources:
+            shard = hf_to_megatron(wm, sources, arch, tp_rank, tp_size, dim)
+        if shard.shape != param.shape:
+            raise ValueError(f"{wm.megatron}: the HF tensors give a shard of shape "
+                             f"{tuple(shard.shape)}, but the parameter is {tuple(param.shape)}")
+        param.copy_(shard)
+
+
+@torch.no_grad()
+def export_hf_weights(model, arch: ModelArch
+                      ) -> Iterator[tuple[str, Optional[torch.Tensor]]]:
+    """HF-named full tensors of the model, one Megatron parameter at a time.
+
+    Collective over this DP replica's model-parallel group: every TP and PP rank of it must iterate
+    to the end in lockstep. On the group's leader (TP rank 0 of the first PP stage) each item is a
+    whole tensor named as in HF's state dict, padded vocab rows removed, on the model's device and in
+    its dtype; on every other rank the same names come with None. Tied embeddings are exported once
+    (``model.embed_tokens.weight``), as ``save_pretrained`` stores them.
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    module = _single_chunk(model)
+    offset = layer_offset(module)
+    params = {}
+    for name, param in module.named_parameters():
+        gname = to_global_name(name, offset)
+        if not (gname == "output_layer.weight" and arch.tie_word_embeddings):
+            params[gname] = (name, param)
+    pp_group = ps.get_pipeline_model_parallel_group()
+    pp_rank = ps.get_pipeline_model_parallel_rank()
+    tp_rank = ps.get_tensor_model_parallel_rank()
+    # Every stage learns every stage's parameters: (global name, full shape, dtype).
+    mine = []
+    for gname, (name, param) in params.items():
+        shape = list(param.shape)
+        if getattr(param, "tensor_model_parallel", False):
+            shape[param.partition_dim] *= ps.get_tensor_model_parallel_world_size()
+        mine.append((gname, tuple(shape), param.dtype))
+    stages: list = [None] * ps.get_pipeline_model_parallel_world_size()
+    dist.all_gather_object(stages, mine, group=pp_group)
+    stage_ranks = dist.get_process_group_ranks(pp_group)
+    leader = pp_rank == 0 and tp_rank == 0
+    device = next(module.parameters()).device
+    for stage, entries in enumerate(stages):
+        for gname, shape, dtype in entries:
+            full = None
+            if stage == pp_rank:
+                name, param = params[gname]
+                full = tp_gather(name, param.detach(), param)
+            if stage != 0 and tp_rank == 0:
+                # The owning stage hands the tensor to the first stage's TP rank 0.
+                if pp_rank == stage:
+                    dist.send(full.contiguous(), dst=stage_ranks[0])
+                elif pp_rank == 0:
+                    full = torch.empty(shape, dtype=dtype, device=device)
+                    dist.recv(full, src=stage_ranks[stage])
+            wm = weight_map(gname, arch)
+            if leader:
+                yield from megatron_to_hf(wm, full, arch)
+            else:
+                yield from ((n, None) for n in wm.hf)
+            del full
