@@ -293,6 +293,10 @@ def policy_loss(settings: PolicyLossSettings, logp: Tensor, old_logp: Tensor, ad
     _check_values({k: v for k, v in named.items() if k != "mask"}, mask)
 
     valid = mask.bool()
+    # Whatever sits at masked positions (padding, NaN) must not reach values or gradients.
+    logp, old_logp, advantages = (torch.where(valid, t, 0) for t in (logp, old_logp, advantages))
+    entropy = None if entropy is None else torch.where(valid, entropy, 0)
+    ref_logp = None if ref_logp is None else torch.where(valid, ref_logp, 0)
     batch = _Batch(logp, old_logp.detach(), advantages.detach(), valid, int(valid.sum()))
     metrics: dict[str, Tensor] = {}
     if selection is None:

@@ -89,8 +89,8 @@ def _stable_top_k_flat(scores: Tensor, k: int, offset_of_ties: int = 0,
     ties = scores == kth
     if take_ties is None:
         take_ties = k - int(above.sum())
-    tie_rank = ties.long().cumsum(0) - 1 - offset_of_ties  # position among ties, globally
-    return above | (ties & (tie_rank >= 0) & (tie_rank < take_ties))
+    tie_rank = ties.long().cumsum(0) - 1 + offset_of_ties  # position among all ranks' ties
+    return above | (ties & (tie_rank < take_ties))
 
 
 def top_k_mask(scores: Tensor, mask: Tensor, k: int) -> Tensor:
