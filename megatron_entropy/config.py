@@ -70,6 +70,24 @@ class ServerConfig:
     weight_sync: Literal["disk", "distributed"] = "disk"
     weight_sync_dir: Optional[str] = _f(None, help="shared folder for disk sync (default: run dir)")
     bucket_mb: int = _f(512, ge=1, help="bucket size of the NCCL broadcast weight sync")
+    launch_command: list[str] = _f(default_factory=list, help=(
+        "replaces the engine's server command; {python} {model} {host} {port} {weight_version} "
+        "are filled in"))
+    extra_env: list[str] = _f(default_factory=list, help="KEY=VALUE for each launched server")
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = _f(
+        "bfloat16", help="dtype of launched servers")
+    max_model_len: int = _f(0, ge=0, help="prompt + response limit of launched servers; 0 = the "
+                                          "model's own")
+    router_url: Optional[str] = _f(None, help="sglang-router in front of `urls`: generation goes "
+                                              "there, weight updates to each of `urls`")
+    health_check_interval_s: float = _f(5.0, gt=0, help="probe period of servers with requests "
+                                                        "in flight")
+    health_timeout_s: float = _f(30.0, gt=0, help="a probe unanswered this long marks a server "
+                                                  "dead")
+    weight_sync_backend: Literal["nccl", "gloo"] = _f(
+        "nccl", help="process-group backend of weight_sync=distributed (gloo: CPU tests)")
+    weight_sync_master_addr: Optional[str] = _f(
+        None, help="this node's address as the servers reach it (default: its hostname's)")
 
 
 @dataclass

@@ -1,0 +1,578 @@
+"""Inference servers behind the rollout engines: launch or connect, health, dispatch, faults.
+
+A ``ServerPool`` owns a set of HTTP servers of one kind (vLLM or SGLang). It either launches them
+(one command per server, in the serving stack's own Python environment, logs in the run folder)
+or connects to URLs that already serve. Requests run concurrently with ``asyncio``/``aiohttp``:
+each goes to the usable server with the fewest requests in flight, at most ``max_concurrency``
+per server. A server that dies (process exit, refused connection) or stops answering (health
+probe unanswered for ``health_timeout_s``) is marked dead; its unfinished requests are issued
+again elsewhere, and it is restarted if we launched it. Every request's result is stored once,
+by its index, so no sample is lost or duplicated. Retries are bounded; the error then names the
+server and the tail of its log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import hashlib
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import aiohttp
+
+from megatron_entropy.config import ServerConfig
+
+# A server's command for a port and a model folder (the latest weights); env added on launch.
+LaunchCommand = Callable[[int, str], list[str]]
+ParseResponse = Callable[[Any, "Server"], Any]
+
+
+class ServerError(RuntimeError):
+    """A server failed in a way the pool could not recover from; the message names it."""
+
+
+class RequestRejected(ServerError):
+    """The server answered 4xx: the request itself is wrong, so it is not retried."""
+
+
+class _ServerDied(Exception):
+    pass
+
+
+@dataclass
+class Server:
+    url: str
+    index: int
+    launched: bool = False
+    port: int = 0
+    process: Optional[subprocess.Popen] = None
+    log_path: Optional[Path] = None
+    state: str = "up"  # up | starting | dead
+    weight_version: Optional[str] = None  # what the server holds, as far as we know
+    inflight: int = 0
+    restarts: int = 0
+    last_error: str = ""
+    # Metrics since the last ``ServerPool.pop_metrics``.
+    requests: int = 0
+    failures: int = 0
+    latency_s: float = 0.0
+    died: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
+
+    def describe(self) -> str:
+        where = f"server {self.index} ({self.url}"
+        if self.process is not None:
+            where += f", pid {self.process.pid}"
+        where += ")"
+        if self.log_path is not None:
+            where += f"; log {self.log_path}"
+        return where
+
+
+def sample_seed(seed: int, prompt_index: int, sample_index: int) -> int:
+    """The seed of sample j of prompt i: the same in every process and run, in [0, 2**31)."""
+    digest = hashlib.blake2b(f"{seed}:{prompt_index}:{sample_index}".encode(),
+                             digest_size=8).digest()
+    return int.from_bytes(digest, "little") % (2**31 - 1)
+
+
+def log_tail(path: Optional[Path], lines: int = 30) -> str:
+    if path is None or not path.is_file():
+        return ""
+    text = path.read_text(errors="replace").splitlines()[-lines:]
+    return "\n".join("    " + line for line in text)
+
+
+def read_urls_file(path: str) -> list[str]:
+    p = Path(path)
+    if not p.is_file():
+        raise ServerError(f"rollout.server.urls_file {path!r} does not exist")
+    return [line.strip() for line in p.read_text().splitlines()
+            if line.strip() and not line.strip().startswith("#")]
+
+
+def _port_is_free(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(host: str, start: int, taken: set[int]) -> int:
+    for port in range(start, min(start + 1000, 65536)):
+        if port not in taken and _port_is_free(host, port):
+            return port
+    raise ServerError(f"no free port on {host} in [{start}, {start + 1000})")
+
+
+def _parse_env(items: list[str]) -> dict[str, str]:
+    env = {}
+    for item in items:
+        if "=" not in item:
+            raise ServerError(f"rollout.server.extra_env item {item!r} must look like KEY=VALUE")
+        key, value = item.split("=", 1)
+        env[key] = value
+    return env
+
+
+class ServerPool:
+    """Servers of one engine. ``owner`` launches (and restarts) them and writes their URLs to
+    ``run_dir/servers/urls.txt``; other ranks (``owner=False``) read that file and connect."""
+
+    def __init__(self, cfg: ServerConfig, run_dir: str | Path, kind: str, model_dir: str,
+                 launch_command: LaunchCommand, env: Optional[dict[str, str]] = None,
+                 health_path: str = "/health", owner: bool = True):
+        self.cfg = cfg
+        self.kind = kind
+        self.model_dir = model_dir  # folder a (re)started server loads: the latest weights
+        self.launch_command = launch_command
+        self.env = {**(env or {}), **_parse_env(cfg.extra_env)}
+        self.health_path = health_path
+        self.owner = owner
+        self.dir = Path(run_dir) / "servers"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        # The weight version every dispatched request must be served with (None: any).
+        self.expected_version: Optional[str] = None
+        self.servers: list[Server] = []
+        # The version a freshly launched server holds: the engine moves it with disk syncs.
+        self.launch_version: Optional[str] = None
+        self.retries = 0
+        self._cond: Optional[asyncio.Condition] = None
+        self._tasks: set[asyncio.Future] = set()
+
+    # ------------------------------------------------------------------------- life cycle
+
+    @property
+    def urls_file(self) -> Path:
+        return self.dir / "urls.txt"
+
+    def start(self) -> None:
+        cfg = self.cfg
+        urls = list(cfg.urls) + (read_urls_file(cfg.urls_file) if cfg.urls_file else [])
+        self.servers = [Server(url=u.rstrip("/"), index=i) for i, u in enumerate(urls)]
+        if cfg.launch and self.owner:
+            taken: set[int] = set()
+            for k in range(cfg.launch):
+                port = free_port(cfg.host, cfg.base_port + k, taken)
+                taken.add(port)
+                server = Server(url=f"http://{cfg.host}:{port}", index=len(self.servers),
+                                launched=True, port=port, state="dead",
+                                log_path=self.dir / f"{self.kind}-{k}.log")
+                self.servers.append(server)
+                self._launch(server)
+        elif cfg.launch:
+            self.servers += [Server(url=u, index=len(self.servers) + i)
+                             for i, u in enumerate(self._wait_for_urls_file())]
+        if not self.servers:
+            raise ServerError("no rollout servers: set rollout.server.urls, urls_file or launch")
+        self._run(self._wait_all_up(self.cfg.startup_timeout_s))
+        if self.owner and cfg.launch:
+            self.urls_file.write_text("".join(s.url + "\n" for s in self.servers if s.launched))
+
+    def _wait_for_urls_file(self) -> list[str]:
+        deadline = time.monotonic() + self.cfg.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.urls_file.is_file():
+                return read_urls_file(str(self.urls_file))
+            time.sleep(1.0)
+        raise ServerError(f"the servers' owner did not write {self.urls_file} within "
+                          f"{self.cfg.startup_timeout_s} s")
+
+    def _launch(self, server: Server) -> None:
+        argv = self.launch_command(server.port, self.model_dir)
+        env = {**os.environ, **self.env}
+        with open(server.log_path, "a") as log:
+            log.write(f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} launch "
+                      f"(restart {server.restarts}): {shlex.join(argv)}\n")
+        log = open(server.log_path, "a")
+        try:
+            # Own session: stopping the server stops its worker processes too.
+            server.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                              start_new_session=True)
+        except OSError as e:
+            raise ServerError(f"cannot start {server.describe()}: {shlex.join(argv)}: {e}") from e
+        finally:
+            log.close()
+        server.state = "starting"
+        server.died = asyncio.Event()
+
+    def _kill(self, server: Server, grace_s: float = 10.0) -> None:
+        """Stop the server's whole process group (its workers outlive a killed leader)."""
+        proc = server.process
+        if proc is None:
+            return
+        for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            deadline = time.monotonic() + wait
+            while time.monotonic() < deadline:
+                proc.poll()
+                try:
+                    os.killpg(proc.pid, 0)
+                except ProcessLookupError:
+                    break
+                time.sleep(0.1)
+            else:
+                continue
+            break
+        proc.poll()
+
+    def stop(self) -> None:
+        for server in self.servers:
+            if server.launched:
+                self._kill(server)
+                server.state = "dead"
+        if self.owner and self.urls_file.is_file():
+            self.urls_file.unlink()
+
+    # ------------------------------------------------------------------------------ health
+
+    async def _probe(self, session: aiohttp.ClientSession, server: Server) -> bool:
+        if server.process is not None and server.process.poll() is not None:
+            return False
+        try:
+            async with session.get(server.url + self.health_path,
+                                   timeout=aiohttp.ClientTimeout(total=self.cfg.health_timeout_s)
+                                   ) as r:
+                return r.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            return False
+
+    async def _wait_up(self, session: aiohttp.ClientSession, server: Server,
+                       timeout: float) -> None:
+        """Poll a starting server until it answers; a clear error with its log tail if not."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if server.process is not None and server.process.poll() is not None:
+                self._mark_dead(server, f"exited with code {server.process.returncode} while "
+                                        "starting")
+                raise ServerError(f"{server.describe()} {server.last_error}; log tail:\n"
+                                  f"{log_tail(server.log_path)}")
+            if await self._probe(session, server):
+                server.state = "up"
+                server.died = asyncio.Event()
+                if server.launched:
+                    server.weight_version = self.launch_version
+                self._notify()
+                return
+            if time.monotonic() > deadline:
+                self._mark_dead(server, f"not healthy after {timeout:.0f} s")
+                if server.launched:
+                    self._kill(server, grace_s=2.0)
+                raise ServerError(f"{server.describe()} {server.last_error}; log tail:\n"
+                                  f"{log_tail(server.log_path)}")
+            await asyncio.sleep(0.5)
+
+    async def _wait_all_up(self, timeout: float) -> None:
+        async with aiohttp.ClientSession() as session:
+            waits = [self._wait_up(session, s, timeout) for s in self.servers
+                     if s.state != "up" or not s.launched]
+            results = await asyncio.gather(*waits, return_exceptions=True)
+        errors = [str(e) for e in results if isinstance(e, BaseException)]
+        if errors:
+            raise ServerError(f"{len(errors)} of {len(self.servers)} {self.kind} servers did not "
+                              "come up:\n" + "\n".join(errors))
+
+    def ensure_up(self) -> None:
+        """Before a rollout or an update: restart launched servers that died, re-probe dropped
+        ones, and wait for those still starting (each bounded by ``startup_timeout_s``)."""
+        async def go() -> None:
+            async with aiohttp.ClientSession() as session:
+                for server in self.servers:
+                    if server.state == "up" and not await self._probe(session, server):
+                        self._mark_dead(server, "failed a health probe")
+                    if server.state == "dead" and server.launched and self.owner:
+                        self._restart(server)
+                waits = []
+                for server in self.servers:
+                    if server.state == "starting":
+                        waits.append(self._wait_up(session, server, self.cfg.startup_timeout_s))
+                    elif server.state == "dead" and not server.launched:
+                        if await self._probe(session, server):  # back, holding unknown weights
+                            server.state, server.weight_version = "up", None
+                results = await asyncio.gather(*waits, return_exceptions=True)
+            if all(s.state != "up" for s in self.servers):
+                raise ServerError(f"no {self.kind} server is up:\n" + self._status()) from next(
+                    (e for e in results if isinstance(e, BaseException)), None)
+        self._run(go())
+
+    def _status(self) -> str:
+        return "\n".join(f"  {s.describe()}: {s.state}, weights {s.weight_version}"
+                         + (f" ({s.last_error})" if s.last_error else "") for s in self.servers)
+
+    def _mark_dead(self, server: Server, why: str) -> None:
+        if server.state != "dead":
+            server.state = "dead"
+            server.last_error = why
+            server.died.set()
+            self._notify()
+
+    def _restart(self, server: Server) -> bool:
+        if server.restarts >= self.cfg.max_retries:
+            return False
+        self._kill(server, grace_s=2.0)
+        server.restarts += 1
+        if server.port and not _port_is_free(self.cfg.host, server.port):
+            server.port = free_port(self.cfg.host, server.port + 1, set())
+            server.url = f"http://{self.cfg.host}:{server.port}"
+        self._launch(server)
+        return True
+
+    # ---------------------------------------------------------------------------- dispatch
+
+    def _notify(self) -> None:
+        cond = self._cond
+        if cond is None:
+            return
+
+        async def wake() -> None:
+            async with cond:
+                cond.notify_all()
+        try:
+            asyncio.get_running_loop().create_task(wake())
+        except RuntimeError:
+            pass
+
+    def _current(self, server: Server) -> bool:
+        return self.expected_version is None or server.weight_version == self.expected_version
+
+    def _usable(self, server: Server) -> bool:
+        return (server.state == "up" and server.inflight < self.cfg.max_concurrency
+                and self._current(server))
+
+    async def _acquire(self, targets: list[Server]) -> Server:
+        assert self._cond is not None
+        async with self._cond:
+            while True:
+                usable = [s for s in targets if self._usable(s)]
+                if usable:
+                    server = min(usable, key=lambda s: (s.inflight, s.index))
+                    server.inflight += 1
+                    return server
+                if not any(s.state == "starting" or (s.state == "up" and self._current(s))
+                           for s in targets):
+                    raise ServerError(f"no {self.kind} server with weight version "
+                                      f"{self.expected_version} left to send requests to:\n"
+                                      + self._status())
+                await self._cond.wait()
+
+    async def _release(self, server: Server) -> None:
+        assert self._cond is not None
+        async with self._cond:
+            server.inflight -= 1
+            self._cond.notify_all()
+
+    async def _post(self, session: aiohttp.ClientSession, server: Server, path: str,
+                    payload: dict, timeout: float) -> Any:
+        async with session.post(server.url + path, json=payload,
+                                timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+            text = await r.text()
+            if 400 <= r.status < 500:
+                raise RequestRejected(f"{server.describe()} rejected POST {path} with HTTP "
+                                      f"{r.status}: {text[:2000]}")
+            if r.status != 200:
+                raise aiohttp.ClientResponseError(r.request_info, (), status=r.status,
+                                                  message=text[:2000])
+            try:
+                return await r.json(content_type=None)
+            except ValueError:
+                return text
+
+    async def _one(self, session: aiohttp.ClientSession, index: int, path: str, payload: dict,
+                   parse: ParseResponse, targets: list[Server]) -> Any:
+        attempts = 0
+        while True:
+            server = await self._acquire(targets)
+            t0 = time.monotonic()
+            died = asyncio.ensure_future(server.died.wait())
+            http = asyncio.ensure_future(self._post(session, server, path, payload,
+                                                    self.cfg.request_timeout_s))
+            try:
+                done, _ = await asyncio.wait({http, died}, return_when=asyncio.FIRST_COMPLETED)
+                if http not in done:
+                    http.cancel()
+                    raise _ServerDied(server.last_error)
+                result = parse(http.result(), server)
+                server.requests += 1
+                server.latency_s += time.monotonic() - t0
+                return result
+            except RequestRejected:
+                raise
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError, _ServerDied) as e:
+                server.failures += 1
+                attempts += 1
+                self.retries += 1
+                why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+                await self._on_failure(session, server, why)
+                if attempts > self.cfg.max_retries:
+                    raise ServerError(
+                        f"request {index} failed {attempts} times; last on {server.describe()}: "
+                        f"{why}; log tail:\n{log_tail(server.log_path)}") from e
+            finally:
+                died.cancel()
+                if not http.done():
+                    http.cancel()
+                await self._release(server)
+
+    async def _on_failure(self, session: aiohttp.ClientSession, server: Server,
+                          why: str) -> None:
+        if server.state != "up":
+            return
+        exited = server.process is not None and server.process.poll() is not None
+        if not exited and await self._probe(session, server):
+            return  # a transient error: the server is fine, the request is simply retried
+        self._mark_dead(server, f"exited with code {server.process.returncode}" if exited
+                        else f"stopped answering ({why})")
+        self._restart_in_background(session, server)
+
+    def _restart_in_background(self, session: aiohttp.ClientSession, server: Server) -> None:
+        if not (server.launched and self.owner and self._restart(server)):
+            return
+
+        async def wait() -> None:
+            try:
+                await self._wait_up(session, server, self.cfg.startup_timeout_s)
+            except ServerError:
+                self._notify()
+            await self.on_restarted(server)
+        self._tasks.add(asyncio.ensure_future(wait()))
+
+    async def on_restarted(self, server: Server) -> None:
+        """Hook for engines: a restarted server came up (or failed to)."""
+
+    async def _monitor(self, session: aiohttp.ClientSession, targets: list[Server]) -> None:
+        """Notice servers that die or hang while requests wait on them."""
+        while True:
+            await asyncio.sleep(self.cfg.health_check_interval_s)
+            busy = [s for s in targets if s.state == "up" and s.inflight > 0]
+            alive = await asyncio.gather(*(self._probe(session, s) for s in busy))
+            for server, ok in zip(busy, alive):
+                if not ok and server.state == "up":
+                    exited = server.process is not None and server.process.poll() is not None
+                    self._mark_dead(server, "exited" if exited else
+                                    f"health probe unanswered for {self.cfg.health_timeout_s} s")
+                    self._restart_in_background(session, server)
+
+    def map(self, path: str, payloads: list[dict], parse: ParseResponse,
+            targets: Optional[list[Server]] = None) -> list[Any]:
+        """POST every payload to ``path`` on the servers, concurrently; results in order."""
+        if not payloads:
+            return []
+        return self._run(self._map(path, payloads, parse, targets))
+
+    async def _map(self, path: str, payloads: list[dict], parse: ParseResponse,
+                   targets: Optional[list[Server]]) -> list[Any]:
+        targets = targets or self.servers
+        self._cond = asyncio.Condition()
+        self._tasks = set()
+        for server in targets:  # events belong to one loop: fresh ones for this run
+            server.died = asyncio.Event()
+            if server.state == "dead":
+                server.died.set()
+        connector = aiohttp.TCPConnector(limit=0)
+        async with aiohttp.ClientSession(connector=connector) as session:
+            monitor = asyncio.ensure_future(self._monitor(session, targets))
+            jobs = [asyncio.ensure_future(self._one(session, i, path, p, parse, targets))
+                    for i, p in enumerate(payloads)]
+            try:
+                return await asyncio.gather(*jobs)
+            finally:
+                for task in [monitor, *jobs, *self._tasks]:
+                    task.cancel()
+                await asyncio.gather(monitor, *jobs, *self._tasks, return_exceptions=True)
+                self._cond = None
+
+    # ------------------------------------------------------------------------ control plane
+
+    def call_all(self, path: str, payload: Optional[dict] = None, method: str = "POST",
+                 timeout: Optional[float] = None, targets: Optional[list[Server]] = None
+                 ) -> dict[int, Any]:
+        """One control request (weight update, pause, ...) to each target server, concurrently.
+        Raises one ServerError naming every server that failed."""
+        return self._run(self._call_all(path, payload, method, timeout, targets))
+
+    def call_all_async(self, path: str, payload: Optional[dict] = None, method: str = "POST",
+                       timeout: Optional[float] = None, targets: Optional[list[Server]] = None
+                       ) -> concurrent.futures.Future:
+        """``call_all`` in a background thread, for calls that block until this process acts
+        (joining a process group, broadcasting tensors)."""
+        pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+        future = pool.submit(self.call_all, path, payload, method, timeout, targets)
+        pool.shutdown(wait=False)
+        return future
+
+    async def _call_all(self, path: str, payload: Optional[dict], method: str,
+                        timeout: Optional[float], targets: Optional[list[Server]]
+                        ) -> dict[int, Any]:
+        targets = [s for s in (targets or self.servers) if s.state == "up"]
+        timeout = timeout or self.cfg.request_timeout_s
+
+        async def one(session: aiohttp.ClientSession, server: Server) -> Any:
+            try:
+                if method == "POST":
+                    return await self._post(session, server, path, payload or {}, timeout)
+                async with session.get(server.url + path,
+                                       timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+                    text = await r.text()
+                    if r.status != 200:
+                        raise ServerError(f"{server.describe()}: GET {path} -> HTTP {r.status}: "
+                                          f"{text[:2000]}")
+                    try:
+                        return await r.json(content_type=None)
+                    except ValueError:
+                        return text
+            except ServerError:
+                raise
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+                raise ServerError(f"{server.describe()}: {method} {path} failed: "
+                                  f"{type(e).__name__}: {e}; log tail:\n"
+                                  f"{log_tail(server.log_path)}") from e
+
+        async with aiohttp.ClientSession() as session:
+            results = await asyncio.gather(*(one(session, s) for s in targets),
+                                           return_exceptions=True)
+        errors = [str(r) for r in results if isinstance(r, BaseException)]
+        if errors:
+            raise ServerError(f"{path} failed on {len(errors)} of {len(targets)} {self.kind} "
+                              "servers:\n" + "\n".join(errors))
+        return {s.index: r for s, r in zip(targets, results)}
+
+    # ----------------------------------------------------------------------------- metrics
+
+    def pop_metrics(self) -> dict[str, float]:
+        out: dict[str, float] = {"rollout/retries": float(self.retries),
+                                 "rollout/servers_up": float(sum(s.state == "up"
+                                                                 for s in self.servers)),
+                                 "rollout/server_restarts": float(sum(s.restarts
+                                                                      for s in self.servers))}
+        for s in self.servers:
+            if s.requests:
+                out[f"rollout/server{s.index}/latency_s"] = s.latency_s / s.requests
+                out[f"rollout/server{s.index}/requests"] = float(s.requests)
+            if s.failures:
+                out[f"rollout/server{s.index}/failures"] = float(s.failures)
+            s.requests, s.latency_s, s.failures = 0, 0.0, 0
+        self.retries = 0
+        return out
+
+    @staticmethod
+    def _run(coro: Any) -> Any:
+        """Run a coroutine to completion from sync code, also when a loop already runs here."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return asyncio.run(coro)
+        with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+            return pool.submit(asyncio.run, coro).result()

@@ -1,0 +1,320 @@
+"""Rollouts from SGLang servers (0.5.x native HTTP API), with weight sync from disk or by broadcast.
+
+Generation: one ``/generate`` request per sample (``input_ids``, ``sampling_params`` with n = 1,
+``return_logprob``), so each sample has its own seed, goes to the least-loaded server and can be
+re-issued alone. SGLang's default log-probs are log-softmax(logits / temperature) over the full
+vocabulary before top-p/top-k, which is ``Completion.logprobs``'s definition (do not set
+``SGLANG_RETURN_ORIGINAL_LOGPROB``). ``sampling_seed`` is sent to servers >= 0.5.3 (older ones
+reject the key); it makes samples reproducible only on servers started with
+``--enable-deterministic-inference``.
+
+Weight sync, between ``/pause_generation`` and ``/continue_generation``, then ``/flush_cache``:
+- ``disk``: the HF folder written by ``save_hf_weights`` is loaded by ``/update_weights_from_disk``.
+- ``distributed``: global rank 0 and every server's TP ranks form one process group
+  (``/init_weights_update_group``); each bucket of at most ``bucket_mb`` is announced by
+  ``/update_weights_from_distributed`` (names, dtypes, shapes) and sent tensor by tensor with
+  ``broadcast(src=0)``. A restarted server holds stale weights until the next sync re-forms the
+  group with it; until then it gets no requests.
+Every answer's ``meta_info.weight_version`` must be the version last synced.
+"""
+
+from __future__ import annotations
+
+import atexit
+import shutil
+import socket
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import torch
+
+from megatron_entropy.config import ServerConfig
+from megatron_entropy.models.hf_io import save_hf_weights
+from megatron_entropy.rollout.base import Completion, NamedTensors, RolloutEngine, SamplingParams
+from megatron_entropy.rollout.servers import (Server, ServerError, ServerPool, free_port,
+                                              sample_seed)
+from megatron_entropy.rollout.vllm import fill_command
+
+FINISH_REASONS = ("stop", "length", "abort")
+FIRST_VERSION_WITH_SEED = (0, 5, 3)
+INITIAL_VERSION = "initial"  # what a launched server holds before the first sync
+
+
+def _version_tuple(text: str) -> tuple[int, ...]:
+    parts = []
+    for piece in str(text).split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts)
+
+
+def weight_buckets(named_tensors: NamedTensors, bucket_bytes: int
+                   ) -> Iterator[tuple[list[tuple[str, torch.Tensor]], bool]]:
+    """Group streamed tensors into buckets of at most ``bucket_bytes`` (a larger tensor goes
+    alone); yields (bucket, is_last)."""
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    pending: Optional[list[tuple[str, torch.Tensor]]] = None
+    for name, tensor in named_tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            if pending is not None:
+                yield pending, False
+            pending, bucket, size = bucket, [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if pending is not None:
+        yield pending, not bucket
+    if bucket:
+        yield bucket, True
+
+
+def init_weight_sync_group(master_address: str, master_port: int, world_size: int, rank: int,
+                           group_name: str, backend: str, timeout_s: float = 600.0
+                           ) -> torch.distributed.ProcessGroup:
+    """A process group apart from the default one, formed the way SGLang's servers form theirs
+    (TCP rendezvous at the master, store prefixed by the group name), so both sides meet."""
+    from torch.distributed.distributed_c10d import (Backend, PrefixStore,
+                                                    _new_process_group_helper, _world, rendezvous)
+
+    timeout = timedelta(seconds=timeout_s)
+    store, rank, world_size = next(rendezvous(f"tcp://{master_address}:{master_port}", rank,
+                                              world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    store = PrefixStore(group_name, store)
+    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store,
+                                      group_name=group_name, timeout=timeout)
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
+
+
+class SGLangEngine(RolloutEngine):
+    shared = True
+
+    def __init__(self, server_cfg: ServerConfig, hf_dir: str, run_dir: str, owner: bool = True):
+        self.cfg = server_cfg
+        self.hf_dir = str(hf_dir)
+        self.sync_root = Path(server_cfg.weight_sync_dir or Path(run_dir) / "weight_sync")
+        self.pool = ServerPool(server_cfg, run_dir, "sglang", self.hf_dir, self._command,
+                               owner=owner)
+        self.pool.launch_version = INITIAL_VERSION
+        self.pool.start()
+        atexit.register(self.shutdown)
+        self.router = (Server(url=server_cfg.router_url.rstrip("/"), index=-1)
+                       if server_cfg.router_url else None)
+        self.version: Optional[int] = None
+        self._group: Optional[torch.distributed.ProcessGroup] = None
+        self._group_members: tuple = ()
+        self._groups_formed = 0
+        self._tokens = 0
+        self._seconds = 0.0
+        self._inspect_servers()
+
+    def _command(self, port: int, model_dir: str) -> list[str]:
+        c = self.cfg
+        if c.launch_command:
+            return fill_command(c.launch_command, c.server_python, model_dir, c.host, port,
+                                str(self.pool.launch_version))
+        argv = [c.server_python, "-m", "sglang.launch_server", "--model-path", model_dir,
+                "--host", c.host, "--port", str(port), "--dtype", c.dtype,
+                "--weight-version", str(self.pool.launch_version)]
+        if c.max_model_len:
+            argv += ["--context-length", str(c.max_model_len)]
+        return argv + list(c.extra_args)
+
+    def _inspect_servers(self) -> None:
+        """Each server's version (is sampling_seed known?) and TP size (ranks in the group)."""
+        self.supports_seed: dict[int, bool] = {}
+        self.tp_size: dict[int, int] = {}
+        for index, info in self.pool.call_all("/get_server_info", method="GET").items():
+            self.supports_seed[index] = (_version_tuple(info.get("version", "0"))
+                                         >= FIRST_VERSION_WITH_SEED)
+            self.tp_size[index] = int(info.get("tp_size", 1))
+
+    # ------------------------------------------------------------------------- generation
+
+    def _payload(self, prompt: list[int], sampling: SamplingParams, seed: Optional[int],
+                 with_seed: bool) -> dict:
+        params: dict[str, Any] = {
+            "max_new_tokens": sampling.max_new_tokens, "temperature": sampling.temperature,
+            "top_p": sampling.top_p, "top_k": sampling.top_k, "n": 1,
+            "no_stop_trim": True, "skip_special_tokens": True,
+        }
+        if sampling.stop:
+            params["stop"] = list(sampling.stop)
+        if sampling.stop_token_ids:
+            params["stop_token_ids"] = list(sampling.stop_token_ids)
+        if seed is not None and with_seed:
+            params["sampling_seed"] = seed
+        return {"input_ids": prompt, "sampling_params": params, "return_logprob": True,
+                "logprob_start_len": -1}
+
+    def _parse(self, response: Any, server: Server) -> Completion:
+        try:
+            meta = response["meta_info"]
+            ids = [int(t) for t in response["output_ids"]]
+            entries = meta["output_token_logprobs"]
+            logprobs = [float(e[0]) for e in entries]
+            logprob_ids = [int(e[1]) for e in entries]
+            finish = meta["finish_reason"]
+            reason = finish["type"] if isinstance(finish, dict) else finish
+        except (KeyError, IndexError, TypeError, ValueError) as e:
+            raise ServerError(f"{server.describe()}: unexpected /generate answer "
+                              f"({type(e).__name__}: {e}): {str(response)[:500]}") from e
+        if logprob_ids != ids:
+            raise ServerError(f"{server.describe()}: output_ids and output_token_logprobs "
+                              f"disagree ({len(ids)} vs {len(logprob_ids)} tokens)")
+        if reason not in FINISH_REASONS:
+            raise ServerError(f"{server.describe()}: unknown finish_reason {finish!r}")
+        served = meta.get("weight_version")
+        if self.version is not None and served != str(self.version):
+            raise ServerError(f"{server.describe()} answered with weight version {served!r}, "
+                              f"expected {self.version}: it serves stale weights")
+        return Completion(token_ids=ids, logprobs=logprobs, text=response.get("text", ""),
+                          finish_reason=reason,
+                          meta={"server": server.index, "weight_version": served})
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams
+                 ) -> list[list[Completion]]:
+        self.pool.ensure_up()
+        # Only send sampling_seed when every server that may answer knows the key.
+        with_seed = self.router is None and all(
+            self.supports_seed.get(s.index, False) for s in self.pool.servers)
+        payloads = [self._payload(prompt, sampling,
+                                  None if sampling.seed is None else sample_seed(sampling.seed, i, j),
+                                  with_seed)
+                    for i, prompt in enumerate(prompts) for j in range(sampling.n)]
+        t0 = time.monotonic()
+        flat = self.pool.map("/generate", payloads, self._parse,
+                             targets=[self.router] if self.router else None)
+        self._seconds += time.monotonic() - t0
+        self._tokens += sum(len(c.token_ids) for c in flat)
+        n = sampling.n
+        return [flat[i * n:(i + 1) * n] for i in range(len(prompts))]
+
+    # ------------------------------------------------------------------------ weight sync
+
+    def update_weights(self, named_tensors: NamedTensors, version: int) -> dict[str, float]:
+        t0 = time.monotonic()
+        v = str(version)
+        stats: dict[str, float] = {}
+        if self.cfg.weight_sync == "disk":
+            folder = self.sync_root / f"weights-v{version}"
+            stats = save_hf_weights(named_tensors, folder, metadata_from=self.hf_dir)
+            stats["write_seconds"] = time.monotonic() - t0
+            # A launched server that restarts from now on loads this folder.
+            self.pool.model_dir, self.pool.launch_version = str(folder), v
+        self.pool.ensure_up()
+        self._inspect_servers()
+        targets = [s for s in self.pool.servers if s.state == "up"]
+        self.pool.call_all("/pause_generation", {}, targets=targets)
+        try:
+            if self.cfg.weight_sync == "disk":
+                stale = [s for s in targets if s.weight_version != v]
+                self._check(self.pool.call_all("/update_weights_from_disk", {
+                    "model_path": str(folder), "flush_cache": True, "abort_all_requests": False,
+                    "weight_version": v}, targets=stale), "/update_weights_from_disk")
+            else:
+                stats = self._broadcast(named_tensors, v, targets)
+            self.pool.call_all("/flush_cache", targets=targets)
+        finally:
+            self.pool.call_all("/continue_generation", {}, targets=targets)
+        for server in targets:
+            server.weight_version = v
+        if self.router is not None:
+            self.router.weight_version = v
+        previous, self.version = self.version, version
+        self.pool.expected_version = v
+        if self.cfg.weight_sync == "disk" and previous is not None and previous != version:
+            shutil.rmtree(self.sync_root / f"weights-v{previous}", ignore_errors=True)
+        return {"weight_sync/seconds": time.monotonic() - t0,
+                "weight_sync/bytes": stats.get("bytes", 0.0),
+                **({"weight_sync/write_seconds": stats["write_seconds"]}
+                   if "write_seconds" in stats else {})}
+
+    @staticmethod
+    def _check(results: dict[int, Any], path: str) -> None:
+        failed = {i: r for i, r in results.items()
+                  if not (isinstance(r, dict) and r.get("success"))}
+        if failed:
+            raise ServerError(f"{path} failed on servers {sorted(failed)}: {failed}")
+
+    def _ensure_group(self, targets: list[Server]) -> None:
+        """(Re)form the broadcast group when its members changed (first sync, a restart)."""
+        members = tuple((s.index, s.url, s.process.pid if s.process else None) for s in targets)
+        if self._group is not None and members == self._group_members:
+            return
+        if self._group is not None:
+            torch.distributed.destroy_process_group(self._group)
+            self._group = None
+        self._groups_formed += 1
+        name = f"megatron_entropy_sync_{self._groups_formed}"
+        address = self.cfg.weight_sync_master_addr or socket.gethostbyname(socket.gethostname())
+        port = free_port("0.0.0.0", 29700, set())
+        world = 1 + sum(self.tp_size[s.index] for s in targets)
+        offsets, rank = {}, 1
+        for s in targets:
+            offsets[s.index], rank = rank, rank + self.tp_size[s.index]
+        futures = [self.pool.call_all_async("/init_weights_update_group", {
+            "master_address": address, "master_port": port, "rank_offset": offsets[s.index],
+            "world_size": world, "group_name": name, "backend": self.cfg.weight_sync_backend},
+            targets=[s]) for s in targets]
+        try:
+            group = init_weight_sync_group(address, port, world, 0, name,
+                                           self.cfg.weight_sync_backend,
+                                           timeout_s=self.cfg.startup_timeout_s)
+        except Exception as e:
+            errors = [f.exception() for f in futures if f.done() and f.exception()]
+            raise ServerError(f"could not form the weight-sync group {name} at {address}:{port} "
+                              f"with {len(targets)} servers: {e}; server errors: {errors}") from e
+        for f in futures:
+            self._check(f.result(), "/init_weights_update_group")
+        self._group, self._group_members, self._group_name = group, members, name
+
+    def _broadcast(self, named_tensors: NamedTensors, version: str, targets: list[Server]
+                   ) -> dict[str, float]:
+        self._ensure_group(targets)
+        device = (torch.device("cuda", torch.cuda.current_device())
+                  if self.cfg.weight_sync_backend == "nccl" else torch.device("cpu"))
+        sent = 0
+        for bucket, last in weight_buckets(named_tensors, self.cfg.bucket_mb * 1024**2):
+            tensors = [t.detach().to(device).contiguous() for _, t in bucket]
+            future = self.pool.call_all_async("/update_weights_from_distributed", {
+                "names": [n for n, _ in bucket],
+                "dtypes": [str(t.dtype).removeprefix("torch.") for t in tensors],
+                "shapes": [list(t.shape) for t in tensors],
+                "group_name": self._group_name, "flush_cache": last,
+                **({"weight_version": version} if last else {})}, targets=targets)
+            try:
+                for t in tensors:
+                    torch.distributed.broadcast(t, src=0, group=self._group)
+            except Exception as e:
+                raise ServerError(f"weight broadcast to {len(targets)} servers failed: {e}") from e
+            self._check(future.result(), "/update_weights_from_distributed")
+            sent += sum(t.numel() * t.element_size() for t in tensors)
+        return {"bytes": float(sent)}
+
+    # ----------------------------------------------------------------------------- other
+
+    def health(self) -> bool:
+        try:
+            self.pool.ensure_up()
+        except ServerError:
+            return False
+        return True
+
+    def metrics(self) -> dict[str, float]:
+        out = self.pool.pop_metrics()
+        if self._seconds > 0:
+            out["rollout/tokens_per_s"] = self._tokens / self._seconds
+        out["rollout/response_tokens"] = float(self._tokens)
+        self._tokens, self._seconds = 0, 0.0
+        return out
+
+    def shutdown(self) -> None:
+        if self._group is not None:
+            torch.distributed.destroy_process_group(self._group)
+            self._group = None
+        self.pool.stop()

@@ -1,0 +1,192 @@
+"""Rollouts from vLLM's OpenAI-compatible server (``/v1/completions`` with token-id prompts).
+
+Log-probs: vLLM's default ``raw_logprobs`` are log-softmax of the logits before temperature. The
+servers we launch run with ``--logprobs-mode processed_logprobs``: log-softmax after temperature
+(and after top-k/top-p masking). With top_k = -1 and top_p = 1 (the RL default) that is exactly
+``Completion.logprobs``'s definition; with top-k/top-p on, vLLM renormalises over the kept tokens,
+and the completions say so in ``meta["logprobs"]``. Servers started by hand must use the same
+flag (and ``VLLM_SERVER_DEV_MODE=1`` for the weight reload).
+
+Weight sync: the new HF weights are written to a folder (``save_hf_weights``), every server loads
+them with ``/collective_rpc reload_weights`` between ``/pause`` and ``/resume``, then drops its
+prefix cache. A server restarted later starts from the newest folder.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from megatron_entropy.config import ServerConfig
+from megatron_entropy.models.hf_io import save_hf_weights
+from megatron_entropy.rollout.base import Completion, NamedTensors, RolloutEngine, SamplingParams
+from megatron_entropy.rollout.servers import Server, ServerError, ServerPool, sample_seed
+
+log = logging.getLogger(__name__)
+
+SERVED_NAME = "policy"  # constant across restarts from new weight folders
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+def fill_command(template: list[str], python: str, model: str, host: str, port: int,
+                 weight_version: str) -> list[str]:
+    return [a.format(python=python, model=model, host=host, port=port,
+                     weight_version=weight_version) for a in template]
+
+
+class VLLMEngine(RolloutEngine):
+    shared = True
+
+    def __init__(self, server_cfg: ServerConfig, hf_dir: str, run_dir: str,
+                 tokenizer: Any = None, owner: bool = True):
+        self.cfg = server_cfg
+        self.hf_dir = str(hf_dir)
+        self.tokenizer = tokenizer
+        self.sync_root = Path(server_cfg.weight_sync_dir or Path(run_dir) / "weight_sync")
+        if server_cfg.weight_sync != "disk":
+            raise ServerError("rollout.server.weight_sync=distributed is SGLang-only; vLLM takes "
+                              "weights from disk (set rollout.server.weight_sync=disk)")
+        self.pool = ServerPool(server_cfg, run_dir, "vllm", self.hf_dir, self._command,
+                               env={"VLLM_SERVER_DEV_MODE": "1"}, owner=owner)
+        self.pool.start()
+        atexit.register(self.shutdown)
+        self.model_name = self._served_name()
+        self.version: Optional[int] = None
+        self._tokens = 0
+        self._seconds = 0.0
+        self._warned_renormalised = False
+
+    def _command(self, port: int, model_dir: str) -> list[str]:
+        c = self.cfg
+        if c.launch_command:
+            return fill_command(c.launch_command, c.server_python, model_dir, c.host, port,
+                                str(self.pool.launch_version))
+        argv = [c.server_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+                "--served-model-name", SERVED_NAME, "--host", c.host, "--port", str(port),
+                "--dtype", c.dtype, "--logprobs-mode", "processed_logprobs", "--seed", "0"]
+        if c.max_model_len:
+            argv += ["--max-model-len", str(c.max_model_len)]
+        return argv + list(c.extra_args)
+
+    def _served_name(self) -> str:
+        names = {i: r["data"][0]["id"] for i, r in
+                 self.pool.call_all("/v1/models", method="GET", timeout=60).items()}
+        if len(set(names.values())) != 1:
+            raise ServerError(f"vLLM servers serve different models: {names}")
+        return next(iter(names.values()))
+
+    # ------------------------------------------------------------------------- generation
+
+    def _payload(self, prompt: list[int], sampling: SamplingParams, seed: Optional[int]) -> dict:
+        p: dict[str, Any] = {
+            "model": self.model_name, "prompt": prompt, "n": 1,
+            "max_tokens": sampling.max_new_tokens, "temperature": sampling.temperature,
+            "top_p": sampling.top_p, "top_k": sampling.top_k,
+            "logprobs": 0, "return_token_ids": True, "skip_special_tokens": True,
+        }
+        if sampling.stop:
+            p["stop"] = list(sampling.stop)
+        if sampling.stop_token_ids:
+            p["stop_token_ids"] = list(sampling.stop_token_ids)
+        if seed is not None:
+            p["seed"] = seed
+        return p
+
+    def _parse(self, response: Any, server: Server) -> Completion:
+        try:
+            choice = response["choices"][0]
+            ids = [int(t) for t in choice["token_ids"]]
+            logprobs = [float(x) for x in choice["logprobs"]["token_logprobs"]]
+            reason = choice["finish_reason"]
+        except (KeyError, IndexError, TypeError, ValueError) as e:
+            raise ServerError(f"{server.describe()}: unexpected /v1/completions answer "
+                              f"({type(e).__name__}: {e}): {str(response)[:500]}") from e
+        if len(ids) != len(logprobs):
+            raise ServerError(f"{server.describe()}: {len(ids)} token ids but {len(logprobs)} "
+                              "log-probs in one completion")
+        if reason not in FINISH_REASONS:
+            raise ServerError(f"{server.describe()}: unknown finish_reason {reason!r}")
+        return Completion(token_ids=ids, logprobs=logprobs, text=choice.get("text", ""),
+                          finish_reason=reason,
+                          meta={"server": server.index, "weight_version": self.version})
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams
+                 ) -> list[list[Completion]]:
+        renormalised = sampling.top_p < 1.0 or sampling.top_k > 0
+        if renormalised and sampling.temperature > 0 and not self._warned_renormalised:
+            log.warning("vLLM log-probs are renormalised over the top-p/top-k set "
+                        "(top_p=%s, top_k=%s), not over the full vocabulary",
+                        sampling.top_p, sampling.top_k)
+            self._warned_renormalised = True
+        self.pool.ensure_up()
+        payloads = [self._payload(prompt, sampling,
+                                  None if sampling.seed is None else sample_seed(sampling.seed, i, j))
+                    for i, prompt in enumerate(prompts) for j in range(sampling.n)]
+        t0 = time.monotonic()
+        flat = self.pool.map("/v1/completions", payloads, self._parse)
+        self._seconds += time.monotonic() - t0
+        self._tokens += sum(len(c.token_ids) for c in flat)
+        if renormalised and sampling.temperature > 0:
+            for c in flat:
+                c.meta["logprobs"] = "renormalised_top_p_top_k"
+        n = sampling.n
+        return [flat[i * n:(i + 1) * n] for i in range(len(prompts))]
+
+    # ------------------------------------------------------------------------ weight sync
+
+    def update_weights(self, named_tensors: NamedTensors, version: int) -> dict[str, float]:
+        t0 = time.monotonic()
+        folder = self.sync_root / f"weights-v{version}"
+        stats = save_hf_weights(named_tensors, folder, metadata_from=self.hf_dir)
+        t_write = time.monotonic() - t0
+        # A dead launched server restarts from the new folder and so needs no reload.
+        self.pool.model_dir, self.pool.launch_version = str(folder), str(version)
+        self.pool.ensure_up()
+        targets = [s for s in self.pool.servers if s.state == "up"]
+        # Only servers that do not already hold these weights (restarted ones do) reload.
+        stale = [s for s in targets if s.weight_version != str(version)]
+        self.pool.call_all("/pause?mode=wait", targets=stale)
+        try:
+            results = self.pool.call_all("/collective_rpc", {
+                "method": "reload_weights", "kwargs": {"weights_path": str(folder)}},
+                targets=stale)
+            self.pool.call_all("/reset_prefix_cache", targets=stale)
+        finally:
+            self.pool.call_all("/resume", targets=stale)
+        for server in stale:
+            if not isinstance(results.get(server.index), dict):
+                raise ServerError(f"{server.describe()}: reload_weights answered "
+                                  f"{results.get(server.index)!r}")
+        for server in targets:
+            server.weight_version = str(version)
+        previous = self.version
+        self.version = version
+        self.pool.expected_version = str(version)
+        if previous is not None and previous != version:
+            shutil.rmtree(self.sync_root / f"weights-v{previous}", ignore_errors=True)
+        return {"weight_sync/seconds": time.monotonic() - t0, "weight_sync/write_seconds": t_write,
+                "weight_sync/bytes": stats["bytes"]}
+
+    # ----------------------------------------------------------------------------- other
+
+    def health(self) -> bool:
+        try:
+            self.pool.ensure_up()
+        except ServerError:
+            return False
+        return True
+
+    def metrics(self) -> dict[str, float]:
+        out = self.pool.pop_metrics()
+        if self._seconds > 0:
+            out["rollout/tokens_per_s"] = self._tokens / self._seconds
+        out["rollout/response_tokens"] = float(self._tokens)
+        self._tokens, self._seconds = 0, 0.0
+        return out
+
+    def shutdown(self) -> None:
+        self.pool.stop()

@@ -1,0 +1,492 @@
+"""A strict stand-in for an SGLang 0.5.x server, for tests on machines where SGLang cannot run.
+
+It serves a real transformers model (fp32) so that generation, log-probs and weight updates can be
+checked against a reference, and it enforces SGLang's HTTP contract as its source states it
+(0.5.2 ... 0.5.23, `sglang/srt/entrypoints/http_server.py`, `managers/io_struct.py`,
+`api/v1/api_types.py`, `sampling/sampling_params.py`):
+- ``/generate``: exactly one of ``text``/``input_ids``; ``sampling_params`` keys outside SGLang's
+  SamplingParams are rejected with HTTP 400 "unknown field `k`, expected one of ..."
+  (``sampling_seed`` exists from 0.5.3 on); values are checked as ``SamplingParams.verify`` does;
+  top-level keys SGLang does not know are ignored, as its GenerateRequest does. The answer is
+  {text, output_ids, meta_info{id, finish_reason{type, matched|length|message}, prompt_tokens,
+  completion_tokens, cached_tokens, weight_version, e2e_latency, output_token_logprobs
+  [[logprob, id, null], ...]}}; a list for a batch or n > 1. Log-probs are log-softmax(logits /
+  temperature) before top-k/top-p (greedy: temperature 1), SGLang's default.
+- Weight updates: ``/update_weights_from_disk`` {model_path, ...}, ``/init_weights_update_group``
+  {master_address, master_port, rank_offset, world_size, group_name, backend} (joins a real
+  process group), ``/update_weights_from_distributed`` {names, dtypes, shapes, group_name, ...}
+  (receives one ``broadcast(src=0)`` per tensor), ``/destroy_weights_update_group``; a missing
+  required field is HTTP 422 as FastAPI answers it; a failed update is HTTP 400 {success: false}.
+- ``/pause_generation`` {mode} (new requests wait), ``/continue_generation``, ``/flush_cache``
+  (400 while requests run), ``/health``, ``/health_generate``, ``/get_model_info``,
+  ``/get_server_info``, ``/get_weight_version``.
+Test knobs (not SGLang's): ``--token-delay-s`` slows decoding; ``--request-log`` appends every
+request body to a JSONL file.
+
+Run: python tests/fake_sglang_server.py --model-path DIR --host 127.0.0.1 --port P
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import threading
+import time
+import uuid
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from aiohttp import web
+
+SAMPLING_KEYS_0_5_2 = (
+    "max_new_tokens", "stop", "stop_token_ids", "temperature", "top_p", "top_k", "min_p",
+    "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "n",
+    "json_schema", "regex", "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens",
+    "spaces_between_special_tokens", "no_stop_trim", "custom_params", "stream_interval",
+    "logit_bias")
+SAMPLING_KEYS_NEW = ("stop_regex", "sampling_seed")  # 0.5.3+
+PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+class BadRequest(Exception):
+    pass
+
+
+def version_tuple(text: str) -> tuple[int, ...]:
+    return tuple(int("".join(c for c in p if c.isdigit()) or 0) for p in text.split(".")[:3])
+
+
+def missing_fields(body: Any, required: tuple[str, ...]) -> Optional[web.Response]:
+    """FastAPI's 422 for a body that is not an object or lacks required fields."""
+    if not isinstance(body, dict):
+        return web.json_response({"detail": [{"type": "model_attributes_type", "loc": ["body"],
+                                              "msg": "Input should be a valid dictionary"}]},
+                                 status=422)
+    missing = [k for k in required if k not in body]
+    if missing:
+        return web.json_response({"detail": [{"type": "missing", "loc": ["body", k],
+                                              "msg": "Field required"} for k in missing]},
+                                 status=422)
+    return None
+
+
+class FakeSGLang:
+    def __init__(self, args: argparse.Namespace):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.args = args
+        self.model_path = args.model_path
+        self.model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=torch.float32,
+                                                          local_files_only=True).eval()
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(args.model_path, local_files_only=True)
+        except (OSError, ValueError):
+            self.tokenizer = None
+        self.vocab_size = self.model.config.vocab_size
+        self.context_len = self.model.config.max_position_embeddings
+        self.weight_version = args.weight_version
+        self.version = args.version
+        self.sampling_keys = SAMPLING_KEYS_0_5_2 + (
+            SAMPLING_KEYS_NEW if version_tuple(args.version) >= (0, 5, 3) else ())
+        self.groups: dict[str, Any] = {}
+        self.compute = threading.Lock()  # one forward at a time; weight loads wait for it
+        self.unpaused = asyncio.Event()
+        self.unpaused.set()
+        self.running = 0
+
+    # --------------------------------------------------------------------------- helpers
+
+    def log_request(self, path: str, body: Any) -> None:
+        if self.args.request_log:
+            with open(self.args.request_log, "a") as f:
+                f.write(json.dumps({"path": path, "body": body}) + "\n")
+
+    def check_sampling(self, sp: Any) -> dict:
+        if sp is None:
+            return {}
+        if not isinstance(sp, dict):
+            raise BadRequest("sampling_params: invalid type, expected a map")
+        for key in sp:
+            if key not in self.sampling_keys:
+                listed = ", ".join(f"`{k}`" for k in self.sampling_keys)
+                raise BadRequest(f"unknown field `{key}`, expected one of {listed}")
+
+        def typed(key: str, kinds: tuple, what: str) -> None:
+            value = sp.get(key)
+            if value is not None and (not isinstance(value, kinds) or isinstance(value, bool)
+                                      and bool not in kinds):
+                raise BadRequest(f"sampling_params.{key}: invalid type: {value!r}, expected {what}")
+
+        for key in ("max_new_tokens", "top_k", "n", "min_new_tokens", "sampling_seed",
+                    "stream_interval"):
+            typed(key, (int,), "an integer")
+        for key in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty",
+                    "repetition_penalty"):
+            typed(key, (int, float), "a number")
+        for key in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
+                    "no_stop_trim"):
+            typed(key, (bool,), "a boolean")
+        stop = sp.get("stop")
+        if stop is not None and not (isinstance(stop, str) or isinstance(stop, list) and all(
+                isinstance(s, str) for s in stop)):
+            raise BadRequest(f"sampling_params.stop: invalid type: {stop!r}")
+        ids = sp.get("stop_token_ids")
+        if ids is not None and not (isinstance(ids, list) and all(
+                isinstance(i, int) and not isinstance(i, bool) for i in ids)):
+            raise BadRequest(f"sampling_params.stop_token_ids: invalid type: {ids!r}")
+        p = {"max_new_tokens": 128, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
+             "n": 1, "ignore_eos": False, "no_stop_trim": False, "skip_special_tokens": True,
+             "stop": [], "stop_token_ids": [], "sampling_seed": None,
+             **{k: v for k, v in sp.items() if v is not None}}
+        if isinstance(p["stop"], str):
+            p["stop"] = [p["stop"]]
+        # SamplingParams.verify
+        if p["temperature"] < 0:
+            raise BadRequest(f"temperature must be a non-negative finite number, got "
+                             f"{p['temperature']}.")
+        if not 0.0 < p["top_p"] <= 1.0:
+            raise BadRequest(f"top_p must be in (0, 1], got {p['top_p']}.")
+        if not 0.0 <= p["min_p"] <= 1.0:
+            raise BadRequest(f"min_p must be in [0, 1], got {p['min_p']}.")
+        if p["top_k"] < 1 and p["top_k"] != -1:
+            raise BadRequest(f"top_k must be -1 (disable) or at least 1, got {p['top_k']}.")
+        if p["max_new_tokens"] < 0:
+            raise BadRequest(f"max_new_tokens must be at least 0, got {p['max_new_tokens']}.")
+        if p["n"] < 1:
+            raise BadRequest(f"n must be at least 1, got {p['n']}.")
+        return p
+
+    def check_input_ids(self, ids: Any) -> list[list[int]]:
+        batch = ids if ids and isinstance(ids[0], list) else [ids]
+        for row in batch:
+            if not isinstance(row, list) or not row or not all(
+                    isinstance(t, int) and not isinstance(t, bool) for t in row):
+                raise BadRequest("input_ids: invalid type, expected a list of token ids or a "
+                                 "list of such lists")
+            bad = [t for t in row if not 0 <= t < self.vocab_size]
+            if bad:
+                raise BadRequest(f"The input_ids {bad[:5]} are out of the vocabulary "
+                                 f"[0, {self.vocab_size}).")
+            if len(row) >= self.context_len:
+                raise BadRequest(f"The input ({len(row)} tokens) is longer than the model's "
+                                 f"context length ({self.context_len} tokens).")
+        return batch
+
+    # ------------------------------------------------------------------------ generation
+
+    def sample_one(self, prompt: list[int], p: dict, want_logprobs: bool) -> dict:
+        t0 = time.time()
+        generator = None
+        if p["sampling_seed"] is not None:
+            generator = torch.Generator().manual_seed(p["sampling_seed"])
+        greedy = p["temperature"] < 1e-6
+        stops = set(p["stop_token_ids"])
+        if not p["ignore_eos"] and self.model.config.eos_token_id is not None:
+            eos = self.model.config.eos_token_id
+            stops |= set(eos if isinstance(eos, list) else [eos])
+        max_new = min(p["max_new_tokens"], self.context_len - len(prompt))
+        out_ids: list[int] = []
+        logprobs: list[float] = []
+        finish: dict = {"type": "length", "length": max_new}
+        past = None
+        inputs = torch.tensor([prompt])
+        with torch.no_grad():
+            for _ in range(max_new):
+                with self.compute:
+                    o = self.model(input_ids=inputs, past_key_values=past, use_cache=True)
+                past = o.past_key_values
+                logits = o.logits[0, -1].float()
+                if greedy:
+                    lp = torch.log_softmax(logits, -1)
+                    token = int(torch.argmax(logits))
+                else:
+                    lp = torch.log_softmax(logits / p["temperature"], -1)
+                    probs = lp.exp()
+                    if p["top_k"] > 0:
+                        kth = torch.topk(probs, min(p["top_k"], probs.numel())).values[-1]
+                        probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
+                    if p["top_p"] < 1.0:
+                        sorted_p, order = probs.sort(descending=True)
+                        cut = (sorted_p.cumsum(0) - sorted_p) > p["top_p"] * sorted_p.sum()
+                        probs[order[cut]] = 0.0
+                    token = int(torch.multinomial(probs / probs.sum(), 1, generator=generator))
+                out_ids.append(token)
+                logprobs.append(float(lp[token]))
+                inputs = torch.tensor([[token]])
+                if self.args.token_delay_s:
+                    time.sleep(self.args.token_delay_s)
+                if token in stops:
+                    finish = {"type": "stop", "matched": token}
+                    break
+                if p["stop"] and self.tokenizer is not None:
+                    text = self.tokenizer.decode(out_ids)
+                    hit = next((s for s in p["stop"] if s in text), None)
+                    if hit is not None:
+                        finish = {"type": "stop", "matched": hit}
+                        break
+        text = self.tokenizer.decode(out_ids, skip_special_tokens=p["skip_special_tokens"]) \
+            if self.tokenizer is not None else ""
+        if finish["type"] == "stop" and isinstance(finish["matched"], str) \
+                and not p["no_stop_trim"]:
+            text = text[:text.find(finish["matched"])]
+        meta = {"id": uuid.uuid4().hex, "finish_reason": finish, "prompt_tokens": len(prompt),
+                "weight_version": self.weight_version, "completion_tokens": len(out_ids),
+                "cached_tokens": 0, "e2e_latency": time.time() - t0}
+        if want_logprobs:
+            meta["input_token_logprobs"] = [[None, prompt[-1], None]]
+            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(logprobs, out_ids)]
+        return {"text": text, "output_ids": out_ids, "meta_info": meta}
+
+    async def generate(self, request: web.Request) -> web.Response:
+        try:
+            body = await request.json()
+        except json.JSONDecodeError as e:
+            return web.json_response({"error": {"message": f"invalid JSON: {e}"}}, status=400)
+        self.log_request("/generate", body)
+        try:
+            if not isinstance(body, dict):
+                raise BadRequest("invalid type: expected a map")
+            given = [k for k in ("text", "input_ids", "input_embeds") if body.get(k) is not None]
+            if not given:
+                raise BadRequest("Either text, input_ids or input_embeds should be provided.")
+            if len(given) > 1:
+                raise BadRequest("Only one of text, input_ids, or input_embeds should be "
+                                 "provided.")
+            if "text" in given:
+                if self.tokenizer is None:
+                    raise BadRequest("text input needs a tokenizer")
+                texts = body["text"] if isinstance(body["text"], list) else [body["text"]]
+                batch = [self.tokenizer.encode(t) for t in texts]
+                single = not isinstance(body["text"], list)
+            else:
+                batch = self.check_input_ids(body["input_ids"])
+                single = not isinstance(body["input_ids"][0], list)
+            if body.get("stream"):
+                raise BadRequest("this fake does not stream")
+            rl = body.get("return_logprob", False)
+            if not isinstance(rl, bool):
+                raise BadRequest(f"return_logprob: invalid type: {rl!r}, expected a boolean")
+            start = body.get("logprob_start_len", -1)
+            if not isinstance(start, int) or isinstance(start, bool):
+                raise BadRequest(f"logprob_start_len: invalid type: {start!r}")
+            p = self.check_sampling(body.get("sampling_params"))
+        except BadRequest as e:
+            return web.json_response({"error": {"message": str(e)}}, status=400)
+        await self.unpaused.wait()
+        self.running += 1
+        try:
+            loop = asyncio.get_running_loop()
+            outs = []
+            for prompt in batch:
+                for _ in range(p["n"]):
+                    outs.append(await loop.run_in_executor(None, self.sample_one, prompt, p, rl))
+        finally:
+            self.running -= 1
+        return web.json_response(outs[0] if single and p["n"] == 1 else outs)
+
+    # ---------------------------------------------------------------------- weight updates
+
+    def load_named(self, named: list[tuple[str, torch.Tensor]]) -> tuple[bool, str]:
+        params = dict(self.model.named_parameters())
+        for name, t in named:
+            if name not in params:
+                return False, f"Failed to update weights: no parameter named {name}."
+            if tuple(params[name].shape) != tuple(t.shape):
+                return False, (f"Failed to update weights: {name} has shape "
+                               f"{tuple(params[name].shape)}, got {tuple(t.shape)}.")
+        with self.compute, torch.no_grad():
+            for name, t in named:
+                params[name].copy_(t.to(params[name].dtype))
+        return True, "Succeeded to update model weights."
+
+    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.log_request("/update_weights_from_disk", body)
+        bad = missing_fields(body, ("model_path",))
+        if bad is not None:
+            return bad
+        from safetensors.torch import load_file
+
+        folder = Path(body["model_path"])
+        files = sorted(folder.glob("*.safetensors"))
+        if not files:
+            ok, message = False, f"Failed to update weights: no safetensors in {folder}."
+        else:
+            named = [kv for f in files for kv in load_file(str(f)).items()]
+            ok, message = await asyncio.get_running_loop().run_in_executor(
+                None, self.load_named, named)
+        if ok:
+            self.model_path = str(folder)
+            if body.get("weight_version") is not None:
+                self.weight_version = body["weight_version"]
+        return web.json_response({"success": ok, "message": message, "num_paused_requests": 0},
+                                 status=200 if ok else 400)
+
+    def join_group(self, body: dict) -> tuple[bool, str]:
+        from torch.distributed.distributed_c10d import (Backend, PrefixStore,
+                                                        _new_process_group_helper, _world,
+                                                        rendezvous)
+        try:
+            # As SGLang's init_custom_process_group: rendezvous, prefix store, helper.
+            timeout = timedelta(seconds=120)
+            rank = body["rank_offset"]  # + tp_rank, which is 0 here
+            store, rank, world = next(rendezvous(
+                f"tcp://{body['master_address']}:{body['master_port']}", rank,
+                body["world_size"], timeout=timeout))
+            store.set_timeout(timeout)
+            name = body.get("group_name", "weight_update_group")
+            pg, _ = _new_process_group_helper(world, rank, [], Backend(body.get("backend",
+                                                                               "nccl")),
+                                              PrefixStore(name, store), group_name=name,
+                                              timeout=timeout)
+            _world.pg_group_ranks[pg] = {i: i for i in range(world)}
+            self.groups[name] = pg
+            return True, "Succeeded to initialize custom process group."
+        except Exception as e:  # noqa: BLE001 - reported to the client, as SGLang does
+            return False, f"Failed to initialize custom process group: {e}."
+
+    async def init_weights_update_group(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.log_request("/init_weights_update_group", body)
+        bad = missing_fields(body, ("master_address", "master_port", "rank_offset",
+                                    "world_size"))
+        if bad is not None:
+            return bad
+        ok, message = await asyncio.get_running_loop().run_in_executor(None, self.join_group,
+                                                                       body)
+        return web.json_response({"success": ok, "message": message}, status=200 if ok else 400)
+
+    def receive(self, body: dict) -> tuple[bool, str]:
+        group = self.groups[body.get("group_name", "weight_update_group")]
+        named, handles = [], []
+        for name, dtype, shape in zip(body["names"], body["dtypes"], body["shapes"]):
+            t = torch.empty(shape, dtype=getattr(torch, dtype))
+            handles.append(torch.distributed.broadcast(t, src=0, group=group, async_op=True))
+            named.append((name, t))
+        for h in handles:
+            h.wait()
+        return self.load_named(named)
+
+    async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.log_request("/update_weights_from_distributed", body)
+        bad = missing_fields(body, ("names", "dtypes", "shapes"))
+        if bad is not None:
+            return bad
+        name = body.get("group_name", "weight_update_group")
+        if name not in self.groups:
+            return web.json_response({"success": False, "message": (
+                f"Group {name} not in {list(self.groups)}. Please call "
+                "`init_weights_update_group` first.")}, status=400)
+        if not len(body["names"]) == len(body["dtypes"]) == len(body["shapes"]):
+            return web.json_response({"success": False, "message": "names, dtypes and shapes "
+                                      "differ in length"}, status=400)
+        ok, message = await asyncio.get_running_loop().run_in_executor(None, self.receive, body)
+        if ok and body.get("weight_version") is not None:
+            self.weight_version = body["weight_version"]
+            message += f" Weight version updated to {self.weight_version}."
+        return web.json_response({"success": ok, "message": message}, status=200 if ok else 400)
+
+    async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        name = body.get("group_name", "weight_update_group") if isinstance(body, dict) else None
+        if name in self.groups:
+            torch.distributed.destroy_process_group(self.groups.pop(name))
+            return web.json_response({"success": True, "message": "Succeeded to destroy custom "
+                                      "process group."})
+        return web.json_response({"success": False, "message": "The group to be destroyed does "
+                                  "not exist."}, status=400)
+
+    # ------------------------------------------------------------------------ the rest
+
+    async def pause_generation(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.log_request("/pause_generation", body)
+        bad = missing_fields(body, ())
+        if bad is not None:
+            return bad
+        if body.get("mode", "abort") not in PAUSE_MODES:
+            return web.json_response({"detail": [{"type": "literal_error",
+                                                  "loc": ["body", "mode"],
+                                                  "msg": f"Input should be {PAUSE_MODES}"}]},
+                                     status=422)
+        self.unpaused.clear()
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def continue_generation(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.log_request("/continue_generation", body)
+        bad = missing_fields(body, ())
+        if bad is not None:
+            return bad
+        self.unpaused.set()
+        return web.json_response({"message": "Generation continued successfully.",
+                                  "status": "ok"})
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        if self.running:
+            return web.Response(text="Cache not flushed: requests are running.\n", status=400)
+        return web.Response(text="Cache flushed.\nPlease check backend logs for more details. "
+                                 "(When there are running or waiting requests, the operation "
+                                 "will not be performed.)\n")
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        return web.json_response({"model_path": self.model_path,
+                                  "tokenizer_path": self.args.model_path,
+                                  "is_generation": True, "preferred_sampling_params": None,
+                                  "weight_version": self.weight_version})
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        return web.json_response({"model_path": self.model_path, "tp_size": 1, "dp_size": 1,
+                                  "weight_version": self.weight_version,
+                                  "version": self.version, "internal_states": [{}]})
+
+    async def weight_version_info(self, request: web.Request) -> web.Response:
+        return web.json_response({"weight_version": self.weight_version})
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=1024**3)
+        app.router.add_route("POST", "/generate", self.generate)
+        app.router.add_route("PUT", "/generate", self.generate)
+        app.router.add_post("/update_weights_from_disk", self.update_weights_from_disk)
+        app.router.add_post("/init_weights_update_group", self.init_weights_update_group)
+        app.router.add_post("/update_weights_from_distributed",
+                            self.update_weights_from_distributed)
+        app.router.add_post("/destroy_weights_update_group", self.destroy_weights_update_group)
+        app.router.add_post("/pause_generation", self.pause_generation)
+        app.router.add_post("/continue_generation", self.continue_generation)
+        app.router.add_route("GET", "/flush_cache", self.flush_cache)
+        app.router.add_route("POST", "/flush_cache", self.flush_cache)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/health_generate", self.health)
+        app.router.add_get("/get_model_info", self.model_info)
+        app.router.add_get("/get_server_info", self.server_info)
+        app.router.add_get("/get_weight_version", self.weight_version_info)
+        return app
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model-path", required=True)
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=30000)
+    ap.add_argument("--weight-version", default="default")
+    ap.add_argument("--version", default="0.5.23", help="the SGLang release to behave as")
+    ap.add_argument("--token-delay-s", type=float, default=0.0)
+    ap.add_argument("--request-log", default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    server = FakeSGLang(args)
+    print(f"fake sglang {args.version} serving {args.model_path} on {args.host}:{args.port}",
+          flush=True)
+    web.run_app(server.app(), host=args.host, port=args.port, print=None)
+
+
+if __name__ == "__main__":
+    main()

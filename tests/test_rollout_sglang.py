@@ -1,0 +1,300 @@
+"""SGLangEngine against the strict fake SGLang 0.5.x server (tests/fake_sglang_server.py).
+
+The fake serves a real transformers model, so completions and their log-probs are checked against
+an fp32 reference here, weight syncs (from disk, and by a real gloo broadcast) against the new
+weights, and faults with real processes killed or stopped by PID.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_entropy.config import ServerConfig
+from megatron_entropy.rollout.base import SamplingParams
+from megatron_entropy.rollout.servers import RequestRejected, ServerError, sample_seed
+from megatron_entropy.rollout.sglang import SGLangEngine, weight_buckets
+from serving_model import make_served_model, reference_logprobs
+
+FAKE = str(Path(__file__).with_name("fake_sglang_server.py"))
+PROMPTS = [[5, 6, 7, 8], [40, 41], [100, 7, 3, 9, 12]]
+
+
+def fake_command(version: str = "0.5.23", delay: float = 0.0, log: str = "") -> list[str]:
+    cmd = [sys.executable, FAKE, "--model-path", "{model}", "--host", "{host}", "--port",
+           "{port}", "--weight-version", "{weight_version}", "--version", version,
+           "--token-delay-s", str(delay)]
+    return cmd + (["--request-log", log] if log else [])
+
+
+def make_cfg(**kw) -> ServerConfig:
+    base = dict(launch=1, base_port=32100, startup_timeout_s=120, request_timeout_s=60,
+                health_check_interval_s=0.5, health_timeout_s=3, max_retries=2,
+                max_concurrency=4, weight_sync_backend="gloo",
+                weight_sync_master_addr="127.0.0.1", launch_command=fake_command())
+    base.update(kw)
+    return ServerConfig(**base)
+
+
+def requests_of(log: Path, path: str) -> list[dict]:
+    if not log.is_file():
+        return []
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    return [r["body"] for r in rows if r["path"] == path]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    import transformers
+
+    root = tmp_path_factory.mktemp("sglang_models")
+    a = make_served_model(root / "a", seed=0)
+    b = make_served_model(root / "b", seed=1)
+    load = lambda d: transformers.AutoModelForCausalLM.from_pretrained(  # noqa: E731
+        d, local_files_only=True, dtype=torch.float32).eval()
+    return {"a": a, "b": b, "model_a": load(a), "model_b": load(b)}
+
+
+def greedy_reference(model, prompt: list[int], n_new: int) -> list[int]:
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=n_new, do_sample=False,
+                         eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def assert_follows(engine, model, prompts=PROMPTS, n_new=8) -> None:
+    """Greedy completions equal the reference model's; their log-probs match it to 1e-5."""
+    out = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=n_new))
+    for prompt, (c,) in zip(prompts, out):
+        assert c.token_ids == greedy_reference(model, prompt, n_new)[:len(c.token_ids)]
+        ref = reference_logprobs(model, prompt, c.token_ids)
+        assert max(abs(x - y) for x, y in zip(c.logprobs, ref)) < 1e-5
+
+
+@pytest.fixture(scope="module")
+def engine(models, tmp_path_factory):
+    run = tmp_path_factory.mktemp("sglang_run")
+    log = run / "requests.jsonl"
+    eng = SGLangEngine(make_cfg(launch=2, launch_command=fake_command(log=str(log))),
+                       str(models["a"]), str(run))
+    eng.request_log = log
+    yield eng
+    eng.shutdown()
+
+
+def test_generate_matches_reference_and_sends_valid_requests(engine, models):
+    sampling = SamplingParams(n=3, temperature=0.7, max_new_tokens=12, seed=5,
+                              stop_token_ids=(2,))
+    out = engine.generate(PROMPTS, sampling)
+    assert [len(row) for row in out] == [3, 3, 3]
+    for prompt, row in zip(PROMPTS, out):
+        for c in row:
+            assert len(c.token_ids) == len(c.logprobs) >= 1
+            ref = reference_logprobs(models["model_a"], prompt, c.token_ids, temperature=0.7)
+            assert max(abs(x - y) for x, y in zip(c.logprobs, ref)) < 1e-5
+            assert c.finish_reason == ("stop" if c.token_ids[-1] == 2 else "length")
+            if c.finish_reason == "length":
+                assert len(c.token_ids) == 12
+    # Per-sample seeds: sample j of prompt i carries sample_seed(5, i, j); reruns reproduce.
+    sent = requests_of(engine.request_log, "/generate")[-9:]
+    assert sorted(r["sampling_params"]["sampling_seed"] for r in sent) == sorted(
+        sample_seed(5, i, j) for i in range(3) for j in range(3))
+    assert all(r["return_logprob"] is True and r["sampling_params"]["n"] == 1 for r in sent)
+    again = engine.generate(PROMPTS, sampling)
+    assert [[c.token_ids for c in row] for row in again] == [[c.token_ids for c in row]
+                                                             for row in out]
+    # Both servers took requests (least-loaded dispatch).
+    metrics = engine.metrics()
+    assert metrics["rollout/server0/requests"] > 0 and metrics["rollout/server1/requests"] > 0
+    assert metrics["rollout/tokens_per_s"] > 0
+
+
+def test_greedy_and_invalid_request(engine, models):
+    assert_follows(engine, models["model_a"])
+    with pytest.raises(RequestRejected, match="top_k must be -1 .disable. or at least 1"):
+        engine.generate([[5, 6]], SamplingParams(top_k=0, max_new_tokens=2))
+    with pytest.raises(RequestRejected, match="out of the vocabulary"):
+        engine.generate([[5, 100000]], SamplingParams(max_new_tokens=2))
+
+
+def test_fake_is_strict(engine):
+    """The fake refuses what SGLang refuses, so passing tests mean valid requests."""
+    import requests
+
+    url = engine.pool.servers[0].url
+    r = requests.post(url + "/generate", json={"input_ids": [5, 6], "sampling_params": {
+        "max_new_tokens": 2, "max_tokens": 2}})
+    assert r.status_code == 400 and "unknown field `max_tokens`" in r.json()["error"]["message"]
+    r = requests.post(url + "/generate", json={"sampling_params": {"max_new_tokens": 2}})
+    assert r.status_code == 400
+    r = requests.post(url + "/update_weights_from_disk", json={"load_format": "auto"})
+    assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "model_path"]
+    r = requests.post(url + "/update_weights_from_distributed", json={
+        "names": ["x"], "dtypes": ["float32"], "shapes": [[1]], "group_name": "nope"})
+    assert r.status_code == 400 and r.json()["success"] is False
+
+
+def test_disk_sync_follows_new_weights_and_checks_version(engine, models, tmp_path):
+    start = len(requests_of(engine.request_log, "/pause_generation"))
+    stats = engine.update_weights(iter(models["model_b"].state_dict().items()), version=1)
+    assert stats["weight_sync/bytes"] == sum(t.numel() * 4 for t in
+                                             models["model_b"].state_dict().values())
+    assert len(requests_of(engine.request_log, "/pause_generation")) == start + 2
+    assert len(requests_of(engine.request_log, "/continue_generation")) == start + 2
+    assert [r.get("weight_version") for r in
+            requests_of(engine.request_log, "/update_weights_from_disk")][-2:] == ["1", "1"]
+    assert_follows(engine, models["model_b"])
+    out = engine.generate([[5, 6]], SamplingParams(max_new_tokens=3))
+    assert out[0][0].meta["weight_version"] == "1"
+    # A server that silently kept other weights is caught by the version check.
+    import requests
+    requests.post(engine.pool.servers[0].url + "/update_weights_from_disk",
+                  json={"model_path": str(models["b"]), "weight_version": "7"})
+    with pytest.raises(ServerError, match="weight version '7', expected 1"):
+        engine.generate([[5, 6]] * 4, SamplingParams(max_new_tokens=2))
+    # A sync that fails on a server fails loudly.
+    bad = [("model.embed_tokens.weight", torch.zeros(3, 3))]
+    with pytest.raises(ServerError, match="update_weights_from_disk"):
+        engine.update_weights(iter(bad), version=2)
+    engine.update_weights(iter(models["model_a"].state_dict().items()), version=3)
+    assert_follows(engine, models["model_a"])
+
+
+def test_weight_buckets():
+    tensors = [(f"t{i}", torch.zeros(n)) for i, n in enumerate([10, 10, 30, 5, 5])]
+    buckets = list(weight_buckets(iter(tensors), bucket_bytes=80))
+    assert [[n for n, _ in b] for b, _ in buckets] == [["t0", "t1"], ["t2"], ["t3", "t4"]]
+    assert [last for _, last in buckets] == [False, False, True]
+
+
+@pytest.mark.slow
+def test_distributed_sync_by_gloo_broadcast(models, tmp_path):
+    log = tmp_path / "requests.jsonl"
+    cfg = make_cfg(launch=2, weight_sync="distributed", bucket_mb=1,
+                   launch_command=fake_command(log=str(log)))
+    eng = SGLangEngine(cfg, str(models["a"]), str(tmp_path))
+    try:
+        state = models["model_b"].state_dict()
+        stats = eng.update_weights(iter(state.items()), version=1)
+        assert stats["weight_sync/bytes"] == sum(t.numel() * 4 for t in state.values())
+        assert_follows(eng, models["model_b"])
+        inits = requests_of(log, "/init_weights_update_group")
+        assert sorted(r["rank_offset"] for r in inits) == [1, 2]
+        assert {r["world_size"] for r in inits} == {3}
+        updates = requests_of(log, "/update_weights_from_distributed")
+        per_server = len(updates) // 2
+        assert per_server > 1  # several 1 MB buckets
+        names = [n for r in updates[::2] for n in r["names"]]
+        assert sorted(set(names)) == sorted(state) and len(names) == len(state)
+        assert [r.get("weight_version") for r in updates].count("1") == 2
+        # A restarted server holds stale weights: it gets no requests until the next sync
+        # re-forms the group with it.
+        victim = eng.pool.servers[1]
+        os.kill(victim.process.pid, signal.SIGKILL)
+        victim.process.wait()
+        out = eng.generate(PROMPTS, SamplingParams(n=2, max_new_tokens=4, temperature=1.0))
+        assert all(c.meta["server"] == 0 for row in out for c in row)
+        assert victim.restarts == 1 and victim.weight_version == "initial"
+        eng.update_weights(iter(models["model_a"].state_dict().items()), version=2)
+        assert len(requests_of(log, "/init_weights_update_group")) == 4
+        assert_follows(eng, models["model_a"])
+        out = eng.generate(PROMPTS * 3, SamplingParams(max_new_tokens=2))
+        assert {c.meta["server"] for row in out for c in row} == {0, 1}
+    finally:
+        eng.shutdown()
+
+
+def _kill_when_busy(eng, sig: int, index: int) -> threading.Thread:
+    def go():
+        deadline = time.monotonic() + 60
+        while eng.pool.servers[index].inflight == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)
+        os.kill(eng.pool.servers[index].process.pid, sig)
+    t = threading.Thread(target=go, daemon=True)
+    t.start()
+    return t
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
+def test_server_fault_mid_rollout(models, tmp_path, sig):
+    """A server killed (or stopped: it hangs) mid-rollout is noticed, restarted, and its
+    requests re-issued: every sample comes back exactly once."""
+    cfg = make_cfg(launch=2, launch_command=fake_command(delay=0.05))
+    eng = SGLangEngine(cfg, str(models["a"]), str(tmp_path))
+    try:
+        victim = eng.pool.servers[1]
+        old_pid = victim.process.pid
+        killer = _kill_when_busy(eng, sig, 1)
+        prompts = [[10 + i, 20 + i] for i in range(8)]
+        out = eng.generate(prompts, SamplingParams(n=2, max_new_tokens=10, temperature=1.0,
+                                                   seed=3, stop_token_ids=(2,)))
+        killer.join()
+        assert [len(row) for row in out] == [2] * 8
+        for prompt, row in zip(prompts, out):
+            for c in row:
+                ref = reference_logprobs(models["model_a"], prompt, c.token_ids)
+                assert max(abs(x - y) for x, y in zip(c.logprobs, ref)) < 1e-5
+        metrics = eng.metrics()
+        assert metrics["rollout/retries"] >= 1
+        eng.pool.ensure_up()
+        assert victim.restarts == 1 and victim.process.pid != old_pid
+        assert victim.state == "up" and "restart 1" in victim.log_path.read_text()
+    finally:
+        eng.shutdown()
+
+
+@pytest.mark.slow
+def test_connected_servers_drop_dead_and_old_versions(models, tmp_path):
+    """Servers we did not launch: a dead one is dropped and its requests go elsewhere; an
+    0.5.2 server gets no sampling_seed (it would reject the key)."""
+    import subprocess
+
+    from megatron_entropy.rollout.servers import free_port
+
+    procs, urls = [], []
+    log = tmp_path / "requests.jsonl"
+    for k, version in enumerate(["0.5.2", "0.5.2"]):
+        port = free_port("127.0.0.1", 32300 + k, set())
+        cmd = [a.format(model=models["a"], host="127.0.0.1", port=port, weight_version="v0")
+               for a in fake_command(version=version, delay=0.05, log=str(log))]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
+        urls.append(f"http://127.0.0.1:{port}")
+    try:
+        eng = SGLangEngine(make_cfg(launch=0, urls=urls), str(models["a"]), str(tmp_path))
+
+        def kill_when_busy():
+            while eng.pool.servers[0].inflight == 0:
+                time.sleep(0.05)
+            time.sleep(0.3)
+            procs[0].kill()
+        killer = threading.Thread(target=kill_when_busy, daemon=True)
+        killer.start()
+        out = eng.generate([[10 + i] for i in range(8)],
+                           SamplingParams(n=2, max_new_tokens=10, seed=1, temperature=1.0))
+        killer.join()
+        assert [len(row) for row in out] == [2] * 8
+        assert all("sampling_seed" not in r["sampling_params"]
+                   for r in requests_of(log, "/generate"))
+        assert eng.pool.servers[0].state == "dead" and eng.pool.servers[0].restarts == 0
+        procs[1].kill()
+        with pytest.raises(ServerError, match="no sglang server is up"):
+            eng.generate([[5]], SamplingParams(max_new_tokens=2))
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def test_server_that_never_comes_up_names_its_log(models, tmp_path):
+    cmd = [sys.executable, "-c", "import sys; print('model folder is broken'); sys.exit(3)"]
+    with pytest.raises(ServerError, match=r"(?s)exited with code 3.*model folder is broken"):
+        SGLangEngine(make_cfg(launch_command=cmd), str(models["a"]), str(tmp_path))
