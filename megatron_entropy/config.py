@@ -156,6 +156,9 @@ class DataConfig:
     source_key: str = "data_source"
     apply_chat_template: bool = True
     prompt_suffix: str = _f("default", help="'default' = the paper's \\boxed{} instruction; '' = none")
+    overlong_prompts: Literal["drop", "truncate_left", "error"] = _f(
+        "drop", help="prompts over rollout.max_prompt_tokens: drop them, keep their last tokens, "
+                     "or stop with an error naming the row")
     shuffle: bool = True
     seed: int = 0
     prompts_per_step: int = _f(256, ge=1)
@@ -198,6 +201,19 @@ class LoggingConfig:
 
 
 @dataclass
+class ClusterConfig:
+    """The job's shape on a Slurm cluster: read by slurm/ scripts and `megatron-entropy plan`."""
+
+    gpus_per_node: int = _f(8, ge=1, help="the trainer runs one task per GPU (CPU nodes: per slot)")
+    gpu_memory_gb: float = _f(80.0, gt=0, help="memory of one GPU, for the plan's fit check")
+    server_nodes: int = _f(0, ge=0, help="rollout servers on the job's first K nodes, the trainer "
+                                         "on the rest; 0 = servers share the first trainer node")
+    server_gpus: int = _f(1, ge=1, help="GPUs of one rollout server (its tensor parallel size)")
+    servers_per_node: int = _f(0, ge=0, help="0 = gpus_per_node // server_gpus on server nodes, "
+                                             "1 when servers share a trainer node")
+
+
+@dataclass
 class Config:
     model: ModelConfig = _f(default_factory=ModelConfig)
     parallel: ParallelConfig = _f(default_factory=ParallelConfig)
@@ -206,6 +222,7 @@ class Config:
     data: DataConfig = _f(default_factory=DataConfig)
     trainer: TrainerConfig = _f(default_factory=TrainerConfig)
     logging: LoggingConfig = _f(default_factory=LoggingConfig)
+    cluster: ClusterConfig = _f(default_factory=ClusterConfig)
 
     @property
     def run_dir(self) -> Path:

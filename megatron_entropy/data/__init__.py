@@ -1,0 +1,14 @@
+"""Prompt datasets, the synthetic arithmetic task, the resumable sampler and dynamic sampling."""
+
+from megatron_entropy.data.arithmetic import ArithmeticProblem, generate_problems, train_val_problems
+from megatron_entropy.data.dataset import (DEFAULT_PROMPT_SUFFIX, DatasetError, PromptDataset,
+                                           PromptItem, PromptRow, arithmetic_rows,
+                                           load_prompt_dataset, load_tokenizer, read_rows,
+                                           render_prompt)
+from megatron_entropy.data.dynamic_sampling import GroupFilter, has_reward_variance
+from megatron_entropy.data.sampler import PromptSampler
+
+__all__ = ["ArithmeticProblem", "DEFAULT_PROMPT_SUFFIX", "DatasetError", "GroupFilter",
+           "PromptDataset", "PromptItem", "PromptRow", "PromptSampler", "arithmetic_rows",
+           "generate_problems", "has_reward_variance", "load_prompt_dataset", "load_tokenizer",
+           "read_rows", "render_prompt", "train_val_problems"]

@@ -1,0 +1,246 @@
+"""Prompt datasets: rows from jsonl / json / parquet files or the synthetic arithmetic task,
+rendered with the tokenizer's chat template and the paper's ``\\boxed{}`` instruction, tokenised.
+
+A row needs a prompt (a string, or a list of chat messages ``{"role", "content"}``) and a ground
+truth answer; its data source is optional (default: the file's stem). Keys are given by
+``data.prompt_key``, ``data.answer_key`` and ``data.source_key``; a dotted key reaches into nested
+fields, so verl-style files work as they are (``data.answer_key=reward_model.ground_truth``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator, Literal, Sequence, Union
+
+from megatron_entropy.data.arithmetic import train_val_problems
+
+if TYPE_CHECKING:
+    from megatron_entropy.config import ArithmeticConfig, DataConfig
+
+# The instruction appended to every question in the paper's training data (verl / PRIME format).
+DEFAULT_PROMPT_SUFFIX = "Let's think step by step and output the final answer within \\boxed{}."
+
+Prompt = Union[str, list[dict]]
+OverlongPolicy = Literal["drop", "truncate_left", "error"]
+
+
+class DatasetError(ValueError):
+    """A dataset file or row that cannot be used; the message names the file and the row."""
+
+
+@dataclass(frozen=True)
+class PromptRow:
+    prompt: Prompt
+    answer: str
+    source: str
+    where: str  # "file.jsonl:12" (line) or "file.parquet row 11", for error messages
+
+
+@dataclass(frozen=True)
+class PromptItem:
+    prompt_ids: list[int]
+    answer: str
+    source: str
+    text: str  # the rendered prompt (chat template + suffix) that prompt_ids encode
+
+
+# ------------------------------------------------------------------------------------- reading
+
+
+def _lookup(record: Any, dotted: str) -> Any:
+    node = record
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def _iter_records(path: Path) -> Iterator[tuple[str, Any]]:
+    suffix = path.suffix.lower()
+    if suffix == ".jsonl":
+        with path.open(encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    yield f"{path}:{lineno}", json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DatasetError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+    elif suffix == ".json":
+        try:
+            records = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as e:
+            raise DatasetError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+        if not isinstance(records, list):
+            raise DatasetError(f"{path}: a .json dataset must hold a list of rows")
+        for i, record in enumerate(records):
+            yield f"{path} row {i}", record
+    elif suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            table = pq.read_table(path)
+        except Exception as e:  # noqa: BLE001 - pyarrow raises several types for a bad file
+            raise DatasetError(f"{path}: cannot read parquet ({e})") from None
+        for i, record in enumerate(table.to_pylist()):
+            yield f"{path} row {i}", record
+    else:
+        raise DatasetError(f"{path}: unknown dataset format {path.suffix!r}; "
+                           "use .jsonl, .json or .parquet")
+
+
+def _check_messages(messages: list, where: str, key: str) -> list[dict]:
+    for m in messages:
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str)
+                and isinstance(m.get("content"), str)):
+            raise DatasetError(f"{where}: {key!r} is a list but not of chat messages "
+                               f"{{'role': str, 'content': str}}: {m!r}")
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
+def read_rows(path: Union[str, Path], prompt_key: str = "prompt", answer_key: str = "answer",
+              source_key: str = "data_source") -> list[PromptRow]:
+    """All rows of one file; a row without a prompt or an answer raises naming file and row."""
+    path = Path(path)
+    if not path.is_file():
+        raise DatasetError(f"dataset file {str(path)!r} does not exist")
+    rows = []
+    for where, record in _iter_records(path):
+        if not isinstance(record, dict):
+            raise DatasetError(f"{where}: a row must be an object, got {type(record).__name__}")
+        prompt = _lookup(record, prompt_key)
+        if isinstance(prompt, list):
+            prompt = _check_messages(prompt, where, prompt_key)
+        if not prompt or not isinstance(prompt, (str, list)):
+            raise DatasetError(f"{where}: row has no prompt under {prompt_key!r} "
+                               f"(data.prompt_key); its keys are {sorted(record)}")
+        answer = _lookup(record, answer_key)
+        if answer is None or (isinstance(answer, str) and not answer.strip()):
+            raise DatasetError(f"{where}: row has no answer under {answer_key!r} "
+                               f"(data.answer_key); its keys are {sorted(record)}")
+        source = _lookup(record, source_key)
+        rows.append(PromptRow(prompt=prompt, answer=str(answer).strip(),
+                              source=str(source) if source not in (None, "") else path.stem,
+                              where=where))
+    if not rows:
+        raise DatasetError(f"dataset file {str(path)!r} has no rows")
+    return rows
+
+
+def arithmetic_rows(cfg: "ArithmeticConfig", split: Literal["train", "val"]) -> list[PromptRow]:
+    train, val = train_val_problems(cfg.num_train, cfg.num_val, cfg.min_ops, cfg.max_ops,
+                                    cfg.max_operand, cfg.seed)
+    problems = train if split == "train" else val
+    return [PromptRow(prompt=p.question, answer=p.answer, source=p.source,
+                      where=f"arithmetic {split} problem {i}") for i, p in enumerate(problems)]
+
+
+# ------------------------------------------------------------------------------------- rendering
+
+
+def resolve_suffix(prompt_suffix: str) -> str:
+    return DEFAULT_PROMPT_SUFFIX if prompt_suffix == "default" else prompt_suffix
+
+
+def render_prompt(prompt: Prompt, tokenizer: Any, apply_chat_template: bool = True,
+                  suffix: str = DEFAULT_PROMPT_SUFFIX) -> str:
+    """The prompt text the policy sees: the question with ``suffix`` appended (to the last user
+    message of a conversation), in the tokenizer's chat template with the assistant turn opened."""
+    if isinstance(prompt, str):
+        messages = [{"role": "user", "content": prompt}]
+    else:
+        messages = [dict(m) for m in prompt]
+    if suffix:
+        users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+        if not users:
+            raise DatasetError(f"conversation has no user message to append the suffix to: "
+                               f"{prompt!r}")
+        last = messages[users[-1]]
+        last["content"] = f"{last['content']} {suffix}" if last["content"] else suffix
+    if apply_chat_template:
+        if not getattr(tokenizer, "chat_template", None):
+            raise DatasetError("data.apply_chat_template=true but the tokenizer has no chat "
+                               "template; set data.apply_chat_template=false for plain text")
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    if len(messages) != 1:
+        raise DatasetError("a multi-message conversation needs data.apply_chat_template=true")
+    return messages[0]["content"]
+
+
+class PromptDataset(Sequence[PromptItem]):
+    """Tokenised prompts with their answers and sources, in file order."""
+
+    def __init__(self, items: list[PromptItem], dropped_overlong: int = 0):
+        self.items = items
+        self.dropped_overlong = dropped_overlong
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        return self.items[i]
+
+    @property
+    def sources(self) -> list[str]:
+        return sorted({it.source for it in self.items})
+
+    @classmethod
+    def from_rows(cls, rows: Sequence[PromptRow], tokenizer: Any, *, max_prompt_tokens: int,
+                  apply_chat_template: bool = True, prompt_suffix: str = "default",
+                  overlong: OverlongPolicy = "drop") -> "PromptDataset":
+        suffix = resolve_suffix(prompt_suffix)
+        texts = [render_prompt(r.prompt, tokenizer, apply_chat_template, suffix) for r in rows]
+        # A chat template writes its own special tokens (BOS included); plain text gets the
+        # tokenizer's defaults.
+        encoded = tokenizer(texts, add_special_tokens=not apply_chat_template)["input_ids"]
+        items, dropped = [], 0
+        for row, text, ids in zip(rows, texts, encoded):
+            if len(ids) > max_prompt_tokens:
+                if overlong == "error":
+                    raise DatasetError(f"{row.where}: prompt has {len(ids)} tokens, more than "
+                                       f"rollout.max_prompt_tokens={max_prompt_tokens}")
+                if overlong == "drop":
+                    dropped += 1
+                    continue
+                ids = ids[-max_prompt_tokens:]
+            items.append(PromptItem(prompt_ids=list(ids), answer=row.answer, source=row.source,
+                                    text=text))
+        if rows and not items:
+            raise DatasetError(f"every one of the {len(rows)} prompts is longer than "
+                               f"rollout.max_prompt_tokens={max_prompt_tokens}")
+        return cls(items, dropped_overlong=dropped)
+
+
+def load_tokenizer(hf_dir: Union[str, Path]) -> Any:
+    """The tokenizer of an HF model folder, offline."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(hf_dir), local_files_only=True)
+
+
+def load_prompt_dataset(data: "DataConfig", tokenizer: Any, max_prompt_tokens: int,
+                        split: Literal["train", "val"]) -> PromptDataset:
+    """The train or validation prompts of a run. No ``data.train_files`` means the synthetic
+    arithmetic task (both splits); real training files without ``data.val_files`` mean no
+    validation set (an empty dataset)."""
+    files = data.train_files if split == "train" else data.val_files
+    if files:
+        rows: list[PromptRow] = []
+        for f in files:
+            try:
+                rows += read_rows(f, data.prompt_key, data.answer_key, data.source_key)
+            except DatasetError as e:
+                if not Path(f).is_file():
+                    raise DatasetError(f"data.{split}_files: {e}") from None
+                raise
+    elif split == "val" and data.train_files:
+        return PromptDataset([])
+    else:
+        rows = arithmetic_rows(data.arithmetic, split)
+    return PromptDataset.from_rows(rows, tokenizer, max_prompt_tokens=max_prompt_tokens,
+                                   apply_chat_template=data.apply_chat_template,
+                                   prompt_suffix=data.prompt_suffix,
+                                   overlong=data.overlong_prompts)
