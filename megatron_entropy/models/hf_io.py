@@ -199,17 +199,14 @@ def hf_weight_files(hf_dir: Union[str, Path]) -> dict[str, Path]:
         missing = sorted({str(p) for p in files.values() if not p.is_file()})
         if missing:
             raise FileNotFoundError(f"{index} lists shards that do not exist: {missing[:3]}")
+        for path in sorted(set(files.values())):
+            with _open_safetensors(path):  # reads the header: a truncated shard raises here
+                pass
         return files
     single = hf_dir / "model.safetensors"
     if single.is_file():
-        from safetensors import SafetensorError, safe_open
-
-        try:
-            with safe_open(str(single), "pt") as f:
-                return {name: single for name in f.keys()}
-        except (SafetensorError, OSError) as e:
-            raise ValueError(f"{single} is not a complete safetensors file ({e}); it is "
-                             "truncated or corrupt") from None
+        with _open_safetensors(single) as f:
+            return {name: single for name in f.keys()}
     shards = sorted(p.name for p in hf_dir.glob("*.safetensors"))
     if shards:
         raise FileNotFoundError(f"{str(hf_dir)!r} has {len(shards)} safetensors shards "
@@ -238,21 +235,27 @@ def iter_hf_tensors(hf_dir: Union[str, Path], names: Optional[Iterable[str]] = N
 
 
 @contextlib.contextmanager
+def _open_safetensors(path: Path):
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        handle = safe_open(str(path), "pt")
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{path} is not a complete safetensors file ({e}); the shard is "
+                         "truncated or corrupt") from None
+    with handle as f:
+        yield f
+
+
+@contextlib.contextmanager
 def open_hf_slices(files: dict[str, Path], names: Sequence[str]) -> Iterator[list]:
     """Lazy handles (``safetensors`` slices: ``.get_shape()``, ``[a:b]``, ``[:, a:b]``) on the named
     tensors; only the rows/columns indexed are read. Files are opened for the ``with`` block
     only, so their memory maps (which count as resident memory once read) do not pile up."""
-    from safetensors import SafetensorError, safe_open
-
     missing = [n for n in names if n not in files]
     if missing:
         raise KeyError(f"no tensor named {missing[0]!r} in the checkpoint's safetensors files")
     with contextlib.ExitStack() as stack:
-        handles = {}
-        for path in dict.fromkeys(files[n] for n in names):
-            try:
-                handles[path] = stack.enter_context(safe_open(str(path), "pt"))
-            except (SafetensorError, OSError) as e:
-                raise ValueError(f"{path} is not a complete safetensors file ({e}); the shard is "
-                                 "truncated or corrupt") from None
+        handles = {path: stack.enter_context(_open_safetensors(path))
+                   for path in dict.fromkeys(files[n] for n in names)}
         yield [handles[files[n]].get_slice(n) for n in names]

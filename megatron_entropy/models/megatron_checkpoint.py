@@ -418,7 +418,8 @@ def convert_checkpoint_to_hf(ckpt_dir: Union[str, Path], out_dir: Union[str, Pat
     (a converted one or a trainer's), layer by layer; padded vocab rows are dropped.
 
     Config and tokenizer come from ``hf_config_from`` or else the checkpoint's ``hf/``. ``dtype``
-    defaults to config.json's dtype, else the checkpoint's. Returns {"tensors", "bytes",
+    defaults to the dtype of the checkpoint's weight matrices (config.json's dtype field is set to
+    match). Returns {"tensors", "bytes",
     "shards", "seconds", "peak_rss_bytes"}.
     """
     start = time.perf_counter()
@@ -431,12 +432,12 @@ def convert_checkpoint_to_hf(ckpt_dir: Union[str, Path], out_dir: Union[str, Pat
     cfg = json.loads((meta_dir / "config.json").read_text())
     top, stacked = _model_keys(arch)
     if dtype is None:
-        dtype = _config_dtype(cfg)
-    if dtype is None:
+        # The dtype the weight matrices are stored in (norms may be kept in fp32).
         stored = check_checkpoint_files(ckpt_dir).state_dict_metadata
         key = _LAYERS + "self_attention.linear_qkv.weight"
-        dtype = {v: k for k, v in DTYPES.items()}[stored[key].properties.dtype] if key in stored \
-            else "fp32"
+        dtype = {v: k for k, v in DTYPES.items()}.get(stored[key].properties.dtype) \
+            if key in stored else None
+        dtype = dtype or _config_dtype(cfg) or "fp32"
     if dtype not in DTYPES:
         raise CheckpointError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     torch_dtype = DTYPES[dtype]
@@ -444,20 +445,17 @@ def convert_checkpoint_to_hf(ckpt_dir: Union[str, Path], out_dir: Union[str, Pat
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
         raise CheckpointError(f"{out_dir} already exists and is not empty (it holds a "
                               "checkpoint?); pass --overwrite to replace it")
-    bar = _progress(len(specs), f"mcore -> HF {out_dir.name}", progress)
 
-    def hf_tensors() -> Iterator[tuple[str, torch.Tensor]]:
+    def hf_tensors(bar) -> Iterator[tuple[str, torch.Tensor]]:
         for name, full in iter_checkpoint_tensors(ckpt_dir, arch):
             for hf_name, t in megatron_to_hf(weight_map(name, arch), full, arch):
                 bar.update(1)
                 yield hf_name, _cast_checked(t, torch_dtype, hf_name)
 
-    try:
-        with _single_process_megatron():
-            stats = save_hf_weights(hf_tensors(), out_dir, metadata_from=meta_dir,
-                                    max_shard_bytes=max_shard_bytes, specs=specs)
-    finally:
-        bar.close()
+    with _single_process_megatron(), _progress(len(specs), f"mcore -> HF {out_dir.name}",
+                                               progress) as bar:
+        stats = save_hf_weights(hf_tensors(bar), out_dir, metadata_from=meta_dir,
+                                max_shard_bytes=max_shard_bytes, specs=specs)
     if _config_dtype(cfg) not in (None, dtype):
         # The weights' dtype changed: say so in config.json, as save_pretrained would.
         names = {v: k for k, v in _TORCH_DTYPE_NAMES.items()}
