@@ -3,14 +3,116 @@
 from __future__ import annotations
 
 import argparse
+import os
+import signal
+import subprocess
 import sys
+from pathlib import Path
 from typing import Callable, Optional
+
+# Errors that are the user's to fix: printed as one line, exit code 2, no traceback.
+USER_ERRORS: tuple[type[BaseException], ...] = (FileNotFoundError,)
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from megatron_entropy.config import ConfigError
+    from megatron_entropy.data import DatasetError
+    from megatron_entropy.models.arch import UnsupportedModelError
+    from megatron_entropy.runtime import ParallelLayoutError
+
+    return USER_ERRORS + (ConfigError, DatasetError, UnsupportedModelError, ParallelLayoutError)
+
+
+# ------------------------------------------------------------------------------------ train
+
+
+def _add_train_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", help="YAML config (examples/quickstart.yaml)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides: algorithm.loss=kl_cov ...")
+    p.add_argument("--nproc", type=int, default=None,
+                   help="processes to start on this machine when not under torchrun/srun "
+                        "(default: parallel.tensor x parallel.pipeline)")
+
+
+def _spawn_local(args: argparse.Namespace, nproc: int, run_dir: Path) -> int:
+    """Start ``nproc`` ranks of this command on this machine; rank 0 prints, the others log to
+    ``<run_dir>/logs/rank_N.log``. The first rank to fail stops the rest."""
+    import socket
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "megatron_entropy.cli", "train", args.config, *args.overrides]
+    procs = []
+    for rank in range(nproc):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(nproc), "LOCAL_RANK": str(rank),
+               "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port), "OMP_NUM_THREADS": os.environ.get(
+                   "OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))}
+        out = None if rank == 0 else open(run_dir / "logs" / f"rank_{rank}.log", "w")
+        procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT
+                                      if out else None))
+
+    def forward(signum, frame):
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, forward)
+    code = 0
+    while procs and any(p.poll() is None for p in procs):
+        failed = [p for p in procs if p.poll() not in (None, 0)]
+        if failed:
+            code = failed[0].returncode
+            time.sleep(5)  # let the others fail on their own (their messages are clearer)
+            for p in procs:
+                if p.poll() is None:
+                    p.terminate()
+            break
+        time.sleep(0.2)
+    for p in procs:
+        p.wait()
+    codes = [p.returncode for p in procs]
+    if code == 0:
+        code = next((c for c in codes if c != 0), 0)
+    if code not in (0, 75):
+        bad = [r for r, c in enumerate(codes) if c != 0]
+        print(f"ranks {bad} exited with {[codes[r] for r in bad]}; logs of ranks > 0 are in "
+              f"{run_dir / 'logs'}", file=sys.stderr)
+    return code
+
+
+def _run_train(args: argparse.Namespace) -> int:
+    from megatron_entropy.config import load_config
+    from megatron_entropy.runtime import check_layout, detect_launch_env
+
+    cfg = load_config(args.config, args.overrides)
+    launch = detect_launch_env()
+    tp, pp = cfg.parallel.tensor, cfg.parallel.pipeline
+    if launch.launcher == "single":
+        nproc = args.nproc or tp * pp
+        check_layout(nproc, tp, pp)
+        if nproc > 1:
+            return _spawn_local(args, nproc, cfg.run_dir)
+    check_layout(launch.world_size, tp, pp)
+    from megatron_entropy.trainer.loop import train
+
+    train(cfg)
+    return 0
+
+
+# ------------------------------------------------------------------------------------ table
 
 
 def _commands() -> dict[str, tuple[str, Callable[[argparse.ArgumentParser], None],
                                    Callable[[argparse.Namespace], int]]]:
     """name -> (help, add_arguments, run). Each run imports its module lazily (fast --help)."""
-    return {}
+    return {
+        "train": ("run (or resume) an RL job from a YAML config", _add_train_args, _run_train),
+    }
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -20,7 +122,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     for name, (help_text, add_args, _) in commands.items():
         add_args(sub.add_parser(name, help=help_text, description=help_text))
     args = parser.parse_args(argv)
-    return commands[args.command][2](args) or 0
+    try:
+        return commands[args.command][2](args) or 0
+    except _user_errors() as e:
+        print(f"megatron-entropy {args.command}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -62,7 +62,8 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     ctx = mp.get_context("fork")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, daemon=True,
+    # Not daemonic: dist_checkpointing starts helper processes inside a rank.
+    procs = [ctx.Process(target=_worker, daemon=False,
                          args=(fn, r, world_size, port, results, timeout, args, kwargs))
              for r in range(world_size)]
     for p in procs:

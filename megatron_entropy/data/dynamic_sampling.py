@@ -42,8 +42,8 @@ class GroupFilter(Generic[T]):
 
     @property
     def done(self) -> bool:
-        return (len(self.kept) >= self.target_groups or not self.enabled
-                or self.rounds > self.max_refill_rounds)
+        return self.rounds > 0 and (len(self.kept) >= self.target_groups or not self.enabled
+                                    or self.rounds > self.max_refill_rounds)
 
     def prompts_needed(self) -> int:
         """Prompts to roll out next: the whole target first, then the deficit scaled up by the

@@ -1,0 +1,35 @@
+"""Rollout engines behind one interface (base.py): in-process transformers, vLLM and SGLang
+servers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Union
+
+from megatron_entropy.rollout.base import Completion, RolloutEngine, SamplingParams
+
+__all__ = ["Completion", "RolloutEngine", "SamplingParams", "build_engine", "engine_is_shared"]
+
+
+def engine_is_shared(engine_name: str) -> bool:
+    """Server engines serve the whole job (driven by rank 0); in-process ones live on each DP
+    leader."""
+    return engine_name != "inprocess"
+
+
+def build_engine(rollout_cfg, hf_dir: Union[str, Path], run_dir: Union[str, Path]
+                 ) -> RolloutEngine:
+    """The engine ``rollout.engine`` names, serving the model in ``hf_dir``."""
+    if rollout_cfg.engine == "inprocess":
+        from megatron_entropy.rollout.inprocess import InProcessEngine
+
+        return InProcessEngine(hf_dir, dtype=rollout_cfg.dtype, batch_size=rollout_cfg.batch_size)
+    if rollout_cfg.engine == "vllm":
+        from megatron_entropy.rollout.vllm import VLLMEngine
+
+        return VLLMEngine(rollout_cfg.server, str(hf_dir), str(run_dir))
+    if rollout_cfg.engine == "sglang":
+        from megatron_entropy.rollout.sglang import SGLangEngine
+
+        return SGLangEngine(rollout_cfg.server, str(hf_dir), str(run_dir))
+    raise ValueError(f"rollout.engine={rollout_cfg.engine!r}: choose inprocess, vllm or sglang")

@@ -1,0 +1,235 @@
+"""The actor: the Megatron policy (and optional frozen reference) that recomputes log-probs and
+entropies and takes PPO-style updates through Megatron's pipeline schedules.
+
+Data flow inside one RL step (per rank; every rank of a DP replica holds the same samples):
+  recompute(samples)             forward-only: old log-probs + entropies (+ reference log-probs)
+  update(samples)                ppo_epochs x mini-batches: [global Cov selection] -> micro-batches
+                                 through forward_backward_func -> Megatron optimizer step
+Log-prob/entropy come from the vocab-parallel ops (logits path) or the fused output-layer op
+(hidden-states path), at the rollout temperature, for response tokens only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+
+from megatron_entropy.algorithms.policy_loss import (PolicyLossSettings, policy_loss,
+                                                     reduce_metrics)
+from megatron_entropy.models.arch import ModelArch
+from megatron_entropy.ops.logprob_entropy import (fused_linear_logprob_entropy,
+                                                  vocab_parallel_logprob_entropy)
+from megatron_entropy.trainer.batch import MicroBatch, Sample, pack_micro_batches, to_device
+
+
+@dataclass
+class ActorSettings:
+    logprob_impl: str = "fused"  # fused | chunked
+    chunk_tokens: int = 1024
+    temperature: float = 1.0
+    micro_batch_tokens: int = 16384
+    mini_batches_per_step: int = 1
+    ppo_epochs: int = 1
+    cov_scope: str = "micro_batch"
+    global_selection_logprobs: str = "recompute"  # recompute | fresh
+    seed: int = 0
+
+
+class Actor:
+    def __init__(self, arch: ModelArch, model_chunks: list, optimizer, scheduler,
+                 loss_settings: PolicyLossSettings, settings: ActorSettings,
+                 ref_model: Optional[torch.nn.Module] = None) -> None:
+        from megatron.core import parallel_state as ps
+
+        self.arch = arch
+        self.model = model_chunks
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.loss_settings = loss_settings
+        self.settings = settings
+        self.ref_model = ref_model
+        self.ps = ps
+        self.device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+    # ------------------------------------------------------------------ token statistics
+
+    def _token_stats(self, model, output: torch.Tensor, mb: MicroBatch
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-prob and entropy [N] of each response token from the last stage's output."""
+        from megatron_entropy.models.output_head import output_layer_weight
+
+        flat = output.reshape(-1, output.shape[-1])
+        rows = flat.index_select(0, mb.flat_positions)
+        kwargs = dict(vocab_size=self.arch.vocab_size,
+                      group=self.ps.get_tensor_model_parallel_group(),
+                      temperature=self.settings.temperature,
+                      chunk_tokens=self.settings.chunk_tokens)
+        if self.settings.logprob_impl == "fused":
+            return fused_linear_logprob_entropy(rows, output_layer_weight(model), mb.targets,
+                                                **kwargs)
+        return vocab_parallel_logprob_entropy(rows, mb.targets, **kwargs)
+
+    def _model_forward(self, model, mb: MicroBatch) -> torch.Tensor:
+        from megatron_entropy.models.output_head import hidden_states_instead_of_logits
+
+        if self.settings.logprob_impl == "fused":
+            with hidden_states_instead_of_logits(model):
+                return model(mb.tokens, mb.position_ids, None)
+        return model(mb.tokens, mb.position_ids, None)
+
+    def _run_schedule(self, model_chunks: list, micro_batches: list[MicroBatch],
+                      loss_fn: Callable[[Any, torch.Tensor, MicroBatch], tuple],
+                      forward_only: bool) -> list[dict]:
+        """Run micro-batches through Megatron's schedule; returns the last stage's loss dicts."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        if not micro_batches:
+            return []
+        queue = iter(micro_batches)
+
+        def forward_step(data_iterator, model):
+            mb = to_device(next(data_iterator), self.device)
+            output = self._model_forward(model, mb)
+            return output, lambda out: loss_fn(model, out, mb)
+
+        seq = max(mb.tokens.shape[1] for mb in micro_batches)
+        rows = max(mb.tokens.shape[0] for mb in micro_batches)
+        return get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=queue, model=model_chunks,
+            num_microbatches=len(micro_batches), seq_length=seq, micro_batch_size=rows,
+            forward_only=forward_only)
+
+    def _broadcast_from_last_stage(self, obj: Any) -> Any:
+        """Results exist on the last PP stage only; every stage of the replica gets them."""
+        if self.ps.get_pipeline_model_parallel_world_size() == 1:
+            return obj
+        box = [obj if self.ps.is_pipeline_last_stage() else None]
+        torch.distributed.broadcast_object_list(
+            box, src=self.ps.get_pipeline_model_parallel_last_rank(),
+            group=self.ps.get_pipeline_model_parallel_group())
+        return box[0]
+
+    # ------------------------------------------------------------------ forward-only passes
+
+    @torch.no_grad()
+    def _forward_only(self, chunks: list, mbs: list[MicroBatch]
+                      ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """micro-batch index -> (log-probs [N], entropies [N]); on the last PP stage only."""
+        for c in chunks:
+            c.eval()
+
+        def loss_fn(model, output, mb):
+            logp, ent = self._token_stats(model, output, mb)
+            return (output.new_zeros(()), torch.tensor(0, dtype=torch.int),
+                    {"index": mb.index, "logp": logp.float().cpu(), "entropy": ent.float().cpu()})
+
+        try:
+            outs = self._run_schedule(chunks, mbs, loss_fn, forward_only=True)
+        finally:
+            for c in chunks:
+                c.train()
+        return {o["index"]: (o["logp"], o["entropy"]) for o in outs}
+
+    def compute_logprobs(self, samples: list[Sample], reference: bool = False
+                         ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(log-probs, entropies) of each sample's response tokens under the current policy (or
+        the frozen reference), on every rank of the replica."""
+        if reference and self.ref_model is None:
+            raise RuntimeError("reference log-probs need a reference model (algorithm.kl_coef > 0)")
+        mbs = pack_micro_batches(samples, self.settings.micro_batch_tokens)
+        stats = self._forward_only([self.ref_model] if reference else self.model, mbs)
+        result: list = [None] * len(samples)
+        if self.ps.is_pipeline_last_stage():
+            for mb in mbs:
+                lengths = mb.mask.sum(1).long().tolist()
+                logp, ent = stats[mb.index]
+                for sid, lp, en in zip(mb.sample_ids, logp.split(lengths), ent.split(lengths)):
+                    result[sid] = (lp, en)
+        return self._broadcast_from_last_stage(result)
+
+    def recompute(self, samples: list[Sample]) -> None:
+        """Fill old log-probs and entropies (and reference log-probs) of every sample."""
+        for s, (lp, en) in zip(samples, self.compute_logprobs(samples)):
+            s.old_logprobs, s.entropy = lp, en
+        if self.ref_model is not None:
+            for s, (lp, _) in zip(samples, self.compute_logprobs(samples, reference=True)):
+                s.ref_logprobs = lp
+
+    # ------------------------------------------------------------------ updates
+
+    def _normalizer(self, samples: list[Sample], ids: list[int]) -> float:
+        """The aggregation denominator of the whole optimizer step, over every DP rank."""
+        per_token = self.loss_settings.loss_agg_mode == "token-mean"
+        local = sum(len(samples[i].response_ids) if per_token else 1 for i in ids)
+        t = torch.tensor([float(local)], dtype=torch.float64, device=self.device)
+        torch.distributed.all_reduce(t, group=self.ps.get_data_parallel_group())
+        return float(t.item())
+
+    def _global_selections(self, mbs: list[MicroBatch], seed: int) -> Optional[list]:
+        """Clip-Cov/KL-Cov token choice over the whole optimizer step (cov_scope=global)."""
+        if self.settings.cov_scope != "global":
+            return None
+        from megatron_entropy.algorithms.policy_loss import select_tokens_global
+
+        if self.settings.global_selection_logprobs == "fresh":
+            # An extra forward-only pass: the current policy's log-probs, exact for every update.
+            fresh = self._forward_only(self.model, mbs)
+            if not self.ps.is_pipeline_last_stage():
+                return None
+            sel_logp = [mb.scatter(fresh[mb.index][0]) for mb in mbs]
+        else:
+            if not self.ps.is_pipeline_last_stage():
+                return None
+            sel_logp = [mb.fields["old_logprobs"] for mb in mbs]
+        return select_tokens_global(
+            self.loss_settings, sel_logp, [mb.fields["old_logprobs"] for mb in mbs],
+            [mb.advantages for mb in mbs], [mb.mask for mb in mbs],
+            dp_group=self.ps.get_data_parallel_group(), seed=seed)
+
+    def update(self, samples: list[Sample], step: int) -> dict[str, float]:
+        """ppo_epochs x mini_batches_per_step optimizer steps over this rank's samples."""
+        from megatron_entropy.trainer.model_setup import optimizer_step
+
+        n_mini = self.settings.mini_batches_per_step
+        bounds = [round(i * len(samples) / n_mini) for i in range(n_mini + 1)]
+        all_metrics: list[dict] = []
+        opt_stats: list[dict] = []
+        for epoch in range(self.settings.ppo_epochs):
+            for k in range(n_mini):
+                ids = list(range(bounds[k], bounds[k + 1]))
+                normalizer = self._normalizer(samples, ids)
+                mbs = pack_micro_batches(samples, self.settings.micro_batch_tokens, ids)
+                # Every draw derives from (seed, step, epoch, mini-batch, micro-batch): resumable.
+                update_seed = ((self.settings.seed * 1_000_003 + step) * 1009 + epoch) * 101 + k
+                selections = self._global_selections(mbs, update_seed)
+
+                def loss_fn(model, output, mb, normalizer=normalizer, selections=selections,
+                            update_seed=update_seed):
+                    logp, ent = self._token_stats(model, output, mb)
+                    gen = torch.Generator().manual_seed(update_seed * 997 + mb.index)
+                    loss, metrics = policy_loss(
+                        self.loss_settings, mb.scatter(logp), mb.fields["old_logprobs"],
+                        mb.advantages, mb.mask, normalizer=normalizer, entropy=mb.scatter(ent),
+                        ref_logp=mb.fields.get("ref_logprobs"),
+                        selection=None if selections is None else selections[mb.index],
+                        generator=gen)
+                    return loss, torch.tensor(mb.num_tokens, dtype=torch.int), {"m": metrics}
+
+                outs = self._run_schedule(self.model, mbs, loss_fn, forward_only=False)
+                all_metrics.extend(o["m"] for o in outs)
+                opt_stats.append(optimizer_step(self.optimizer, self.scheduler, self.model))
+        return self._summarize(all_metrics, opt_stats)
+
+    def _summarize(self, metrics: list[dict], opt_stats: list[dict]) -> dict[str, float]:
+        out = None
+        if self.ps.is_pipeline_last_stage():
+            out = reduce_metrics(metrics, self.ps.get_data_parallel_group())
+        out = dict(self._broadcast_from_last_stage(out) or {})
+        norms = [s["grad_norm"] for s in opt_stats if s["grad_norm"] is not None]
+        if norms:
+            out["grad_norm"] = sum(norms) / len(norms)
+        out["lr"] = opt_stats[-1]["lr"] if opt_stats else 0.0
+        out["update_skipped"] = float(sum(not s["update_successful"] for s in opt_stats))
+        return out

@@ -1,0 +1,377 @@
+"""The RL loop. Every rank runs ``train(cfg)`` (SPMD, under torchrun, srun or ``--nproc``):
+
+    for step:
+        rollout      prompts -> engine (DP leaders) -> rewards -> dynamic sampling -> advantages
+        recompute    old log-probs, entropies (and reference log-probs) with the Megatron actor
+        update       ppo_epochs x mini-batches of Clip-Cov / KL-Cov / PPO-clip
+        sync         Megatron weights -> HF names -> rollout engine
+        log, validate, checkpoint
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_entropy.config import Config, dump_config
+
+PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: checkpointed on a signal, resume later
+
+
+class Preempted(SystemExit):
+    def __init__(self) -> None:
+        super().__init__(PREEMPTED_EXIT_CODE)
+
+
+@dataclass
+class RunState:
+    """Everything besides weights and optimizer that a resumed run needs."""
+
+    step: int = 0
+    sampler: Optional[dict] = None
+    rollout_seed: int = 0
+
+
+class _SignalFlag:
+    """SIGUSR1/SIGTERM ask for a checkpoint at the end of the step, then exit 75."""
+
+    def __init__(self) -> None:
+        self.raised = False
+        for sig in (signal.SIGUSR1, signal.SIGTERM):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.raised = True
+
+    def any_rank(self) -> bool:
+        flag = torch.tensor([1.0 if self.raised else 0.0], device=_device())
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+def _device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _reduce_token_metrics(samples: list, group) -> dict[str, float]:
+    """Entropy (token mean, mean of per-sequence means, per source) and train/rollout drift,
+    summed over this DP rank's samples and the DP group."""
+    sums: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    drift_max = 0.0
+    for s in samples:
+        n = len(s.response_ids)
+        if n == 0:
+            continue
+        ent = s.entropy.double()
+        seq_mean = float(ent.mean())
+        for key, value, count in (("entropy/token_mean", float(ent.sum()), n),
+                                  ("entropy/seq_mean", seq_mean, 1),
+                                  (f"entropy/{s.source}/seq_mean", seq_mean, 1)):
+            sums[key][0] += value
+            sums[key][1] += count
+        drift = (s.old_logprobs.double() - torch.tensor(s.engine_logprobs, dtype=torch.float64)).abs()
+        sums["rollout/logprob_drift"][0] += float(drift.sum())
+        sums["rollout/logprob_drift"][1] += n
+        drift_max = max(drift_max, float(drift.max()))
+    gathered: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, (dict(sums), drift_max), group=group)
+    total: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for part, _ in gathered:
+        for k, (v, c) in part.items():
+            total[k][0] += v
+            total[k][1] += c
+    out = {k: v / c for k, (v, c) in total.items() if c > 0}
+    out["rollout/logprob_drift_max"] = max(m for _, m in gathered)
+    return out
+
+
+_LOSS_METRIC_NAMES = {"cov_mean": "cov/mean", "cov_max": "cov/max",
+                      "cov_selected_mean": "cov/selected_mean", "cov_selected_max": "cov/selected_max",
+                      "selected_frac": "loss/selected_frac", "pg_clipfrac": "loss/clip_frac",
+                      "pg_clipfrac_lower": "loss/clip_frac_lower", "ppo_kl": "loss/ppo_kl",
+                      "ppo_kl_abs": "loss/ppo_kl_abs", "pg_loss": "loss/pg", "kl_ref": "loss/kl_ref",
+                      "entropy": "entropy/train_token_mean",
+                      "entropy_seq_mean": "entropy/train_seq_mean",
+                      "update_skipped": "loss/update_skipped"}
+
+
+class Trainer:
+    """Builds every part from the config; ``run()`` is the loop."""
+
+    def __init__(self, cfg: Config) -> None:
+        from megatron.core import parallel_state as ps
+
+        from megatron_entropy.algorithms.policy_loss import PolicyLossSettings
+        from megatron_entropy.data import PromptSampler, load_prompt_dataset, load_tokenizer
+        from megatron_entropy.models.arch import load_arch
+        from megatron_entropy.models.megatron_checkpoint import read_arch
+        from megatron_entropy.runtime import init_distributed, set_seed
+        from megatron_entropy.trainer.actor import Actor, ActorSettings
+        from megatron_entropy.trainer.checkpoint import CheckpointManager
+        from megatron_entropy.trainer.metrics import MetricsLogger
+        from megatron_entropy.trainer.model_setup import (OptimSettings, build_optimizer,
+                                                          build_trainable_model)
+
+        self.cfg = cfg
+        self.run_dir = cfg.run_dir
+        init_distributed(cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.backend,
+                         cfg.parallel.timeout_minutes)
+        set_seed(cfg.trainer.seed)
+        self.ps = ps
+        self.rank0 = dist.get_rank() == 0
+        if self.rank0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            dump_config(cfg, self.run_dir / "config.yaml")
+
+        # The model: architecture, tokenizer and initial weights from an HF folder or a converted
+        # Megatron checkpoint (whose hf/ folder holds config and tokenizer).
+        m = cfg.model
+        if m.megatron_ckpt:
+            self.arch = read_arch(m.megatron_ckpt)
+            self.hf_dir = m.hf_path or str(Path(m.megatron_ckpt) / "hf")
+        else:
+            if not m.hf_path:
+                raise ValueError("set model.hf_path (an HF model folder) or model.megatron_ckpt")
+            self.arch = load_arch(m.hf_path)
+            self.hf_dir = m.hf_path
+        self.arch.check_parallel(cfg.parallel.tensor, cfg.parallel.pipeline)
+        self.tokenizer = load_tokenizer(self.hf_dir)
+        seq_length = cfg.rollout.max_prompt_tokens + cfg.rollout.max_new_tokens
+
+        self.train_data = load_prompt_dataset(cfg.data, self.tokenizer,
+                                              cfg.rollout.max_prompt_tokens, "train")
+        self.val_data = load_prompt_dataset(cfg.data, self.tokenizer,
+                                            cfg.rollout.max_prompt_tokens, "val")
+        self.sampler = PromptSampler(len(self.train_data), cfg.data.shuffle, cfg.data.seed)
+
+        self.ckpt = CheckpointManager(self.run_dir, cfg.trainer.keep_last)
+        resume_from = self._resume_path()
+        self.model = build_trainable_model(self.arch, cfg.parallel.tensor, cfg.parallel.pipeline,
+                                           m.dtype, m.transformer_impl, seq_length,
+                                           cfg.parallel.sequence_parallel,
+                                           m.recompute_activations)
+        if resume_from is None:
+            self._load_initial_weights(self.model[0])
+        optimizer, scheduler = build_optimizer(
+            self.model, OptimSettings.from_trainer_config(
+                cfg.trainer, cfg.trainer.steps * cfg.trainer.ppo_epochs
+                * cfg.trainer.mini_batches_per_step), m.dtype)
+        ref_model = None
+        if cfg.algorithm.kl_coef > 0:
+            from megatron_entropy.models.builder import build_gpt_model
+
+            ref_model = build_gpt_model(self.arch, cfg.parallel.tensor, cfg.parallel.pipeline,
+                                        m.dtype, m.transformer_impl, seq_length,
+                                        cfg.parallel.sequence_parallel)
+            self._load_initial_weights(ref_model)
+            ref_model.requires_grad_(False)
+        a = cfg.algorithm
+        self.actor = Actor(
+            self.arch, self.model, optimizer, scheduler, PolicyLossSettings.from_config(a),
+            ActorSettings(logprob_impl=a.logprob_impl, chunk_tokens=a.logprob_chunk_tokens,
+                          temperature=cfg.rollout.temperature,
+                          micro_batch_tokens=cfg.trainer.micro_batch_tokens,
+                          mini_batches_per_step=cfg.trainer.mini_batches_per_step,
+                          ppo_epochs=cfg.trainer.ppo_epochs, cov_scope=a.cov_scope,
+                          global_selection_logprobs=a.global_selection_logprobs,
+                          seed=cfg.trainer.seed),
+            ref_model=ref_model)
+
+        self.state = RunState(rollout_seed=cfg.rollout.seed)
+        if resume_from is not None:
+            saved = self.ckpt.load(resume_from, self.model, optimizer)
+            scheduler.load_state_dict(saved["scheduler"])
+            self.state = RunState(step=saved["step"], sampler=saved["sampler"],
+                                  rollout_seed=saved["rollout_seed"])
+            self.sampler.load_state_dict(saved["sampler"])
+
+        # Rollout engine: per DP leader (in-process) or one set of servers for the job.
+        from megatron_entropy.rollout import build_engine, engine_is_shared
+
+        self.shared_engine = engine_is_shared(cfg.rollout.engine)
+        leader = (ps.get_tensor_model_parallel_rank() == 0
+                  and ps.get_pipeline_model_parallel_rank() == 0)
+        talks_to_engine = self.rank0 if self.shared_engine else leader
+        self.engine = build_engine(cfg.rollout, self.hf_dir, self.run_dir) \
+            if talks_to_engine else None
+        self.logger = MetricsLogger(self.run_dir, cfg.trainer.steps, self.rank0,
+                                    cfg.logging.progress_bar, cfg.logging.tensorboard,
+                                    cfg.logging.wandb, cfg.logging.wandb_project, cfg.to_dict(),
+                                    start_step=self.state.step)
+        if resume_from is not None:
+            self.logger.write(f"resumed from {resume_from} at step {self.state.step}")
+        # The engine loaded hf_path's weights; anything else (a checkpoint, a converted
+        # Megatron checkpoint) is pushed to it before the first rollout.
+        if resume_from is not None or m.megatron_ckpt:
+            self.sync_weights(version=self.state.step)
+        self.signals = _SignalFlag()
+
+    # ------------------------------------------------------------------ setup helpers
+
+    def _resume_path(self) -> Optional[Path]:
+        resume = self.cfg.trainer.resume
+        if resume == "none":
+            return None
+        if resume == "auto":
+            return self.ckpt.latest()
+        path = Path(resume)
+        if not (path / "trainer_state.json").is_file():
+            raise FileNotFoundError(f"trainer.resume={resume!r} is not a checkpoint folder "
+                                    "(no trainer_state.json)")
+        return path
+
+    def _load_initial_weights(self, model) -> None:
+        if self.cfg.model.megatron_ckpt:
+            from megatron_entropy.models.megatron_checkpoint import load_model_weights
+
+            load_model_weights(model, self.cfg.model.megatron_ckpt)
+        else:
+            from megatron_entropy.models.bridge import load_hf_weights
+
+            load_hf_weights(model, self.hf_dir, self.arch)
+
+    # ------------------------------------------------------------------ the phases
+
+    def sampling_params(self, step: int, validation: bool = False):
+        from megatron_entropy.rollout.base import SamplingParams
+
+        r = self.cfg.rollout
+        if validation:
+            greedy = r.val_temperature == 0
+            return SamplingParams(n=1 if greedy else r.val_n_samples,
+                                  temperature=1.0 if greedy else r.val_temperature,
+                                  top_p=1.0 if greedy else r.top_p, top_k=1 if greedy else r.top_k,
+                                  max_new_tokens=r.max_new_tokens, stop=tuple(r.stop),
+                                  stop_token_ids=tuple(r.stop_token_ids),
+                                  seed=self.state.rollout_seed + 7_919 * (step + 1) + 1)
+        return SamplingParams(n=r.n_samples, temperature=r.temperature, top_p=r.top_p,
+                              top_k=r.top_k, max_new_tokens=r.max_new_tokens, stop=tuple(r.stop),
+                              stop_token_ids=tuple(r.stop_token_ids),
+                              seed=self.state.rollout_seed + 7_919 * (step + 1))
+
+    def rollout(self, step: int):
+        from megatron_entropy.rewards import math_rewards
+        from megatron_entropy.trainer.rollouts import collect_step_groups
+
+        d = self.cfg.data
+        return collect_step_groups(
+            self.engine, lambda n: [self.train_data[i] for i in self.sampler.next_indices(n)],
+            self.sampling_params(step), math_rewards, self.shared_engine, d.prompts_per_step,
+            d.dynamic_sampling, d.max_refill_rounds)
+
+    def sync_weights(self, version: int) -> dict[str, float]:
+        """Megatron weights -> the engine. Every model-parallel rank of a replica that feeds an
+        engine takes part in the gather; the replica's leader streams tensors to its engine."""
+        from megatron_entropy.models.bridge import export_hf_weights
+
+        start = time.perf_counter()
+        stats: dict[str, float] = {}
+        feeds_engine = (self.ps.get_data_parallel_rank() == 0) if self.shared_engine else True
+        if feeds_engine:
+            tensors = export_hf_weights(self.model[0], self.arch)
+            if self.engine is not None:
+                stats = self.engine.update_weights(((n, t) for n, t in tensors), version)
+            else:
+                for _ in tensors:  # take part in the collective gather
+                    pass
+        dist.barrier()
+        return {"sync/seconds": time.perf_counter() - start,
+                **{f"sync/{k}": float(v) for k, v in stats.items()}}
+
+    def validate(self, step: int) -> dict[str, float]:
+        from megatron_entropy.rewards import math_rewards
+        from megatron_entropy.trainer.rollouts import generate_groups, rollout_metrics
+
+        if len(self.val_data) == 0:
+            return {}
+        groups = generate_groups(self.engine, list(self.val_data),
+                                 self.sampling_params(step, validation=True), math_rewards,
+                                 self.shared_engine)
+        return rollout_metrics(groups, prefix="val/")
+
+    def save(self, step: int) -> None:
+        self.ckpt.save(step, self.model, self.actor.optimizer,
+                       {"step": step, "sampler": self.sampler.state_dict(),
+                        "rollout_seed": self.state.rollout_seed,
+                        "scheduler": self.actor.scheduler.state_dict()},
+                       self.arch, self.hf_dir)
+
+    # ------------------------------------------------------------------ the loop
+
+    def run(self) -> dict[str, float]:
+        from megatron_entropy.trainer.metrics import PhaseTimer
+        from megatron_entropy.trainer.rollouts import dp_share, groups_to_samples, rollout_metrics
+
+        cfg, t = self.cfg, self.cfg.trainer
+        dp_group = self.ps.get_data_parallel_group()
+        metrics: dict[str, float] = {}
+        if t.val_before_train and self.state.step == 0:
+            self.logger.log(0, self.validate(0))
+        for step in range(self.state.step + 1, t.steps + 1):
+            timer = PhaseTimer()
+            started = time.perf_counter()
+            with timer("rollout"):
+                kept, generated, sampling_metrics = self.rollout(step)
+            samples = groups_to_samples(kept, cfg.algorithm.advantage,
+                                        cfg.algorithm.norm_adv_by_std)
+            mine = dp_share(samples)
+            metrics = {**rollout_metrics(generated), **sampling_metrics}
+            if samples:
+                with timer("recompute"):
+                    self.actor.recompute(mine)
+                metrics.update(_reduce_token_metrics(mine, dp_group))
+                with timer("update"):
+                    actor_metrics = self.actor.update(mine, step)
+                metrics.update({_LOSS_METRIC_NAMES.get(k, k): v for k, v in actor_metrics.items()})
+                with timer("sync"):
+                    metrics.update(self.sync_weights(version=step))
+            else:
+                self.logger.write(f"step {step}: no group with reward variance after "
+                                  f"{cfg.data.max_refill_rounds} refills; update skipped")
+            self.state.step = step
+            if t.val_interval and step % t.val_interval == 0:
+                with timer("validate"):
+                    metrics.update(self.validate(step))
+            if self.engine is not None:
+                metrics.update(self.engine.metrics())
+            tokens = sum(len(s.response_ids) + len(s.prompt_ids) for s in samples)
+            metrics.update(timer.as_metrics())
+            metrics["time/step"] = time.perf_counter() - started
+            metrics["perf/tokens_per_s"] = tokens / max(metrics["time/step"], 1e-9)
+            metrics["data/epoch"] = float(self.sampler.epoch)
+            preempt = self.signals.any_rank()
+            last = step == t.steps
+            if preempt or last or (t.save_interval and step % t.save_interval == 0):
+                with timer("checkpoint"):
+                    self.save(step)
+                metrics["time/checkpoint"] = timer.seconds["checkpoint"]
+            self.logger.log(step, metrics)
+            if preempt and not last:
+                self.logger.write(f"signal received: checkpointed step {step}; exiting with "
+                                  f"{PREEMPTED_EXIT_CODE} to be resumed")
+                raise Preempted()
+        return metrics
+
+    def close(self) -> None:
+        self.logger.close()
+        if self.engine is not None:
+            self.engine.shutdown()
+
+
+def train(cfg: Config) -> dict[str, float]:
+    """Run (or resume) the RL job ``cfg`` on this rank; returns the last step's metrics."""
+    from megatron_entropy.runtime import shutdown
+
+    trainer = Trainer(cfg)
+    try:
+        return trainer.run()
+    finally:
+        trainer.close()
+        shutdown()

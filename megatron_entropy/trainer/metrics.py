@@ -1,0 +1,113 @@
+"""Step metrics: ``metrics.jsonl`` (one JSON object per step), console progress, optional
+TensorBoard / wandb. Only global rank 0 writes."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+# Shown in the progress bar, in this order, when present.
+PROGRESS_KEYS = (("acc/mean", "acc"), ("reward/mean", "R"), ("entropy/seq_mean", "H"),
+                 ("val/acc/mean", "val"), ("loss/selected_frac", "sel"), ("grad_norm", "gn"))
+
+
+class PhaseTimer:
+    """Wall-clock seconds per phase of a step: ``with timer("rollout"): ...``."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
+
+    def as_metrics(self) -> dict[str, float]:
+        return {f"time/{k}": v for k, v in self.seconds.items()}
+
+
+def _clean(value: Any) -> Any:
+    """JSON-safe: floats stay floats, NaN/inf become null (never silently 0)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+class MetricsLogger:
+    def __init__(self, run_dir: Path, total_steps: int, enabled: bool, progress_bar: bool = True,
+                 tensorboard: bool = False, wandb: bool = False, wandb_project: str = "",
+                 config: Optional[dict] = None, start_step: int = 0) -> None:
+        self.enabled = enabled
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self._bar = None
+        self._tb = None
+        self._wandb = None
+        if not enabled:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._truncate_after(start_step)
+        if progress_bar:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_steps, initial=start_step, desc="RL steps",
+                             dynamic_ncols=True)
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+        if wandb:
+            import wandb as wandb_lib
+
+            self._wandb = wandb_lib.init(project=wandb_project, name=Path(run_dir).name,
+                                         config=config, dir=str(run_dir), resume="allow")
+
+    def _truncate_after(self, step: int) -> None:
+        # A resumed run replays steps after its checkpoint: drop their old lines so each step
+        # appears once.
+        if not self.path.is_file():
+            return
+        kept = [line for line in self.path.read_text().splitlines()
+                if line.strip() and json.loads(line).get("step", 0) <= step]
+        self.path.write_text("".join(line + "\n" for line in kept))
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        record = {"step": step, **{k: _clean(v) for k, v in sorted(metrics.items())}}
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self._tb is not None:
+            for k, v in record.items():
+                if isinstance(v, (int, float)) and k != "step":
+                    self._tb.add_scalar(k, v, step)
+        if self._wandb is not None:
+            self._wandb.log(record, step=step)
+        if self._bar is not None:
+            shown = {short: f"{record[k]:.3g}" for k, short in PROGRESS_KEYS
+                     if isinstance(record.get(k), (int, float))}
+            self._bar.set_postfix(shown, refresh=False)
+            self._bar.update(1)
+
+    def write(self, message: str) -> None:
+        """A line on the console that does not break the progress bar."""
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.write(message)
+        else:
+            print(message, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
