@@ -43,6 +43,12 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def _has_optimizer_state(optimizer) -> bool:
+    """False until the first optimizer step (Adam creates its moments lazily)."""
+    inner = getattr(optimizer, "chained_optimizers", [optimizer])
+    return any(len(state) for opt in inner for state in opt.optimizer.state.values())
+
+
 def _rng_state() -> dict[str, Any]:
     state = {"python": random.getstate(), "numpy": np.random.get_state(),
              "torch": torch.get_rng_state()}
@@ -92,7 +98,11 @@ class CheckpointManager:
             tmp.mkdir(parents=True)
         _barrier()
         model_sd = _unwrap(model_chunks[0]).sharded_state_dict()
-        sharded = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd)}
+        sharded = {"model": model_sd}
+        # Before the first update there is no optimizer state to keep: a fresh one equals it.
+        with_optimizer = _has_optimizer_state(optimizer)
+        if with_optimizer:
+            sharded["optimizer"] = optimizer.sharded_state_dict(model_sd)
         dist_checkpointing.save(sharded, str(tmp))
         torch.save(_rng_state(), tmp / f"rng_rank_{_rank():05d}.pt")
         _barrier()
@@ -100,7 +110,7 @@ class CheckpointManager:
             write_checkpoint_metadata(tmp, arch, hf_dir)
             layout = _layout()
             (tmp / "trainer_state.json").write_text(json.dumps(
-                {**trainer_state, "layout": layout}, indent=1))
+                {**trainer_state, "layout": layout, "optimizer_state": with_optimizer}, indent=1))
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)
@@ -130,6 +140,7 @@ class CheckpointManager:
         model = _unwrap(model_chunks[0])
         model_sd = model.sharded_state_dict()
         sharded: dict[str, Any] = {"model": model_sd}
+        load_optimizer = load_optimizer and state.get("optimizer_state", True)
         if load_optimizer:
             sharded["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=True)
         loaded = dist_checkpointing.load(sharded, str(path))
