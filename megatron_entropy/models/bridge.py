@@ -202,6 +202,8 @@ def hf_to_megatron(wm: WeightMap, sources: Sequence, arch: ModelArch, tp_rank: i
         rows = arch.padded_vocab_size // tp_size
         start, stop = tp_rank * rows, min((tp_rank + 1) * rows, arch.vocab_size)
         real = _rows(sources[0], 0, start, max(start, stop))
+        if real.shape[0] == rows:  # no padding rows in this shard: no copy
+            return real
         out = real.new_zeros((rows, arch.hidden_size))
         out[: real.shape[0]] = real
         return out

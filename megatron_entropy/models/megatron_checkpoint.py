@@ -191,6 +191,14 @@ def _replace(tmp: Path, out_dir: Path) -> None:
 
 
 def _peak_rss_bytes() -> int:
+    """This process's peak resident memory. VmHWM belongs to the process's own address space;
+    ru_maxrss would also count the parent's memory at the fork that started this process."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
