@@ -1,7 +1,7 @@
 """Checkpoint conversion: HF -> Megatron dist checkpoint -> HF.
 
-A converted checkpoint loads at TP=1, TP=2 and PP=2 and gives transformers' logits; the round trip is
-bit-identical; the checkpoint has exactly the layout Megatron's own save writes; a trainer's
+A converted checkpoint loads at TP=1, TP=2 and PP=2 and gives transformers' logits; the round trip
+is bit-identical; the checkpoint has exactly the layout Megatron's own save writes; a trainer's
 checkpoint (model + optimizer) exports the trained weights; bad inputs fail with one clear message.
 """
 

@@ -276,8 +276,8 @@ def export_hf_weights(model, arch: ModelArch
 
     Collective over this DP replica's model-parallel group: every TP and PP rank of it must iterate
     to the end in lockstep. On the group's leader (TP rank 0 of the first PP stage) each item is a
-    whole tensor named as in HF's state dict, padded vocab rows removed, on the model's device and in
-    its dtype; on every other rank the same names come with None. Tied embeddings are exported once
+    whole tensor named as in HF's state dict, padded vocab rows removed, on the model's device and
+    in its dtype; on every other rank the same names come with None. Tied embeddings are exported once
     (``model.embed_tokens.weight``), as ``save_pretrained`` stores them.
     """
     import torch.distributed as dist

@@ -11,9 +11,10 @@ A checkpoint folder holds:
 
 Conversion from and to HF streams: ``convert_hf_to_checkpoint`` describes the checkpoint with a
 model built on the meta device (no memory) and hands ``torch.distributed.checkpoint`` a planner that
-computes each tensor from the HF files only when the writer asks for it; ``convert_checkpoint_to_hf``
-reads one layer at a time through ``dist_checkpointing.load`` and writes safetensors whose headers
-are planned up front. Peak memory is about one layer (or the embedding), not the model.
+computes each tensor from the HF files only when the writer asks for it;
+``convert_checkpoint_to_hf`` reads one layer at a time through ``dist_checkpointing.load`` and
+writes safetensors whose headers are planned up front. Peak memory follows the largest tensor (the
+embedding), not the model.
 """
 
 from __future__ import annotations
@@ -128,8 +129,9 @@ def load_model_weights(model, ckpt_dir: Union[str, Path]) -> None:
     # the local spec (CPU, tools/) have none for some modules, and those start empty.
     skipped = {k for k, v in sharded.items()
                if isinstance(v, ShardedObject) and v.unique_key not in stored}
-    absent = sorted({v.key for k, v in sharded.items()
-                     if k not in skipped and v.key not in stored and not isinstance(v, ShardedObject)})
+    absent = sorted({v.key for v in sharded.values()
+                     if hasattr(v, "key") and not isinstance(v, ShardedObject)
+                     and v.key not in stored})
     if absent:
         raise CheckpointError(f"{ckpt_dir} lacks {len(absent)} tensors of this model, e.g. "
                               f"{absent[:3]} (a checkpoint of another architecture?)")
