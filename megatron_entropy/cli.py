@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import signal
 import subprocess
@@ -112,6 +113,7 @@ def _commands() -> dict[str, tuple[str, Callable[[argparse.ArgumentParser], None
     """name -> (help, add_arguments, run). Each run imports its module lazily (fast --help)."""
     return {
         "train": ("run (or resume) an RL job from a YAML config", _add_train_args, _run_train),
+        "plan": importlib.import_module("megatron_entropy.plan").PLAN,
     }
 
 

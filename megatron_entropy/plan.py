@@ -1,0 +1,335 @@
+"""``megatron-entropy plan``: the job layout and a per-GPU memory estimate, before the job queues.
+
+For a config and a node count it splits the nodes as the slurm/ scripts will (rollout servers on
+the first ``cluster.server_nodes`` nodes, the trainer on the rest), derives TP x PP x DP, and
+estimates the memory of the fullest trainer GPU and of a server GPU. A layout that cannot run
+(too few nodes, a TP/PP that does not divide the model or the GPUs, memory over the GPU's) is
+refused with the reason and exit code 1.
+
+The estimate follows what the trainer builds (models/builder.py, trainer/model_setup.py):
+- weights in ``model.dtype``; Megatron DDP's fp32 grad buffer; the non-distributed Megatron
+  optimizer keeps fp32 main weights (bf16/fp16 runs) and Adam's two fp32 moments on every DP rank;
+- activations of one micro-batch of ``trainer.micro_batch_tokens`` tokens: every layer input when
+  ``model.recompute_activations`` (full recompute) plus one layer's full set, or every layer's full
+  set without recompute; the first pipeline stage holds ``pipeline`` micro-batches in flight (1F1B);
+- the LM head: one chunk of fp32 logits (fused log-prob) or the micro-batch's logits (chunked);
+- in-process rollout: a full model copy in ``rollout.dtype`` and its KV cache on each DP leader;
+- a server GPU: weights / server_gpus, the rest of 90% of the GPU is KV cache (vLLM/SGLang default).
+Activation sizes count the tensors autograd keeps (bf16), not the allocator's peaks, so a trainer
+GPU counts as full at 90% of its memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from typing import TYPE_CHECKING
+
+from megatron_entropy.config import Config, ConfigError, load_config
+from megatron_entropy.models.arch import ModelArch, UnsupportedModelError, arch_from_hf_config, \
+    load_arch
+
+if TYPE_CHECKING:
+    from megatron_entropy.runtime.slurm import JobLayout
+
+GiB = 1024**3
+_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+SERVER_MEMORY_FRACTION = 0.9  # vLLM's gpu_memory_utilization / SGLang's mem_fraction_static
+SERVER_WORKSPACE = 2 * GiB  # CUDA graphs, sampler and activation workspace of a server
+RUNTIME_OVERHEAD = 2 * GiB  # CUDA context, NCCL buffers
+TRAINER_MEMORY_LIMIT = 0.9  # refuse above this share of the GPU: the estimate is not exact
+
+# The public config.json numbers of the paper's models, for planning before the weights are
+# downloaded (model.hf_path's folder name selects one when it has no config.json yet).
+KNOWN_MODELS = {
+    "qwen2.5-7b": dict(architectures=["Qwen2ForCausalLM"], vocab_size=152064, hidden_size=3584,
+                       intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                       num_key_value_heads=4, max_position_embeddings=131072, rope_theta=1e6,
+                       rms_norm_eps=1e-6, tie_word_embeddings=False),
+    "qwen2.5-32b": dict(architectures=["Qwen2ForCausalLM"], vocab_size=152064, hidden_size=5120,
+                        intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40,
+                        num_key_value_heads=8, max_position_embeddings=131072, rope_theta=1e6,
+                        rms_norm_eps=1e-5, tie_word_embeddings=False),
+}
+
+
+def resolve_arch(cfg: Config, model_config: Optional[str] = None) -> tuple[ModelArch, str]:
+    """The model's architecture and where it came from (a config.json or the built-in table)."""
+    if model_config:
+        path = Path(model_config)
+        return (load_arch(path) if path.is_dir() else _arch_from_file(path)), str(path)
+    hf = Path(cfg.model.hf_path) if cfg.model.hf_path else None
+    if hf and (hf / "config.json").is_file():
+        return load_arch(hf), str(hf / "config.json")
+    name = hf.name.lower().removesuffix("-instruct") if hf else ""
+    if name in KNOWN_MODELS:
+        return (arch_from_hf_config(KNOWN_MODELS[name], where=f"built-in {hf.name}"),
+                f"built-in {name} (no config.json in {str(hf)!r} yet)")
+    raise ConfigError(f"model.hf_path={cfg.model.hf_path!r} has no config.json; pass "
+                      "--model-config PATH (a config.json) or use a known model name "
+                      f"({', '.join(KNOWN_MODELS)})")
+
+
+def _arch_from_file(path: Path) -> ModelArch:
+    if not path.is_file():
+        raise ConfigError(f"--model-config {str(path)!r} does not exist")
+    return arch_from_hf_config(json.loads(path.read_text()), where=str(path))
+
+
+# ------------------------------------------------------------------------------------ counting
+
+
+def layer_params(a: ModelArch) -> int:
+    q, kv = a.num_attention_heads * a.head_dim, a.num_query_groups * a.head_dim
+    attn = a.hidden_size * (q + 2 * kv) + q * a.hidden_size + ((q + 2 * kv) if a.qkv_bias else 0)
+    mlp = 3 * a.hidden_size * a.ffn_hidden_size
+    norms = 2 * a.hidden_size + (2 * a.head_dim if a.qk_layernorm else 0)
+    return attn + mlp + norms
+
+
+def total_params(a: ModelArch) -> int:
+    """Parameters of the HF model (real vocabulary)."""
+    emb = a.vocab_size * a.hidden_size
+    return a.num_layers * layer_params(a) + emb * (1 if a.tie_word_embeddings else 2) \
+        + a.hidden_size
+
+
+def stage_params(a: ModelArch, tensor: int, pipeline: int) -> int:
+    """Parameters on one GPU of the fullest pipeline stage (padded vocab, TP shards)."""
+    layers = a.num_layers // pipeline * layer_params(a)
+    emb = a.padded_vocab_size * a.hidden_size
+    if pipeline == 1:
+        stage = layers + emb + a.hidden_size + (0 if a.tie_word_embeddings else emb)
+    else:  # the last stage holds the output layer, or the tied embedding's copy
+        stage = max(layers + emb, layers + a.hidden_size + emb)
+    return math.ceil(stage / tensor)
+
+
+def kv_bytes_per_token(a: ModelArch, dtype_bytes: int, tensor: int = 1) -> float:
+    """K and V of one token over all layers on one GPU of a TP group (KV heads split by TP)."""
+    heads = max(a.num_query_groups / tensor, 1)
+    return 2 * a.num_layers * heads * a.head_dim * dtype_bytes
+
+
+def layer_activation_elems(a: ModelArch, tensor: int, sequence_parallel: bool) -> float:
+    """Elements autograd keeps per token for one layer (flash attention: no S x S scores)."""
+    q, kv = a.num_attention_heads * a.head_dim, a.num_query_groups * a.head_dim
+    replicated = 4 * a.hidden_size  # two norm inputs, the two normed inputs to QKV and FC1
+    split = (q + 2 * kv) + q + 3 * a.ffn_hidden_size  # QKV out, attention out, FC1 out, SwiGLU out
+    return replicated / (tensor if sequence_parallel else 1) + split / tensor
+
+
+# ------------------------------------------------------------------------------------ the plan
+
+
+@dataclass
+class Plan:
+    arch: ModelArch
+    arch_source: str
+    nodes: int
+    gpus_per_node: int
+    gpu_memory_gb: float
+    layout: Optional["JobLayout"]
+    tensor: int
+    pipeline: int
+    data_parallel: int = 0
+    trainer: list[tuple[str, float]] = field(default_factory=list)  # (item, bytes) worst GPU
+    server: list[tuple[str, float]] = field(default_factory=list)  # (item, bytes) one server GPU
+    server_kv_tokens: int = 0
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+    @property
+    def trainer_bytes(self) -> float:
+        return sum(b for _, b in self.trainer)
+
+
+def make_plan(cfg: Config, arch: ModelArch, nodes: int, arch_source: str = "") -> Plan:
+    """Layout and memory estimate for ``cfg`` on ``nodes`` nodes of ``cfg.cluster``'s shape."""
+    # Imported here: megatron_entropy.runtime pulls in torch, which `plan --help` does not need.
+    from megatron_entropy.runtime.distributed import ParallelLayoutError
+    from megatron_entropy.runtime.slurm import NotEnoughNodesError, job_layout
+
+    c, p, r, t = cfg.cluster, cfg.parallel, cfg.rollout, cfg.trainer
+    plan = Plan(arch=arch, arch_source=arch_source, nodes=nodes, gpus_per_node=c.gpus_per_node,
+                gpu_memory_gb=c.gpu_memory_gb, layout=None, tensor=p.tensor, pipeline=p.pipeline)
+    capacity = c.gpu_memory_gb * GiB
+    try:
+        arch.check_parallel(p.tensor, p.pipeline)
+        plan.layout = job_layout(cfg, [f"node{i}" for i in range(nodes)])
+    except (UnsupportedModelError, ParallelLayoutError, NotEnoughNodesError, ConfigError) as e:
+        plan.problems.append(str(e))
+        return plan
+    lay = plan.layout
+    if lay.shared:
+        plan.problems.append(
+            "cluster.server_nodes=0 puts the rollout servers on the first trainer node, beside "
+            "the trainer's GPUs: that is for CPU tests; give the servers nodes of their own")
+    plan.data_parallel = lay.trainer_tasks // (p.tensor * p.pipeline)
+    seq = r.max_prompt_tokens + r.max_new_tokens
+    if cfg.model.seq_length < seq:
+        plan.problems.append(f"model.seq_length={cfg.model.seq_length} is shorter than a full "
+                             f"sequence (rollout.max_prompt_tokens + max_new_tokens = {seq})")
+    if t.micro_batch_tokens < seq:
+        plan.problems.append(f"trainer.micro_batch_tokens={t.micro_batch_tokens} cannot hold one "
+                             f"full sequence of {seq} tokens")
+
+    # Trainer: the fullest GPU (first pipeline stage; it also holds the in-process engine).
+    n = stage_params(arch, p.tensor, p.pipeline)
+    w = _DTYPE_BYTES[cfg.model.dtype]
+    plan.trainer.append((f"weights ({cfg.model.dtype})", n * w))
+    plan.trainer.append(("grad buffer (fp32)", n * 4))
+    if w < 4:
+        plan.trainer.append(("fp32 main weights", n * 4))
+    plan.trainer.append(("Adam moments (fp32)", n * 8))
+    if cfg.algorithm.kl_coef > 0:
+        plan.trainer.append((f"reference model ({cfg.model.dtype})", n * w))
+    tokens = t.micro_batch_tokens
+    full_layer = layer_activation_elems(arch, p.tensor, p.sequence_parallel) * 2 * tokens
+    layers = arch.num_layers // p.pipeline
+    in_flight = p.pipeline  # 1F1B: the first stage keeps `pipeline` micro-batches alive
+    if cfg.model.recompute_activations:
+        inputs = layers * arch.hidden_size * 2 * tokens / (p.tensor if p.sequence_parallel else 1)
+        plan.trainer.append((f"activations (recompute, {in_flight} micro-batch(es) of "
+                             f"{tokens} tokens)", in_flight * inputs + full_layer))
+    else:
+        plan.trainer.append((f"activations ({in_flight} micro-batch(es) of {tokens} tokens)",
+                             in_flight * layers * full_layer))
+    vocab_shard = arch.padded_vocab_size / p.tensor
+    if cfg.algorithm.logprob_impl == "fused":
+        logits = min(cfg.algorithm.logprob_chunk_tokens, tokens) * vocab_shard * 4 * 3
+        plan.trainer.append(("LM head (one fused chunk, fp32)", logits))
+    else:
+        logits = tokens * vocab_shard * (w + 4 * 2)
+        plan.trainer.append(("LM head (micro-batch logits + fp32 chunk work)", logits))
+    if r.engine == "inprocess":
+        rw = _DTYPE_BYTES[r.dtype]
+        plan.trainer.append((f"in-process engine weights ({r.dtype})", total_params(arch) * rw))
+        plan.trainer.append((f"in-process KV cache ({r.batch_size} x {seq} tokens)",
+                             r.batch_size * seq * kv_bytes_per_token(arch, rw)))
+    slack = 0.1 * sum(b for name, b in plan.trainer if name.startswith(("activ", "LM", "in-p")))
+    plan.trainer.append(("CUDA context, NCCL, allocator slack", RUNTIME_OVERHEAD + slack))
+    if plan.trainer_bytes > TRAINER_MEMORY_LIMIT * capacity:
+        plan.problems.append(
+            f"the trainer needs ~{plan.trainer_bytes / GiB:.1f} GiB on its fullest GPU, over "
+            f"{100 * TRAINER_MEMORY_LIMIT:.0f}% of the {c.gpu_memory_gb:g} GiB of "
+            "cluster.gpu_memory_gb: raise parallel.tensor / parallel.pipeline, set "
+            "model.recompute_activations, lower trainer.micro_batch_tokens"
+            + (", lower rollout.batch_size or use a server engine" if r.engine == "inprocess"
+               else ""))
+
+    # Rollout servers on their own nodes.
+    if lay.num_servers and not lay.shared:
+        sw = total_params(arch) * 2 / c.server_gpus
+        budget = SERVER_MEMORY_FRACTION * capacity
+        plan.server = [("weights (bf16)", sw), ("workspace", SERVER_WORKSPACE)]
+        kv = budget - sw - SERVER_WORKSPACE
+        per_token = kv_bytes_per_token(arch, 2, c.server_gpus)
+        plan.server_kv_tokens = max(int(kv // per_token), 0)
+        plan.server.append(("KV cache (the rest)", max(kv, 0)))
+        if plan.server_kv_tokens < seq:
+            plan.problems.append(
+                f"a server of {c.server_gpus} GPU(s) has room for {plan.server_kv_tokens} KV "
+                f"tokens, less than one {seq}-token sequence: raise cluster.server_gpus")
+        else:
+            in_flight_seqs = lay.num_servers * (plan.server_kv_tokens // seq)
+            batch = cfg.data.prompts_per_step * r.n_samples
+            plan.notes.append(
+                f"{lay.num_servers} servers hold {in_flight_seqs} full-length sequences at once "
+                f"for a rollout batch of {batch}"
+                + ("" if in_flight_seqs >= batch else " (generated in waves)"))
+    mini = t.mini_batches_per_step
+    batch_seqs = cfg.data.prompts_per_step * r.n_samples
+    if batch_seqs % (plan.data_parallel * mini):
+        plan.notes.append(f"{batch_seqs} sequences per step do not split evenly over DP="
+                          f"{plan.data_parallel} x {mini} mini-batches")
+    return plan
+
+
+def format_plan(plan: Plan) -> str:
+    a, lay = plan.arch, plan.layout
+    lines = [f"model: {a.architecture} {total_params(a) / 1e9:.2f}B params, {a.num_layers} layers, "
+             f"hidden {a.hidden_size}, vocab {a.vocab_size} (padded {a.padded_vocab_size}) "
+             f"[{plan.arch_source}]",
+             f"nodes: {plan.nodes} x {plan.gpus_per_node} GPUs of {plan.gpu_memory_gb:g} GiB"]
+    if lay is not None:
+        if lay.num_servers:
+            where = ("the first trainer node (shared)" if lay.shared
+                     else f"{len(lay.server_nodes)} node(s)")
+            lines.append(f"rollout servers: {lay.num_servers} x {lay.server_gpus} GPU(s) on "
+                         f"{where}, {lay.servers_per_node} per node")
+        lines.append(f"trainer: {len(lay.trainer_nodes)} node(s), {lay.trainer_tasks} GPUs = "
+                     f"TP {plan.tensor} x PP {plan.pipeline} x DP {plan.data_parallel}")
+    if plan.trainer:
+        lines.append("trainer memory per GPU (fullest pipeline stage):")
+        lines += [f"  {name:<58} {b / GiB:8.2f} GiB" for name, b in plan.trainer]
+        lines.append(f"  {'total':<58} {plan.trainer_bytes / GiB:8.2f} GiB "
+                     f"({100 * plan.trainer_bytes / (plan.gpu_memory_gb * GiB):.0f}% of "
+                     f"{plan.gpu_memory_gb:g} GiB)")
+    if plan.server:
+        lines.append(f"server memory per GPU ({100 * SERVER_MEMORY_FRACTION:.0f}% of the GPU):")
+        lines += [f"  {name:<58} {b / GiB:8.2f} GiB" for name, b in plan.server]
+        lines.append(f"  KV capacity per server: {plan.server_kv_tokens:,} tokens")
+    lines += [f"note: {n}" for n in plan.notes]
+    if plan.fits:
+        lines.append("verdict: fits")
+    else:
+        lines += [f"refused: {msg}" for msg in plan.problems]
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------ CLI
+
+
+def _options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nodes", type=int, help="nodes of the Slurm job (required)")
+    parser.add_argument("--gpus-per-node", type=int, help="default: cluster.gpus_per_node")
+    parser.add_argument("--gpu-memory-gb", type=float, help="default: cluster.gpu_memory_gb")
+    parser.add_argument("--model-config", help="a model's config.json when model.hf_path has none")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", help="run config (YAML)")
+    parser.add_argument("overrides", nargs=argparse.REMAINDER,
+                        help="dotted overrides, e.g. parallel.tensor=8 (options may follow)")
+    _options(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    # argparse stops at the first override; options after it are parsed here, in any order.
+    rest = argparse.ArgumentParser(prog="megatron-entropy plan")
+    _options(rest)
+    rest.add_argument("overrides", nargs="*")
+    late = rest.parse_intermixed_args(args.overrides)
+    for key in ("nodes", "gpus_per_node", "gpu_memory_gb", "model_config"):
+        if getattr(late, key) is not None:
+            setattr(args, key, getattr(late, key))
+    overrides = list(late.overrides)
+    if args.gpus_per_node is not None:
+        overrides.append(f"cluster.gpus_per_node={args.gpus_per_node}")
+    if args.gpu_memory_gb is not None:
+        overrides.append(f"cluster.gpu_memory_gb={args.gpu_memory_gb}")
+    try:
+        if args.nodes is None or args.nodes < 1:
+            raise ConfigError(f"--nodes must be given and >= 1 (got {args.nodes})")
+        cfg = load_config(args.config, overrides)
+        arch, source = resolve_arch(cfg, args.model_config)
+    except (ConfigError, UnsupportedModelError, FileNotFoundError) as e:
+        print(f"error: {e}")
+        return 1
+    plan = make_plan(cfg, arch, args.nodes, source)
+    print(format_plan(plan))
+    return 0 if plan.fits else 1
+
+
+PLAN = ("job layout and per-GPU memory estimate of a config on N nodes; refuses a layout that "
+        "does not fit", add_arguments, run)

@@ -1,0 +1,365 @@
+"""The Slurm side of a run: which nodes serve rollouts and which train, and the server URL file.
+
+The sbatch scripts in slurm/ call this module; each command reads the same config as the trainer:
+
+    python -m megatron_entropy.runtime.slurm layout CONFIG [overrides]   # KEY=VALUE lines to eval
+    python -m megatron_entropy.runtime.slurm serve CONFIG [overrides]    # one rollout server (a task)
+    python -m megatron_entropy.runtime.slurm wait-servers --urls-dir D --count N --out FILE
+
+A disaggregated job gives its first ``cluster.server_nodes`` nodes to rollout servers
+(``servers_per_node`` servers of ``server_gpus`` GPUs each) and the rest to the trainer (one task
+per GPU). Each server task writes its URL to ``urls-dir/<index>`` once it answers /health;
+``wait-servers`` gathers them into the file the trainer reads (``rollout.server.urls_file``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+import types
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+from megatron_entropy.config import Config, ConfigError, load_config
+from megatron_entropy.runtime.distributed import ParallelLayoutError, check_layout
+from megatron_entropy.runtime.launch_env import expand_nodelist
+
+class NotEnoughNodesError(ValueError):
+    """The job holds fewer nodes than the config needs."""
+
+
+@dataclass(frozen=True)
+class JobLayout:
+    server_nodes: list[str]  # where the server step runs (the first trainer node when shared)
+    trainer_nodes: list[str]
+    servers_per_node: int
+    server_gpus: int
+    trainer_tasks_per_node: int
+    shared: bool  # servers run beside the trainer on its first node
+
+    @property
+    def num_servers(self) -> int:
+        return len(self.server_nodes) * self.servers_per_node
+
+    @property
+    def trainer_tasks(self) -> int:
+        return len(self.trainer_nodes) * self.trainer_tasks_per_node
+
+
+def min_trainer_nodes(tensor: int, pipeline: int, gpus_per_node: int) -> int:
+    """The fewest nodes that hold one model replica (TP x PP GPUs)."""
+    return math.ceil(tensor * pipeline / gpus_per_node)
+
+
+def split_nodes(nodes: Sequence[str], server_nodes: int, trainer_nodes_needed: int,
+                what: str = "") -> tuple[list[str], list[str]]:
+    """First ``server_nodes`` nodes serve, the rest train; raise if fewer than needed remain."""
+    needed = server_nodes + trainer_nodes_needed
+    if len(nodes) < needed:
+        raise NotEnoughNodesError(
+            f"the job has {len(nodes)} node{'s' if len(nodes) != 1 else ''} "
+            f"({', '.join(nodes) or 'none'}) but the config needs {needed}: {server_nodes} for "
+            f"rollout servers (cluster.server_nodes) + {trainer_nodes_needed} for the trainer"
+            f"{' (' + what + ')' if what else ''}; submit with --nodes={needed} or more")
+    return list(nodes[:server_nodes]), list(nodes[server_nodes:])
+
+
+def script_starts_servers(cfg: Config) -> bool:
+    """Servers are the job's to start: a server engine with neither fixed URLs nor self-launch."""
+    s = cfg.rollout.server
+    return cfg.rollout.engine != "inprocess" and not s.urls and s.launch == 0
+
+
+def job_layout(cfg: Config, nodes: Sequence[str]) -> JobLayout:
+    """Split the job's nodes for this config; every mistake is a ConfigError/NotEnoughNodesError."""
+    c, p = cfg.cluster, cfg.parallel
+    servers = script_starts_servers(cfg)
+    if c.server_nodes and not servers:
+        raise ConfigError(
+            f"cluster.server_nodes={c.server_nodes} but no servers are started by the job "
+            f"(rollout.engine={cfg.rollout.engine}, rollout.server.urls or .launch set); "
+            "set cluster.server_nodes=0")
+    if p.tensor > c.gpus_per_node:
+        raise ParallelLayoutError(
+            f"parallel.tensor={p.tensor} exceeds cluster.gpus_per_node={c.gpus_per_node}: tensor "
+            "parallelism must stay inside a node")
+    if c.server_gpus > c.gpus_per_node:
+        raise ConfigError(f"cluster.server_gpus={c.server_gpus} exceeds cluster.gpus_per_node="
+                          f"{c.gpus_per_node}: one server must fit on a node")
+    per_node = c.servers_per_node or (c.gpus_per_node // c.server_gpus if c.server_nodes else 1)
+    if c.server_nodes and per_node * c.server_gpus > c.gpus_per_node:
+        raise ConfigError(
+            f"cluster.servers_per_node={per_node} x cluster.server_gpus={c.server_gpus} GPUs "
+            f"exceeds cluster.gpus_per_node={c.gpus_per_node}")
+    need = min_trainer_nodes(p.tensor, p.pipeline, c.gpus_per_node)
+    server_nodes, trainer_nodes = split_nodes(
+        nodes, c.server_nodes, need,
+        f"TP x PP = {p.tensor} x {p.pipeline} GPUs at {c.gpus_per_node} GPUs per node")
+    check_layout(len(trainer_nodes) * c.gpus_per_node, p.tensor, p.pipeline)
+    shared = servers and not c.server_nodes
+    return JobLayout(server_nodes=trainer_nodes[:1] if shared else server_nodes,
+                     trainer_nodes=trainer_nodes, servers_per_node=per_node if servers else 0,
+                     server_gpus=c.server_gpus, trainer_tasks_per_node=c.gpus_per_node,
+                     shared=shared)
+
+
+def layout_shell(cfg: Config, nodes: Sequence[str]) -> str:
+    """``KEY=value`` lines (shell-quoted) for the sbatch scripts to ``eval``."""
+    layout = job_layout(cfg, nodes)
+    run_dir = cfg.run_dir.resolve()
+    # Config validation makes a server engine without urls/launch name its urls_file.
+    urls_file = Path(cfg.rollout.server.urls_file or run_dir / "server_urls.txt").resolve()
+    values = {
+        "RUN_DIR": run_dir,
+        "LOG_DIR": run_dir / "logs",
+        "ENGINE": cfg.rollout.engine,
+        "START_SERVERS": int(layout.num_servers > 0),
+        "SHARED_NODE": int(layout.shared),
+        "SERVER_NODELIST": ",".join(layout.server_nodes) if layout.num_servers else "",
+        "NUM_SERVER_NODES": len(layout.server_nodes) if layout.num_servers else 0,
+        "SERVERS_PER_NODE": layout.servers_per_node,
+        "NUM_SERVERS": layout.num_servers,
+        "SERVER_GPUS": layout.server_gpus,
+        "STARTUP_TIMEOUT": int(cfg.rollout.server.startup_timeout_s),
+        "URLS_FILE": urls_file,
+        "URLS_DIR": urls_file.parent / (urls_file.name + ".d"),
+        "TRAINER_NODELIST": ",".join(layout.trainer_nodes),
+        "NUM_TRAINER_NODES": len(layout.trainer_nodes),
+        "TRAINER_TASKS_PER_NODE": layout.trainer_tasks_per_node,
+        "TRAINER_TASKS": layout.trainer_tasks,
+    }
+    return "".join(f"{k}={shlex.quote(str(v))}\n" for k, v in values.items())
+
+
+# ------------------------------------------------------------------------------------- URL files
+
+
+def write_url(urls_dir: os.PathLike, index: int, url: str) -> Path:
+    """Publish one server's URL atomically (readers never see half a line)."""
+    d = Path(urls_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    tmp = d / f".{index}.tmp"
+    tmp.write_text(url + "\n")
+    final = d / str(index)
+    os.replace(tmp, final)
+    return final
+
+
+def read_urls(path: os.PathLike) -> list[str]:
+    """The URLs of a urls file: one per line, blank lines and '#' comments ignored."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"server URL file {str(p)!r} does not exist (written by the "
+                                "slurm/ scripts once every server answers)")
+    urls = [ln.strip() for ln in p.read_text().splitlines()]
+    urls = [u for u in urls if u and not u.startswith("#")]
+    if not urls:
+        raise ValueError(f"server URL file {str(p)!r} lists no URL")
+    for u in urls:
+        if not u.startswith(("http://", "https://")):
+            raise ValueError(f"server URL file {str(p)!r}: {u!r} is not an http(s) URL")
+    return urls
+
+
+def write_urls_file(path: os.PathLike, urls: Sequence[str]) -> Path:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(f".{p.name}.tmp")
+    tmp.write_text("".join(u + "\n" for u in urls))
+    os.replace(tmp, p)
+    return p
+
+
+def healthy(url: str, timeout: float = 5.0) -> bool:
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/health", timeout=timeout) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def wait_for_servers(urls_dir: os.PathLike, count: int, out: os.PathLike, timeout: float,
+                     alive: Callable[[], bool] = lambda: True, poll_s: float = 1.0) -> list[str]:
+    """Wait until ``count`` servers published a URL and answer /health; write them to ``out``.
+
+    ``alive`` says whether the server step still runs: a step that died fails at once instead of
+    after the whole timeout.
+    """
+    d = Path(urls_dir)
+    deadline = time.monotonic() + timeout
+    while True:
+        files = sorted((f for f in d.glob("*") if f.name.isdigit()), key=lambda f: int(f.name)) \
+            if d.is_dir() else []
+        urls = [f.read_text().strip() for f in files]
+        if len(urls) >= count and all(healthy(u) for u in urls):
+            return read_urls(write_urls_file(out, urls))
+        if not alive():
+            raise RuntimeError(f"the server step ended before {count} servers came up "
+                               f"({len(urls)} did); see the server logs")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{len(urls)} of {count} servers came up within {timeout:.0f} s; "
+                               "see the server logs")
+        time.sleep(poll_s)
+
+
+# ------------------------------------------------------------------------------------- one server
+
+
+def _visible_gpus(local_id: int, gpus: int, gpus_per_node: int) -> Optional[str]:
+    """The CUDA_VISIBLE_DEVICES of server ``local_id`` on its node (None: leave as it is)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    devices = visible.split(",") if visible else [str(i) for i in range(gpus_per_node)]
+    if len(devices) == gpus:  # Slurm bound this task to its own GPUs already
+        return None
+    mine = devices[local_id * gpus:(local_id + 1) * gpus]
+    if len(mine) < gpus:
+        raise RuntimeError(f"server {local_id} needs GPUs {local_id * gpus}..."
+                           f"{(local_id + 1) * gpus - 1} but the node shows {len(devices)}")
+    return ",".join(mine)
+
+
+def server_command(cfg: Config, host: str, port: int) -> tuple[list[str], dict[str, str]]:
+    """Command line and extra environment of one rollout server for ``rollout.engine``.
+
+    The engines' own launch commands (rollout/vllm.py, rollout/sglang.py) build the argv, so a
+    server started by Slurm runs with exactly the flags of one the engine starts itself (vLLM's
+    processed log-probs, SGLang's weight version); the engine object is not built (that would
+    start a pool). The server's tensor parallel size is ``cluster.server_gpus``.
+    """
+    from megatron_entropy.rollout import sglang, vllm
+
+    s = dataclasses.replace(cfg.rollout.server, host=host)
+    tp = cfg.cluster.server_gpus
+    env = dict(item.split("=", 1) for item in s.extra_env if "=" in item)
+    if cfg.rollout.engine == "vllm":
+        engine = types.SimpleNamespace(cfg=s, pool=types.SimpleNamespace(launch_version=None))
+        argv = vllm.VLLMEngine._command(engine, port, cfg.model.hf_path)
+        env["VLLM_SERVER_DEV_MODE"] = "1"  # the weight reload endpoints
+        tp_flag = ["--tensor-parallel-size", str(tp)]
+    elif cfg.rollout.engine == "sglang":
+        engine = types.SimpleNamespace(
+            cfg=s, pool=types.SimpleNamespace(launch_version=sglang.INITIAL_VERSION))
+        argv = sglang.SGLangEngine._command(engine, port, cfg.model.hf_path)
+        tp_flag = ["--tp-size", str(tp)]
+    else:
+        raise ConfigError(f"rollout.engine={cfg.rollout.engine} has no server to start")
+    return argv + (tp_flag if tp > 1 and not s.launch_command else []), env
+
+
+def serve(cfg: Config, urls_dir: os.PathLike, task: int, local_id: int,
+          node: Optional[str] = None) -> int:
+    """Run one rollout server in the foreground; publish its URL once it answers /health.
+
+    Returns the server's exit code. SIGTERM/SIGINT stop the server; SIGUSR1 is ignored so that a
+    job-wide preemption warning does not kill the servers the trainer still needs.
+    """
+    s = cfg.rollout.server
+    port = s.base_port + local_id
+    node = node or os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    cmd, extra_env = server_command(cfg, "0.0.0.0", port)
+    env = {**os.environ, **extra_env}
+    gpus = _visible_gpus(local_id, cfg.cluster.server_gpus, cfg.cluster.gpus_per_node)
+    if gpus is not None:
+        env["CUDA_VISIBLE_DEVICES"] = gpus
+    print(f"[serve {task}] {node}:{port} GPUs {gpus or env.get('CUDA_VISIBLE_DEVICES', '-')}: "
+          f"{shlex.join(cmd)}", flush=True)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # inherited by the server across exec
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+
+    def stop(signum, frame):
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    url = f"http://{node}:{port}"
+    deadline = time.monotonic() + s.startup_timeout_s
+    while proc.poll() is None:
+        if healthy(url):
+            write_url(urls_dir, task, url)
+            print(f"[serve {task}] ready at {url}", flush=True)
+            break
+        if time.monotonic() > deadline:
+            print(f"[serve {task}] no answer on {url}/health within {s.startup_timeout_s:.0f} s",
+                  flush=True)
+            stop(None, None)
+            break
+        time.sleep(1.0)
+    try:
+        rc = proc.wait()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return rc
+
+
+# ------------------------------------------------------------------------------------- CLI
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m megatron_entropy.runtime.slurm",
+                                     description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    lay = sub.add_parser("layout", help="print the job's node split as KEY=value lines")
+    lay.add_argument("config")
+    lay.add_argument("overrides", nargs="*")
+    lay.add_argument("--nodelist", default=os.environ.get("SLURM_JOB_NODELIST"),
+                     help="Slurm node list (default: $SLURM_JOB_NODELIST)")
+    srv = sub.add_parser("serve", help="run one rollout server (one srun task)")
+    srv.add_argument("config")
+    srv.add_argument("overrides", nargs="*")
+    srv.add_argument("--urls-dir", required=True)
+    wait = sub.add_parser("wait-servers", help="wait for the servers; write the URL file")
+    wait.add_argument("--urls-dir", required=True)
+    wait.add_argument("--count", type=int, required=True)
+    wait.add_argument("--out", required=True)
+    wait.add_argument("--timeout", type=float, default=600.0)
+    wait.add_argument("--pid", type=int, help="the server step's srun: fail early if it ends")
+    args = parser.parse_args(argv)
+
+    try:
+        if args.command == "layout":
+            if not args.nodelist:
+                raise NotEnoughNodesError("no node list: run inside a Slurm job or pass --nodelist")
+            cfg = load_config(args.config, args.overrides)
+            sys.stdout.write(layout_shell(cfg, expand_nodelist(args.nodelist)))
+            return 0
+        if args.command == "serve":
+            cfg = load_config(args.config, args.overrides)
+            return serve(cfg, args.urls_dir, int(os.environ.get("SLURM_PROCID", 0)),
+                         int(os.environ.get("SLURM_LOCALID", 0)))
+        alive = (lambda: _pid_alive(args.pid)) if args.pid else (lambda: True)
+        for url in wait_for_servers(args.urls_dir, args.count, args.out, args.timeout, alive):
+            print(url)
+        return 0
+    except (ConfigError, ParallelLayoutError, NotEnoughNodesError, RuntimeError,
+            TimeoutError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    # A zombie (exited, not yet reaped by the batch shell) counts as ended.
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+if __name__ == "__main__":
+    sys.exit(main())

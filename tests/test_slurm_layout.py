@@ -1,0 +1,177 @@
+"""Node splitting, the layout the sbatch scripts eval, URL files, server start-up wait (no Slurm)."""
+
+import http.server
+import shlex
+import subprocess
+import threading
+from pathlib import Path
+
+import pytest
+
+from megatron_entropy.config import ConfigError, load_config
+from megatron_entropy.runtime import ParallelLayoutError, expand_nodelist
+from megatron_entropy.runtime.slurm import (NotEnoughNodesError, _visible_gpus, job_layout,
+                                            layout_shell, main, read_urls, server_command,
+                                            split_nodes, wait_for_servers, write_url)
+
+REPO = Path(__file__).resolve().parents[1]
+SERVED = ["rollout.engine=sglang", "rollout.server.urls_file=urls.txt"]
+
+
+def cfg(*overrides):
+    return load_config(overrides=list(overrides))
+
+
+@pytest.fixture
+def no_scontrol(monkeypatch):
+    monkeypatch.setattr("shutil.which", lambda name: None)  # parse node lists ourselves
+
+
+def test_split_fake_multinode_list(no_scontrol):
+    nodes = expand_nodelist("gpu[003-005,010],gpu-x[1-2]")
+    servers, trainers = split_nodes(nodes, 2, 3)
+    assert servers == ["gpu003", "gpu004"]
+    assert trainers == ["gpu005", "gpu010", "gpu-x1", "gpu-x2"]
+
+
+def test_layout_gives_first_nodes_to_servers_and_the_rest_to_the_trainer(no_scontrol):
+    c = cfg(*SERVED, "cluster.server_nodes=2", "cluster.server_gpus=2", "parallel.tensor=4",
+            "parallel.pipeline=2")
+    lay = job_layout(c, expand_nodelist("n[01-05]"))
+    assert lay.server_nodes == ["n01", "n02"] and lay.trainer_nodes == ["n03", "n04", "n05"]
+    assert (lay.servers_per_node, lay.num_servers, lay.trainer_tasks) == (4, 8, 24)
+    assert not lay.shared
+
+
+def test_too_few_nodes_names_what_the_config_needs():
+    c = cfg(*SERVED, "cluster.server_nodes=2", "parallel.tensor=8", "parallel.pipeline=2")
+    with pytest.raises(NotEnoughNodesError) as e:
+        job_layout(c, ["a", "b", "c"])
+    msg = str(e.value)
+    assert "has 3 nodes" in msg and "needs 4" in msg and "cluster.server_nodes" in msg
+    assert "TP x PP = 8 x 2" in msg and "--nodes=4" in msg
+
+
+def test_layout_mistakes_are_refused():
+    with pytest.raises(ParallelLayoutError, match="inside a node"):
+        job_layout(cfg("parallel.tensor=16"), ["a", "b"])
+    with pytest.raises(ConfigError, match="no servers are started"):
+        job_layout(cfg("cluster.server_nodes=1"), ["a", "b"])  # in-process engine
+    with pytest.raises(ConfigError, match="exceeds cluster.gpus_per_node"):
+        job_layout(cfg(*SERVED, "cluster.server_nodes=1", "cluster.server_gpus=4",
+                       "cluster.servers_per_node=3"), ["a", "b"])
+    with pytest.raises(ParallelLayoutError, match="not divisible"):
+        job_layout(cfg("parallel.tensor=3", "cluster.gpus_per_node=4"), ["a"])
+
+
+def test_servers_share_the_first_trainer_node_without_server_nodes():
+    lay = job_layout(cfg(*SERVED, "cluster.gpus_per_node=2"), ["vm"])
+    assert lay.shared and lay.server_nodes == ["vm"] and lay.trainer_nodes == ["vm"]
+    assert (lay.num_servers, lay.trainer_tasks) == (1, 2)
+    # In-process engine: no servers at all.
+    lay = job_layout(cfg("cluster.gpus_per_node=2"), ["vm"])
+    assert lay.num_servers == 0 and not lay.shared
+
+
+def test_layout_shell_evaluates_in_bash(tmp_path, no_scontrol):
+    c = cfg(*SERVED, "cluster.server_nodes=1", "cluster.server_gpus=4", f"logging.runs_dir="
+            f"{tmp_path / 'my runs'}", "logging.name=x")
+    script = layout_shell(c, expand_nodelist("n[1-3]")) + \
+        'echo "$RUN_DIR|$SERVER_NODELIST|$SERVERS_PER_NODE|$TRAINER_NODELIST|$TRAINER_TASKS"'
+    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True,
+                         check=True).stdout.strip()
+    assert out == f"{tmp_path / 'my runs' / 'x'}|n1|2|n2,n3|16"
+
+
+def test_layout_command_prints_error_and_fails(tmp_path, capsys):
+    conf = tmp_path / "c.yaml"
+    conf.write_text("cluster: {server_nodes: 3}\nrollout: {engine: vllm, server: "
+                    "{urls_file: u.txt}}\n")
+    assert main(["layout", "--nodelist", "a,b", str(conf)]) == 1
+    assert "the job has 2 nodes" in capsys.readouterr().err
+    assert main(["layout", "--nodelist", "a,b,c,d", str(conf), "cluster.gpus_per_node=2"]) == 0
+    values = dict(line.split("=", 1) for line in capsys.readouterr().out.split())
+    assert values["SERVER_NODELIST"] == "a,b,c" and values["TRAINER_NODELIST"] == "d"
+    assert shlex.split(values["URLS_FILE"]) == [str(Path("u.txt").resolve())]
+
+
+def test_url_files_round_trip(tmp_path):
+    write_url(tmp_path / "d", 1, "http://b:30001")
+    write_url(tmp_path / "d", 0, "http://a:30000")
+    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["0", "1"]  # no temp files left
+    f = tmp_path / "urls.txt"
+    f.write_text("# servers\nhttp://a:1\n\nhttp://b:2\n")
+    assert read_urls(f) == ["http://a:1", "http://b:2"]
+    f.write_text("a:1\n")
+    with pytest.raises(ValueError, match="not an http"):
+        read_urls(f)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        read_urls(tmp_path / "missing.txt")
+
+
+class _Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+def test_wait_for_servers_needs_every_server_healthy(tmp_path):
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Health)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        good = f"http://127.0.0.1:{httpd.server_address[1]}"
+        urls_dir, out = tmp_path / "urls.d", tmp_path / "urls.txt"
+        write_url(urls_dir, 0, good)
+        with pytest.raises(TimeoutError, match="1 of 2 servers"):
+            wait_for_servers(urls_dir, 2, out, timeout=0.5, poll_s=0.1)
+        write_url(urls_dir, 1, "http://127.0.0.1:9")  # published, but nothing answers
+        with pytest.raises(TimeoutError):
+            wait_for_servers(urls_dir, 2, out, timeout=0.5, poll_s=0.1)
+        assert not out.exists()
+        with pytest.raises(RuntimeError, match="server step ended"):
+            wait_for_servers(urls_dir, 2, out, timeout=30, alive=lambda: False, poll_s=0.1)
+        write_url(urls_dir, 1, good)
+        assert wait_for_servers(urls_dir, 2, out, timeout=5, poll_s=0.1) == [good, good]
+        assert read_urls(out) == [good, good]
+    finally:
+        httpd.shutdown()
+
+
+def test_server_gpus_slice_the_node(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert [_visible_gpus(i, 2, 8) for i in range(4)] == ["0,1", "2,3", "4,5", "6,7"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    assert _visible_gpus(1, 2, 8) == "6,7"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")  # Slurm bound the task already
+    assert _visible_gpus(0, 1, 8) is None
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    with pytest.raises(RuntimeError, match="needs GPUs"):
+        _visible_gpus(2, 4, 8)
+
+
+def test_server_command_is_the_engines_own_with_server_tp():
+    c = cfg("rollout.engine=vllm", "rollout.server.urls_file=u", "model.hf_path=/m",
+            "cluster.server_gpus=2", "rollout.server.extra_env=[A=1]")
+    argv, env = server_command(c, "0.0.0.0", 30001)
+    assert argv[:3] == ["python", "-m", "vllm.entrypoints.openai.api_server"]
+    for flag, value in (("--model", "/m"), ("--host", "0.0.0.0"), ("--port", "30001"),
+                        ("--logprobs-mode", "processed_logprobs"),
+                        ("--tensor-parallel-size", "2")):
+        assert argv[argv.index(flag) + 1] == value
+    assert env == {"A": "1", "VLLM_SERVER_DEV_MODE": "1"}
+    argv, _ = server_command(cfg("rollout.engine=sglang", "rollout.server.urls_file=u",
+                                 "model.hf_path=/m", "cluster.server_gpus=4"), "h", 1)
+    assert argv[argv.index("--tp-size") + 1] == "4" and "--weight-version" in argv
+
+
+@pytest.mark.parametrize("script", sorted((REPO / "slurm").glob("*.sbatch")) +
+                         [REPO / "slurm" / "common.sh"], ids=lambda p: p.name)
+def test_scripts_parse(script):
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    if script.suffix == ".sbatch":
+        text = script.read_text()
+        assert text.startswith("#!/bin/bash\n# ")  # documented at the top
+        assert "#SBATCH" in text
