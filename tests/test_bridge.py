@@ -98,9 +98,11 @@ def tiny_hf(tmp_path_factory):
     return out
 
 
-def check_results(results: list, ref_logits: torch.Tensor, ref_tensors: dict, vocab: int):
+def check_results(results: list, ref_logits: torch.Tensor, ref_tensors: dict, arch):
     """Logits on every last-stage rank equal transformers'; the leader (rank 0) exports the HF
-    tensors bit for bit and every other rank walks the same names with None."""
+    tensors bit for bit, in ``hf_tensor_specs`` order, and every other rank walks the same names
+    with None."""
+    vocab = arch.vocab_size
     logits = [r[0] for r in results if r[0] is not None]
     assert logits, "no rank returned logits"
     for got in logits:
@@ -108,7 +110,8 @@ def check_results(results: list, ref_logits: torch.Tensor, ref_tensors: dict, vo
         torch.testing.assert_close(got[..., :vocab], ref_logits, rtol=0, atol=1e-4)
     leader = results[0][1]
     names = [n for n, _ in leader]
-    assert len(names) == len(set(names)) and set(names) == set(ref_tensors), sorted(names)
+    assert sorted(names) == sorted(ref_tensors)
+    assert names == [n for n, _, _ in hf_tensor_specs(arch, torch.float32)]
     for name, t in leader:
         assert t is not None and t.dtype == ref_tensors[name].dtype, name
         assert torch.equal(t, ref_tensors[name]), name
@@ -123,13 +126,13 @@ def test_hf_weights_give_transformers_logits(tiny_hf, family, layout):
     hf_dir, tokens, ref_logits, ref_tensors = tiny_hf[family]
     tp, pp = LAYOUTS[layout]
     results = run_distributed(load_and_run, tp * pp, hf_dir, tp, pp, "hf", tokens)
-    check_results(results, ref_logits, ref_tensors, 1000)
+    check_results(results, ref_logits, ref_tensors, load_arch(hf_dir))
 
 
 def test_export_at_tp2_pp2_is_bit_identical(tiny_hf):
     hf_dir, tokens, ref_logits, ref_tensors = tiny_hf["qwen3"]
     results = run_distributed(load_and_run, 4, hf_dir, 2, 2, "hf", tokens)
-    check_results(results, ref_logits, ref_tensors, 1000)
+    check_results(results, ref_logits, ref_tensors, load_arch(hf_dir))
 
 
 def test_mapping_inverts_and_shards_like_megatron(tiny_hf):
@@ -186,3 +189,39 @@ def test_qkv_interleave_puts_each_group_together():
     assert torch.equal(hf_to_megatron(wm, [q, k, v], arch, 1, 2, 0), expected[8:])
     assert [t.tolist() for _, t in megatron_to_hf(wm, expected, arch)] == [
         q.tolist(), k.tolist(), v.tolist()]
+
+
+def _export_to_disk(hf_dir: Path, tp: int, pp: int, out: Path) -> None:
+    """Worker: the disk weight-sync pattern: every rank iterates the export, the leader streams it
+    into safetensors holding one tensor at a time."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_entropy.models.bridge import export_hf_weights, load_hf_weights
+    from megatron_entropy.models.builder import build_gpt_model
+    from megatron_entropy.models.hf_io import save_hf_weights
+
+    init_megatron(tensor=tp, pipeline=pp)
+    arch = load_arch(hf_dir)
+    model = build_gpt_model(arch, tp, pp, dtype="fp32", transformer_impl="local", seq_length=64)
+    load_hf_weights(model, hf_dir, arch)
+    stream = export_hf_weights(model, arch)
+    if ps.get_tensor_model_parallel_rank() == 0 and ps.get_pipeline_model_parallel_rank() == 0:
+        save_hf_weights(stream, out, metadata_from=hf_dir, max_shard_bytes=200_000,
+                        specs=hf_tensor_specs(arch, torch.float32))
+    else:
+        for _ in stream:
+            pass
+
+
+def test_export_streams_to_disk_at_tp2_pp2(tiny_hf, tmp_path):
+    import transformers
+
+    hf_dir, tokens, ref_logits, ref_tensors = tiny_hf["llama"]
+    run_distributed(_export_to_disk, 4, hf_dir, 2, 2, tmp_path / "out")
+    assert len(list((tmp_path / "out").glob("model-*.safetensors"))) > 1
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out",
+                                                              dtype=torch.float32)
+    for name, t in model.state_dict().items():
+        assert torch.equal(t, ref_tensors[name]), name
+    with torch.no_grad():
+        assert torch.equal(model(tokens).logits, ref_logits)

@@ -61,6 +61,10 @@ _LAYER_RULES: dict[str, tuple[tuple[str, ...], Kind]] = {
     "mlp.linear_fc2.weight": (("mlp.down_proj.weight",), "copy"),
 }
 
+# Transformer-Engine name -> local-spec name of the same parameter.
+_TE_TO_LOCAL = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+                "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight"}
+
 # HF tensors that are not weights (older checkpoints store the rotary table).
 _IGNORED_HF = re.compile(r".*\.rotary_emb\.inv_freq$")
 
@@ -94,6 +98,14 @@ def layer_param_names(arch: ModelArch, te_names: bool = False) -> list[str]:
     names += ["mlp.linear_fc1.layer_norm_weight" if te_names else "pre_mlp_layernorm.weight",
               "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"]
     return names
+
+
+def local_spec_name(name: str) -> str:
+    """The local-spec name of a global Megatron parameter name (TE's fused norm names mapped)."""
+    m = _LAYER_RE.match(name)
+    if m and m.group(2) in _TE_TO_LOCAL:
+        return f"decoder.layers.{m.group(1)}.{_TE_TO_LOCAL[m.group(2)]}"
+    return name
 
 
 def megatron_param_names(arch: ModelArch, te_names: bool = False) -> list[str]:
@@ -277,19 +289,24 @@ def export_hf_weights(model, arch: ModelArch
     Collective over this DP replica's model-parallel group: every TP and PP rank of it must iterate
     to the end in lockstep. On the group's leader (TP rank 0 of the first PP stage) each item is a
     whole tensor named as in HF's state dict, padded vocab rows removed, on the model's device and
-    in its dtype; on every other rank the same names come with None. Tied embeddings are exported once
-    (``model.embed_tokens.weight``), as ``save_pretrained`` stores them.
+    in its dtype; on every other rank the same names come with None. Tied embeddings are exported
+    once (``model.embed_tokens.weight``), as ``save_pretrained`` stores them. The order is that of
+    ``hf_tensor_specs(arch, dtype)`` whatever the layer spec, so ``hf_io.save_hf_weights(...,
+    specs=hf_tensor_specs(arch, dtype))`` can write the stream holding one tensor at a time.
     """
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     module = _single_chunk(model)
     offset = layer_offset(module)
+    order = {name: i for i, name in enumerate(megatron_param_names(arch))}
     params = {}
     for name, param in module.named_parameters():
         gname = to_global_name(name, offset)
         if not (gname == "output_layer.weight" and arch.tie_word_embeddings):
             params[gname] = (name, param)
+    # Stages hold consecutive layers, so sorting each stage's parameters gives the global order.
+    params = dict(sorted(params.items(), key=lambda kv: order[local_spec_name(kv[0])]))
     pp_group = ps.get_pipeline_model_parallel_group()
     pp_rank = ps.get_pipeline_model_parallel_rank()
     tp_rank = ps.get_tensor_model_parallel_rank()

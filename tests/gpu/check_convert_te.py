@@ -14,6 +14,7 @@ bit). Prints one line per check and exits non-zero on any failure.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -76,6 +77,7 @@ def main() -> int:
             print(f"{'PASS' if ok and same else 'FAIL'} {family:8s} from {source:4s}: "
                   f"max |logit diff| {err:.2e}, export bit-identical {same}")
             failures += not (ok and same)
+    shutil.rmtree(root, ignore_errors=True)
     print("all passed" if not failures else f"{failures} failed")
     return 1 if failures else 0
 
