@@ -247,8 +247,8 @@ HF_ERRORS = {
     "unsupported_arch": r"UnsupportedModelError: .*architecture \['GPT2LMHeadModel'\] is not "
                         r"supported; supported: Qwen2ForCausalLM, Qwen3ForCausalLM, "
                         r"LlamaForCausalLM, MistralForCausalLM",
-    "wrong_shape": r"ValueError: model.layers.0.mlp.gate_proj.weight has shape \(128, 64\), but "
-                   r"config.json implies \(256, 64\)",
+    "wrong_shape": r"ValueError: model.layers.0.mlp.down_proj.weight has shape \(64, 128\), but "
+                   r"config.json implies \(64, 256\)",
     "fp16_overflow": r"CheckpointError: model.layers.0.mlp.gate_proj.weight \+ "
                      r"model.layers.0.mlp.up_proj.weight: values up to 1e\+06 do not fit in "
                      r"torch.float16",

@@ -153,10 +153,12 @@ def hf_tensor_specs(arch: ModelArch, dtype: torch.dtype) -> list[TensorSpec]:
             for name in megatron_param_names(arch) for n in weight_map(name, arch).hf]
 
 
-def check_hf_tensor_names(names: Sequence[str], arch: ModelArch, where: Union[str, Path]) -> None:
-    """Raise if the HF checkpoint lacks tensors the model needs or has tensors it cannot place."""
+def check_hf_checkpoint(files: dict[str, Path], arch: ModelArch, where: Union[str, Path]) -> None:
+    """Raise if the HF checkpoint (tensor name -> safetensors file) lacks tensors the model needs,
+    has tensors it cannot place, or has a tensor whose shape config.json contradicts. Reads only
+    the files' headers."""
     expected = {n for name in megatron_param_names(arch) for n in weight_map(name, arch).hf}
-    present = set(names)
+    present = set(files)
     missing = sorted(expected - present, key=_natural)
     if missing:
         raise KeyError(f"{where}: {len(missing)} tensors of the {arch.architecture} model are "
@@ -168,6 +170,19 @@ def check_hf_tensor_names(names: Sequence[str], arch: ModelArch, where: Union[st
     if extra:
         raise KeyError(f"{where}: {len(extra)} tensors have no place in the Megatron model, e.g. "
                        f"{extra[:3]} (an unsupported variant of {arch.architecture}?)")
+    by_file: dict[Path, list[str]] = {}
+    for name in sorted(expected, key=_natural):
+        by_file.setdefault(files[name], []).append(name)
+    for path, names in by_file.items():
+        with open_hf_slices(files, names) as slices:
+            for name, src in zip(names, slices):
+                _check_shape(name, src, arch)
+
+
+def _check_shape(name: str, src, arch: ModelArch) -> None:
+    want = hf_shape(name, arch)
+    if _shape(src) != want:
+        raise ValueError(f"{name} has shape {_shape(src)}, but config.json implies {want}")
 
 
 def _natural(name: str) -> list:
@@ -200,9 +215,7 @@ def hf_to_megatron(wm: WeightMap, sources: Sequence, arch: ModelArch, tp_rank: i
     rows this shard needs are read.
     """
     for name, src in zip(wm.hf, sources, strict=True):
-        want = hf_shape(name, arch)
-        if _shape(src) != want:
-            raise ValueError(f"{name} has shape {_shape(src)}, but config.json implies {want}")
+        _check_shape(name, src, arch)
     if partition_dim is None:
         tp_rank, tp_size, partition_dim = 0, 1, 0
     if wm.kind == "copy":
@@ -265,7 +278,7 @@ def load_hf_weights(model, hf_dir: Union[str, Path], arch: ModelArch) -> None:
     from megatron.core import parallel_state as ps
 
     files = hf_weight_files(hf_dir)
-    check_hf_tensor_names(list(files), arch, hf_dir)
+    check_hf_checkpoint(files, arch, hf_dir)
     module = _single_chunk(model)
     offset = layer_offset(module)
     tp_rank = ps.get_tensor_model_parallel_rank()

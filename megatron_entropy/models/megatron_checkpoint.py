@@ -34,7 +34,7 @@ from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlan
 
 from megatron_entropy.models.arch import ModelArch, load_arch
-from megatron_entropy.models.bridge import (_single_chunk, check_hf_tensor_names,
+from megatron_entropy.models.bridge import (_single_chunk, check_hf_checkpoint,
                                             hf_tensor_specs, hf_to_megatron, layer_param_names,
                                             megatron_to_hf, weight_map)
 from megatron_entropy.models.builder import DTYPES
@@ -284,7 +284,7 @@ def convert_hf_to_checkpoint(hf_dir: Union[str, Path], out_dir: Union[str, Path]
     if dtype not in DTYPES:
         raise CheckpointError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     files = hf_weight_files(hf_dir)
-    check_hf_tensor_names(list(files), arch, hf_dir)
+    check_hf_checkpoint(files, arch, hf_dir)
     tmp = _prepare_output(out_dir, overwrite)
     try:
         with _single_process_megatron():
