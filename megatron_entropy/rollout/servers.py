@@ -433,6 +433,9 @@ class ServerPool:
         exited = server.process is not None and server.process.poll() is not None
         if not exited and await self._probe(session, server):
             return  # a transient error: the server is fine, the request is simply retried
+        if server.state != "up":
+            return  # another failed request handled it while we probed
+        exited = server.process is not None and server.process.poll() is not None
         self._mark_dead(server, f"exited with code {server.process.returncode}" if exited
                         else f"stopped answering ({why})")
         self._restart_in_background(session, server)
