@@ -114,6 +114,8 @@ def _commands() -> dict[str, tuple[str, Callable[[argparse.ArgumentParser], None
     return {
         "train": ("run (or resume) an RL job from a YAML config", _add_train_args, _run_train),
         "plan": importlib.import_module("megatron_entropy.plan").PLAN,
+        "plot": importlib.import_module("megatron_entropy.analysis.commands").PLOT,
+        "fit": importlib.import_module("megatron_entropy.analysis.commands").FIT,
     }
 
 

@@ -1,0 +1,70 @@
+"""``megatron-entropy plot RUN_DIR`` and ``megatron-entropy fit RUN_DIR``.
+
+Kept free of heavy imports: the CLI builds its parser from here before any command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def add_plot_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dir", help="run folder (runs/<name>) or its metrics.jsonl")
+    p.add_argument("--out", default=None, help="folder for the PNGs (default: RUN_DIR/plots)")
+
+
+def run_plot(args: argparse.Namespace) -> int:
+    from megatron_entropy.analysis.plots import plot_run
+
+    for path in plot_run(args.run_dir, args.out):
+        print(path)
+    return 0
+
+
+def add_fit_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dir", help="run folder (runs/<name>) or its metrics.jsonl")
+    p.add_argument("--entropy-key", default=None,
+                   help="x axis (default: entropy/seq_mean, else entropy/token_mean)")
+    p.add_argument("--performance-key", default=None,
+                   help="y axis (default: val/acc/mean, else acc/mean, else reward/mean)")
+    p.add_argument("--fit-points", type=int, default=None,
+                   help="also fit on only the first K points and report how well that predicts "
+                        "the rest (default: half of the points, when there are at least 6)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def run_fit(args: argparse.Namespace) -> int:
+    from megatron_entropy.analysis.entropy_law import fit_and_predict, fit_entropy_law
+    from megatron_entropy.analysis.plots import law_points, read_metrics
+
+    h, r, hk, rk = law_points(read_metrics(args.run_dir), args.entropy_key, args.performance_key)
+    try:
+        fit = fit_entropy_law(h, r)
+    except ValueError as e:
+        print(f"megatron-entropy fit: error: {args.run_dir}: {e} (steps with both an entropy and "
+              f"a performance value: {len(h)})", file=sys.stderr)
+        return 2
+    out: dict = {"entropy_key": hk, "performance_key": rk, **fit.to_dict()}
+    k = args.fit_points if args.fit_points is not None else (len(h) // 2 if len(h) >= 6 else None)
+    if k is not None:
+        out["extrapolation"] = fit_and_predict(h, r, k).to_dict()
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    print(f"{rk} = -a * exp({hk}) + b over {fit.n} steps")
+    print(f"  a = {fit.a:.6g}   b = {fit.b:.6g}   R^2 = {fit.r2:.4f}")
+    print(f"  ceiling at entropy 0 (b - a) = {fit.ceiling:.4f}")
+    if "extrapolation" in out:
+        e = out["extrapolation"]
+        print(f"  fit on the first {e['k']} steps (a = {e['fit/a']:.4g}, b = {e['fit/b']:.4g}) "
+              f"predicts the other {fit.n - e['k']}: mean |error| {e['mae']:.4f}, "
+              f"max {e['max_abs_error']:.4f}, at the last step {e['final_error']:+.4f}")
+    return 0
+
+
+PLOT = ("write PNG plots of a run: entropy, reward, covariance, reward vs entropy",
+        add_plot_args, run_plot)
+FIT = ("fit the entropy law R = -a*exp(H) + b to a run and report its ceiling b - a",
+       add_fit_args, run_fit)

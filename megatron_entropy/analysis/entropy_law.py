@@ -1,0 +1,85 @@
+"""The entropy-performance law R = -a * exp(H) + b (Cui et al., 2025).
+
+It is linear in x = exp(H), so a and b come from ordinary least squares; at H = 0 the law predicts
+the ceiling R = b - a. ``fit_and_predict`` fits on the first k points and reports how well that fit
+predicts the rest (the paper's claim that the end of training is predictable from its start).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Sequence
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class EntropyLawFit:
+    a: float
+    b: float
+    r2: float  # coefficient of determination on the fitted points
+    n: int
+
+    @property
+    def ceiling(self) -> float:
+        """Predicted performance when entropy is exhausted (H = 0)."""
+        return self.b - self.a
+
+    def predict(self, entropy: Sequence[float]) -> np.ndarray:
+        return -self.a * np.exp(np.asarray(entropy, dtype=np.float64)) + self.b
+
+    def to_dict(self) -> dict[str, float]:
+        return {**asdict(self), "ceiling": self.ceiling}
+
+
+def _clean(entropy: Sequence[float], reward: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
+    h = np.asarray(entropy, dtype=np.float64)
+    r = np.asarray(reward, dtype=np.float64)
+    if h.shape != r.shape or h.ndim != 1:
+        raise ValueError(f"entropy and reward must be 1-D of the same length, got {h.shape} and "
+                         f"{r.shape}")
+    keep = np.isfinite(h) & np.isfinite(r)
+    return h[keep], r[keep]
+
+
+def fit_entropy_law(entropy: Sequence[float], reward: Sequence[float]) -> EntropyLawFit:
+    """Least-squares fit of R = -a*exp(H) + b; non-finite pairs are ignored."""
+    h, r = _clean(entropy, reward)
+    if len(h) < 2:
+        raise ValueError(f"need at least 2 (entropy, reward) points to fit, got {len(h)}")
+    x = np.exp(h)
+    if np.ptp(x) == 0:
+        raise ValueError("all entropy values are equal: the law's slope is undetermined")
+    design = np.stack([-x, np.ones_like(x)], axis=1)
+    (a, b), *_ = np.linalg.lstsq(design, r, rcond=None)
+    resid = r - design @ np.array([a, b])
+    total = float(((r - r.mean()) ** 2).sum())
+    r2 = 1.0 - float((resid ** 2).sum()) / total if total > 0 else 1.0
+    return EntropyLawFit(a=float(a), b=float(b), r2=r2, n=len(h))
+
+
+@dataclass(frozen=True)
+class Extrapolation:
+    fit: EntropyLawFit  # on the first k points
+    k: int
+    mae: float  # mean |predicted - actual| on the points after the first k
+    rmse: float
+    max_abs_error: float
+    final_error: float  # predicted - actual at the last point
+
+    def to_dict(self) -> dict[str, float]:
+        return {"k": self.k, "mae": self.mae, "rmse": self.rmse,
+                "max_abs_error": self.max_abs_error, "final_error": self.final_error,
+                **{f"fit/{key}": v for key, v in self.fit.to_dict().items()}}
+
+
+def fit_and_predict(entropy: Sequence[float], reward: Sequence[float], k: int) -> Extrapolation:
+    """Fit on the first ``k`` (finite) points, predict the remaining ones."""
+    h, r = _clean(entropy, reward)
+    if not 2 <= k < len(h):
+        raise ValueError(f"k must be in [2, {len(h) - 1}] for {len(h)} points, got {k}")
+    fit = fit_entropy_law(h[:k], r[:k])
+    err = fit.predict(h[k:]) - r[k:]
+    return Extrapolation(fit=fit, k=k, mae=float(np.abs(err).mean()),
+                         rmse=float(np.sqrt((err ** 2).mean())),
+                         max_abs_error=float(np.abs(err).max()), final_error=float(err[-1]))

@@ -1,0 +1,267 @@
+"""The embedded rollout engine: a transformers model in the trainer's own process.
+
+Batched KV-cache decoding written here (not ``model.generate``) so that sampling is exactly what
+the actor recomputes and reproducible per sample:
+- sample j of prompt i draws its uniforms from its own generator seeded with
+  ``sample_seed(sampling.seed, i, j)``, one per token, so a sample does not depend on which other
+  samples share its batch, and re-running a step after a resume gives the same tokens;
+- ``logprobs`` are taken from softmax(logits / T) over the full vocabulary before top-p/top-k
+  (greedy: T = 1), in fp32;
+- top-k / top-p only restrict where the sampled token may land (inverse-CDF sampling over the
+  renormalised kept mass).
+Prompts are left-padded; each distinct prompt is prefilled once and its cache copied to its n
+samples; finished rows leave the batch, so long samples do not keep short ones' compute alive.
+"""
+
+from __future__ import annotations
+
+import inspect
+import random
+import time
+from pathlib import Path
+from typing import Optional, Union
+
+import torch
+
+from megatron_entropy.data.dataset import load_tokenizer
+from megatron_entropy.rollout.base import Completion, NamedTensors, RolloutEngine, SamplingParams
+from megatron_entropy.rollout.servers import sample_seed
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _version(v: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in v.split(".")[:2] if p.isdigit())
+
+
+def _as_list(x) -> list[int]:
+    if x is None:
+        return []
+    return [int(v) for v in (x if isinstance(x, (list, tuple)) else [x])]
+
+
+def sample_tokens(logits: torch.Tensor, uniforms: torch.Tensor, temperature: float,
+                  top_p: float = 1.0, top_k: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row by inverse CDF with the given uniforms in [0, 1).
+
+    Returns (tokens [B], logprobs [B]) where logprobs are under softmax(logits / T) over the full
+    vocabulary (T = 1 when greedy, ``temperature == 0``), before any truncation.
+    """
+    logits = logits.float()
+    if temperature == 0:
+        tokens = logits.argmax(dim=-1)
+        return tokens, torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None])[:, 0]
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    probs = logp.exp()
+    if top_p < 1.0 or top_k > 0:
+        probs, order = probs.sort(dim=-1, descending=True)
+        if top_k > 0:
+            probs[:, top_k:] = 0
+        if top_p < 1.0:
+            # Of what top-k kept (renormalised, as vLLM and transformers do), keep the smallest
+            # prefix whose mass reaches top_p; the most likely token always stays.
+            before = (probs.cumsum(dim=-1) - probs) / probs.sum(dim=-1, keepdim=True)
+            probs = probs.masked_fill(before >= top_p, 0)
+    else:
+        order = None
+    cdf = probs.cumsum(dim=-1)
+    target = uniforms.to(cdf.dtype)[:, None] * cdf[:, -1:]
+    pos = torch.searchsorted(cdf, target, right=True)[:, 0]
+    # u * total can round up to the total: fall back to the last token with mass.
+    last = (probs > 0).cumsum(dim=-1).argmax(dim=-1)
+    pos = torch.minimum(pos, last)
+    tokens = pos if order is None else order.gather(-1, pos[:, None])[:, 0]
+    return tokens, logp.gather(-1, tokens[:, None])[:, 0]
+
+
+class InProcessEngine(RolloutEngine):
+    """Generation with a transformers model on this process's device; one per DP leader."""
+
+    shared = False
+
+    def __init__(self, hf_dir: Union[str, Path], dtype: str = "fp32", batch_size: int = 64,
+                 device: Union[str, torch.device] = "cpu"):
+        from transformers import AutoModelForCausalLM
+
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+        if batch_size < 1:
+            raise ValueError("batch_size must be >= 1")
+        hf_dir = Path(hf_dir)
+        if not (hf_dir / "config.json").is_file():
+            raise FileNotFoundError(f"no config.json in {str(hf_dir)!r}: the in-process engine "
+                                    "needs a Hugging Face model folder")
+        self.device = torch.device(device)
+        self.batch_size = batch_size
+        import transformers
+
+        # transformers 4.56 renamed torch_dtype to dtype.
+        dtype_kw = "dtype" if _version(transformers.__version__) >= (4, 56) else "torch_dtype"
+        self.model = AutoModelForCausalLM.from_pretrained(
+            str(hf_dir), local_files_only=True, **{dtype_kw: DTYPES[dtype]}).to(self.device).eval()
+        self.tokenizer = load_tokenizer(hf_dir)
+        gen = getattr(self.model, "generation_config", None)
+        self.eos_ids = set(_as_list(getattr(gen, "eos_token_id", None))
+                           + _as_list(self.model.config.eos_token_id)
+                           + _as_list(self.tokenizer.eos_token_id))
+        pad = self.tokenizer.pad_token_id
+        self.pad_id = int(pad if pad is not None else min(self.eos_ids, default=0))
+        params = inspect.signature(self.model.forward).parameters
+        # transformers 5 renamed past_key_values to cache.
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.weight_version = 0
+        self._tokens = 0
+        self._seconds = 0.0
+
+    # ------------------------------------------------------------------------------- generate
+
+    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
+                 cache) -> torch.Tensor:
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                         use_cache=True, logits_to_keep=1, **{self._cache_kw: cache})
+        return out.logits[:, -1, :].float()
+
+    def _new_cache(self):
+        from transformers import DynamicCache
+
+        try:
+            return DynamicCache(config=self.model.config)
+        except TypeError:  # transformers < 4.56
+            return DynamicCache()
+
+    @torch.no_grad()
+    def _generate_batch(self, prompts: list[list[int]], rows: list[int], seeds: list[int],
+                        sp: SamplingParams) -> list[Completion]:
+        """Decode one sample per entry of ``rows`` (an index into the distinct ``prompts``)."""
+        dev = self.device
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for r, p in enumerate(prompts):
+            ids[r, width - len(p):] = torch.tensor(p, dtype=torch.long)
+            mask[r, width - len(p):] = 1
+        ids, mask = ids.to(dev), mask.to(dev)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = self._new_cache()
+        logits = self._forward(ids, mask, positions, cache)
+        # Copy each distinct prompt's cache to its samples.
+        expand = torch.tensor(rows, dtype=torch.long, device=dev)
+        cache.reorder_cache(expand)
+        logits, mask = logits[expand], mask[expand]
+        next_pos = torch.tensor([len(prompts[r]) for r in rows], dtype=torch.long, device=dev)
+
+        gens = [torch.Generator().manual_seed(s) for s in seeds]
+        stop_ids = self.eos_ids | set(sp.stop_token_ids)
+        stop_window = 4 * max((len(s) for s in sp.stop), default=0) + 4  # tokens; a char <= 4 B
+        n = len(rows)
+        tokens: list[list[int]] = [[] for _ in range(n)]
+        logprobs: list[list[float]] = [[] for _ in range(n)]
+        reasons: list[Optional[str]] = [None] * n
+        stopped_by_text = [False] * n
+        active = list(range(n))  # sample index of each row still in the batch
+        while True:
+            uniforms = torch.stack([torch.rand((), generator=gens[s], dtype=torch.float64)
+                                    for s in active])
+            tok, lp = sample_tokens(logits, uniforms.to(dev), sp.temperature, sp.top_p, sp.top_k)
+            tok_list, lp_list = tok.tolist(), lp.tolist()
+            keep = []
+            for row, s in enumerate(active):
+                t = tok_list[row]
+                tokens[s].append(t)
+                logprobs[s].append(lp_list[row])
+                if t in stop_ids:
+                    reasons[s] = "stop"
+                elif sp.stop and any(
+                        stop in self.tokenizer.decode(tokens[s][-stop_window:],
+                                                      skip_special_tokens=True)
+                        for stop in sp.stop):
+                    reasons[s], stopped_by_text[s] = "stop", True
+                elif len(tokens[s]) >= sp.max_new_tokens:
+                    reasons[s] = "length"
+                else:
+                    keep.append(row)
+            if not keep:
+                break
+            if len(keep) < len(active):
+                sel = torch.tensor(keep, dtype=torch.long, device=dev)
+                cache.reorder_cache(sel)
+                mask, next_pos, tok = mask[sel], next_pos[sel], tok[sel]
+                active = [active[r] for r in keep]
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            logits = self._forward(tok[:, None], mask, next_pos[:, None], cache)
+            next_pos = next_pos + 1
+
+        out = []
+        for s in range(n):
+            text = self.tokenizer.decode(tokens[s], skip_special_tokens=True)
+            if stopped_by_text[s]:
+                text = text[:min((text.find(x) for x in sp.stop if x in text), default=len(text))]
+            out.append(Completion(token_ids=tokens[s], logprobs=logprobs[s], text=text,
+                                  finish_reason=reasons[s],
+                                  meta={"weight_version": self.weight_version}))
+        return out
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[list[Completion]]:
+        if sampling.n < 1 or sampling.max_new_tokens < 1:
+            raise ValueError(f"need n >= 1 and max_new_tokens >= 1, got n={sampling.n}, "
+                             f"max_new_tokens={sampling.max_new_tokens}")
+        if sampling.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {sampling.temperature}")
+        for i, p in enumerate(prompts):
+            if not p:
+                raise ValueError(f"prompt {i} is empty")
+        start = time.perf_counter()
+        base_seed = sampling.seed if sampling.seed is not None else random.getrandbits(62)
+        requests = [(i, j) for i in range(len(prompts)) for j in range(sampling.n)]
+        results: list[list[Optional[Completion]]] = [[None] * sampling.n for _ in prompts]
+        for b in range(0, len(requests), self.batch_size):
+            chunk = requests[b:b + self.batch_size]
+            distinct = sorted({i for i, _ in chunk})
+            where = {i: r for r, i in enumerate(distinct)}
+            done = self._generate_batch([list(prompts[i]) for i in distinct],
+                                        [where[i] for i, _ in chunk],
+                                        [sample_seed(base_seed, i, j) for i, j in chunk], sampling)
+            for (i, j), c in zip(chunk, done):
+                results[i][j] = c
+                self._tokens += len(c.token_ids)
+        self._seconds += time.perf_counter() - start
+        return results  # type: ignore[return-value]
+
+    # ------------------------------------------------------------------------------- weights
+
+    @torch.no_grad()
+    def update_weights(self, named_tensors: NamedTensors, version: int) -> dict[str, float]:
+        """Copy full HF-named tensors into the model in place. Every weight must be given (a tied
+        alias counts for both names); an unknown name or a wrong shape raises."""
+        start = time.perf_counter()
+        state = self.model.state_dict()
+        needed = {t.data_ptr(): name for name, t in state.items()}
+        done: set[int] = set()
+        nbytes = count = 0
+        for name, tensor in named_tensors:
+            if name not in state:
+                raise KeyError(f"update_weights: {name!r} is not a weight of the rollout model "
+                               f"(e.g. {', '.join(list(state)[:3])})")
+            dst = state[name]
+            if tuple(tensor.shape) != tuple(dst.shape):
+                raise ValueError(f"update_weights: {name!r} has shape {tuple(tensor.shape)}, the "
+                                 f"rollout model's is {tuple(dst.shape)}")
+            dst.copy_(tensor.to(device=dst.device, dtype=dst.dtype))
+            done.add(dst.data_ptr())
+            nbytes += tensor.numel() * tensor.element_size()
+            count += 1
+        missing = [name for ptr, name in needed.items() if ptr not in done]
+        if missing:
+            raise ValueError(f"update_weights: {len(missing)} weights were not sent, e.g. "
+                             f"{', '.join(sorted(missing)[:5])}; the rollout model would mix "
+                             "old and new weights")
+        self.weight_version = version
+        return {"seconds": time.perf_counter() - start, "bytes": float(nbytes),
+                "tensors": float(count)}
+
+    def metrics(self) -> dict[str, float]:
+        out = {"rollout/response_tokens": float(self._tokens)}
+        if self._seconds > 0:
+            out["rollout/tokens_per_s"] = self._tokens / self._seconds
+        self._tokens, self._seconds = 0, 0.0
+        return out
