@@ -268,3 +268,14 @@ def test_group_filter_gives_up_after_max_rounds_and_can_be_off():
     assert off.done and off.take() == ["x", "y"]
     with pytest.raises(ValueError, match="2 groups but 1 reward lists"):
         off.add(["x", "y"], [[1, 1]])
+
+
+def test_shipped_tokenizer_encodes_as_its_tokenizer_json(tokenizer):
+    # transformers 5 rebuilds a qwen2 tokenizer's pipeline in code; the shipped tokenizer must
+    # be one for which that changes nothing (the model was trained on these ids).
+    from tokenizers import Tokenizer
+
+    raw = Tokenizer.from_file(str(QUICKSTART / "tokenizer.json"))
+    text = render_prompt("What is 12 * 3 - 40?", tokenizer) + "12 * 3 = 36\n\\boxed{-4} héllo ½"
+    assert tokenizer(text, add_special_tokens=False)["input_ids"] == raw.encode(text).ids
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.decode(raw.encode(text).ids) == text

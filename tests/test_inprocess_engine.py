@@ -253,3 +253,19 @@ def test_bad_input(prompts):
     engine.generate(prompts[:1], SamplingParams(max_new_tokens=4, temperature=0.0))
     m = engine.metrics()
     assert m["rollout/response_tokens"] >= 1 and m["rollout/tokens_per_s"] > 0
+
+
+def test_quickstart_model_solves_some_of_the_task():
+    """The shipped policy, prompted as the RL run prompts it, is right some of the time: RL has
+    something to start from and room to improve."""
+    from megatron_entropy.config import DataConfig
+    from megatron_entropy.data import load_prompt_dataset
+    from megatron_entropy.rewards import math_rewards
+
+    engine = InProcessEngine(QUICKSTART)
+    val = load_prompt_dataset(DataConfig(), engine.tokenizer, 1024, "val")
+    out = engine.generate([it.prompt_ids for it in val],
+                          SamplingParams(temperature=0.0, max_new_tokens=48))
+    rewards = math_rewards([g[0].text for g in out], [it.answer for it in val])
+    assert all(g[0].finish_reason == "stop" for g in out)  # it ends its answers with EOS
+    assert 0.2 <= sum(rewards) / len(rewards) <= 0.5
