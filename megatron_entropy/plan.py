@@ -100,14 +100,18 @@ def total_params(a: ModelArch) -> int:
 
 
 def stage_params(a: ModelArch, tensor: int, pipeline: int) -> int:
-    """Parameters on one GPU of the fullest pipeline stage (padded vocab, TP shards)."""
-    layers = a.num_layers // pipeline * layer_params(a)
-    emb = a.padded_vocab_size * a.hidden_size
+    """Parameters on one GPU of the fullest pipeline stage (padded vocab). TP splits every weight
+    but the norms; the first stage holds the embedding, the last the final norm and the output
+    layer (with tied embeddings and PP > 1, a copy of the embedding)."""
+    q, kv = a.num_attention_heads * a.head_dim, a.num_query_groups * a.head_dim
+    split = a.hidden_size * (q + 2 * kv) + q * a.hidden_size + 3 * a.hidden_size * a.ffn_hidden_size \
+        + ((q + 2 * kv) if a.qkv_bias else 0)
+    norms = 2 * a.hidden_size + (2 * a.head_dim if a.qk_layernorm else 0)
+    layers = a.num_layers // pipeline * (split // tensor + norms)
+    emb = a.padded_vocab_size * a.hidden_size // tensor
     if pipeline == 1:
-        stage = layers + emb + a.hidden_size + (0 if a.tie_word_embeddings else emb)
-    else:  # the last stage holds the output layer, or the tied embedding's copy
-        stage = max(layers + emb, layers + a.hidden_size + emb)
-    return math.ceil(stage / tensor)
+        return layers + emb + a.hidden_size + (0 if a.tie_word_embeddings else emb)
+    return layers + a.hidden_size + emb  # the last stage; the first has the same minus a norm
 
 
 def kv_bytes_per_token(a: ModelArch, dtype_bytes: int, tensor: int = 1) -> float:

@@ -11,7 +11,8 @@
 #                                 (exit code 75), else exit with the trainer's code
 #
 # Environment: PYTHON (default python), TRAINER_SRUN_ARGS / SERVER_SRUN_ARGS (extra srun options,
-# e.g. "--gpus-per-task=1" where the site binds GPUs per task), MAX_REQUEUES (default 50).
+# e.g. "--gpus-per-task=1" where the site binds GPUs per task), MAX_REQUEUES (default 50),
+# TRAINER_EXIT_GRACE (seconds the other ranks get once one has exited; default 120).
 
 ME_PREEMPTED_RC=75
 PYTHON=${PYTHON:-python}
@@ -102,9 +103,13 @@ me_train() {
     TRAIN_RC=$ME_PREEMPTED_RC
     return
   fi
+  # Ranks end a step or a preemption checkpoint together but leave at slightly different
+  # times, so a task's exit (even non-zero: 75) must not kill the others: the rest get
+  # TRAINER_EXIT_GRACE seconds to finish, then srun ends them (a crashed rank's peers hang).
   # shellcheck disable=SC2086
   srun --job-name=trainer --nodes="$NUM_TRAINER_NODES" --nodelist="$TRAINER_NODELIST" --ntasks="$TRAINER_TASKS" \
-    --ntasks-per-node="$TRAINER_TASKS_PER_NODE" --kill-on-bad-exit=1 \
+    --ntasks-per-node="$TRAINER_TASKS_PER_NODE" --kill-on-bad-exit=0 \
+    --wait="${TRAINER_EXIT_GRACE:-120}" \
     --output="$LOG_DIR/trainer.log" --open-mode=append --label ${TRAINER_SRUN_ARGS:-} \
     "$PYTHON" -m megatron_entropy.cli train "$@" "${extra[@]}" &
   ME_TRAINER_PID=$!

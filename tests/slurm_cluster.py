@@ -135,7 +135,7 @@ class SlurmCluster:
             "MpiDefault=none",
             "ReturnToService=2",
             "KillWait=10",
-            "MinJobAge=3600",
+            "MinJobAge=4",  # sbatch --wait polls every 2 s only while 2 < MinJobAge / 2
             "SchedulerParameters=sched_interval=1,bf_interval=1",
             f"StateSaveLocation={r / 'state'}",
             f"SlurmdSpoolDir={r / 'spool'}",

@@ -260,8 +260,9 @@ def serve(cfg: Config, urls_dir: os.PathLike, task: int, local_id: int,
           node: Optional[str] = None) -> int:
     """Run one rollout server in the foreground; publish its URL once it answers /health.
 
-    Returns the server's exit code. SIGTERM/SIGINT stop the server; SIGUSR1 is ignored so that a
-    job-wide preemption warning does not kill the servers the trainer still needs.
+    Returns 0 when stopped by SIGTERM/SIGINT, else non-zero (the server ended on its own). SIGUSR1
+    is ignored so that a job-wide preemption warning does not kill the servers the trainer still
+    needs.
     """
     s = cfg.rollout.server
     port = s.base_port + local_id
@@ -276,7 +277,10 @@ def serve(cfg: Config, urls_dir: os.PathLike, task: int, local_id: int,
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # inherited by the server across exec
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
 
+    stopped = []
+
     def stop(signum, frame):
+        stopped.append(signum)
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)
 
@@ -292,7 +296,7 @@ def serve(cfg: Config, urls_dir: os.PathLike, task: int, local_id: int,
         if time.monotonic() > deadline:
             print(f"[serve {task}] no answer on {url}/health within {s.startup_timeout_s:.0f} s",
                   flush=True)
-            stop(None, None)
+            os.killpg(proc.pid, signal.SIGTERM)
             break
         time.sleep(1.0)
     try:
@@ -300,7 +304,11 @@ def serve(cfg: Config, urls_dir: os.PathLike, task: int, local_id: int,
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    return rc
+    # Asked to stop (Slurm may signal the server before this process): not a failure.
+    if stopped or rc == -signal.SIGTERM:
+        return 0
+    print(f"[serve {task}] the server exited with {rc}", flush=True)
+    return rc if rc > 0 else 1
 
 
 # ------------------------------------------------------------------------------------- CLI
