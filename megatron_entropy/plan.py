@@ -262,8 +262,8 @@ def make_plan(cfg: Config, arch: ModelArch, nodes: int, arch_source: str = "") -
 def format_plan(plan: Plan) -> str:
     a, lay = plan.arch, plan.layout
     lines = [f"model: {a.architecture} {total_params(a) / 1e9:.2f}B params, {a.num_layers} layers, "
-             f"hidden {a.hidden_size}, vocab {a.vocab_size} (padded {a.padded_vocab_size}) "
-             f"[{plan.arch_source}]",
+             f"hidden {a.hidden_size}, vocab {a.vocab_size} (padded {a.padded_vocab_size})"
+             + (f" [{plan.arch_source}]" if plan.arch_source else ""),
              f"nodes: {plan.nodes} x {plan.gpus_per_node} GPUs of {plan.gpu_memory_gb:g} GiB"]
     if lay is not None:
         if lay.num_servers:
