@@ -454,3 +454,14 @@ def test_all_masked_micro_batch_is_zero_loss_that_joins_collectives(setting):
     assert loss1 == 0.0 and torch.equal(grad1, torch.zeros_like(grad1))
     assert math.isfinite(loss0) and loss0 != 0.0 and grad0.abs().max() > 0
     assert m0 == m1 and all(math.isfinite(v) for k, v in m0.items() if k != "cov_selected_max")
+
+
+def test_settings_come_from_the_algorithm_config():
+    from megatron_entropy.config import load_config
+
+    cfg = load_config(overrides=["algorithm.loss=clip_cov", "algorithm.clip_cov_ratio=0.001",
+                                 "algorithm.loss_agg_mode=seq-mean-token-sum"])
+    s = PolicyLossSettings.from_config(cfg.algorithm)
+    assert (s.loss, s.clip_cov_ratio, s.loss_agg_mode) == ("clip_cov", 0.001,
+                                                            "seq-mean-token-sum")
+    assert s.kl_cov_ratio == cfg.algorithm.kl_cov_ratio and s.kl_type == cfg.algorithm.kl_type

@@ -39,13 +39,17 @@ __all__ = ["vocab_parallel_logprob_entropy", "fused_linear_logprob_entropy"]
 
 # On CPU the chunk's fp32 work buffers should stay cache-resident: at most this many elements per
 # buffer (4 MiB), whatever ``chunk_tokens`` says (on a shared 2-core VM, 6 tokens x 152k vocab
-# per chunk needed ~10-30% less CPU time than 512 tokens). GPUs use ``chunk_tokens`` as given, and so
-# does the fused path everywhere (its GEMM needs many rows per chunk to reuse the weight).
+# per chunk needed ~10-30% less CPU time than 512 tokens). GPUs use ``chunk_tokens`` as given.
 CPU_CHUNK_ELEMENTS = 1 << 20
+# The fused path's chunk feeds a GEMM that streams the whole weight shard once per chunk, so it
+# keeps at least 64 rows; on CPU its buffers are capped at 32M elements (~220 tokens at 152k vocab).
+FUSED_CPU_CHUNK_ELEMENTS = 1 << 25
 
 
-def _chunk_rows(chunk_tokens: int, n_real: int, device: torch.device) -> int:
+def _chunk_rows(chunk_tokens: int, n_real: int, device: torch.device, fused: bool = False) -> int:
     if device.type == "cpu" and n_real > 0:
+        if fused:
+            return max(1, min(chunk_tokens, max(64, FUSED_CPU_CHUNK_ELEMENTS // n_real)))
         return max(1, min(chunk_tokens, CPU_CHUNK_ELEMENTS // n_real))
     return chunk_tokens
 
@@ -240,6 +244,7 @@ class _FusedLinearLogprobEntropy(torch.autograd.Function):
         n_real = _real_columns(vocab_size, local_vocab, rank, world)
         vocab = vocab_size if vocab_size is not None else local_vocab * world
         cdtype = _compute_dtype(hidden.dtype)
+        chunk_tokens = _chunk_rows(chunk_tokens, n_real, hidden.device, fused=True)
         inv_t = 1.0 / temperature
         local_targets = targets - rank * local_vocab
         owned = (local_targets >= 0) & (local_targets < n_real)
