@@ -449,11 +449,7 @@ class ServerPool:
                 await self._wait_up(session, server, self.cfg.startup_timeout_s)
             except ServerError:
                 self._notify()
-            await self.on_restarted(server)
         self._tasks.add(asyncio.ensure_future(wait()))
-
-    async def on_restarted(self, server: Server) -> None:
-        """Hook for engines: a restarted server came up (or failed to)."""
 
     async def _monitor(self, session: aiohttp.ClientSession, targets: list[Server]) -> None:
         """Notice servers that die or hang while requests wait on them."""
@@ -477,7 +473,7 @@ class ServerPool:
 
     async def _map(self, path: str, payloads: list[dict], parse: ParseResponse,
                    targets: Optional[list[Server]]) -> list[Any]:
-        targets = targets or self.servers
+        targets = self.servers if targets is None else targets
         self._cond = asyncio.Condition()
         self._tasks = set()
         for server in targets:  # events belong to one loop: fresh ones for this run
@@ -519,7 +515,8 @@ class ServerPool:
     async def _call_all(self, path: str, payload: Optional[dict], method: str,
                         timeout: Optional[float], targets: Optional[list[Server]]
                         ) -> dict[int, Any]:
-        targets = [s for s in (targets or self.servers) if s.state == "up"]
+        targets = [s for s in (self.servers if targets is None else targets)
+                   if s.state == "up"]
         timeout = timeout or self.cfg.request_timeout_s
 
         async def one(session: aiohttp.ClientSession, server: Server) -> Any:
