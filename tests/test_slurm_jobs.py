@@ -149,7 +149,8 @@ def test_colocated_script_runs_the_quickstart_on_two_tasks(cluster, job_env, tmp
     _, rc = cluster.sbatch(
         "--nodes=1", "--ntasks=2", str(SLURM / "colocated.sbatch"), str(QUICKSTART),
         "cluster.gpus_per_node=2", "trainer.steps=2", "data.prompts_per_step=4",
-        "rollout.n_samples=4", "rollout.max_new_tokens=24", "trainer.val_interval=0",
+        "trainer.val_before_train=false", "trainer.val_interval=0",
+        f"model.hf_path={REPO / 'examples' / 'quickstart_model'}",
         f"logging.runs_dir={tmp_path / 'runs'}", "logging.name=quick",
         env=job_env, cwd=tmp_path, timeout=900)
     run = tmp_path / "runs" / "quick"
@@ -225,23 +226,24 @@ def test_disaggregated_script_with_a_vllm_server(cluster, job_env, tmp_path):
 @pytest.mark.slow
 def test_failing_trainer_fails_the_job_and_stops_the_servers(cluster, job_env, tiny_model,
                                                              tmp_path):
-    # The servers are a real HTTP server answering /health (what the script waits for); the
-    # trainer then fails on a missing data file: the failure this test is about.
+    # The servers are a real HTTP server answering /health (what the script waits for). The
+    # trainer fails fast: TRAINER_SRUN_ARGS starts 3 ranks, which TP=2 does not divide.
     (tmp_path / "www").mkdir()
     (tmp_path / "www" / "health").write_text("ok")
     port = 31800
     conf = tiny_config(
-        tmp_path / "c.yaml", tiny_model, tmp_path / "runs", "fail", parallel={"tensor": 1},
-        data={"train_files": [str(tmp_path / "missing.jsonl")]},
+        tmp_path / "c.yaml", tiny_model, tmp_path / "runs", "fail",
         rollout={"engine": "vllm", "server": {
             "urls_file": str(tmp_path / "urls.txt"), "base_port": port, "startup_timeout_s": 60,
             "launch_command": ["{python}", "-m", "http.server", "--bind", "{host}",
                                "--directory", str(tmp_path / "www"), "{port}"]}})
-    _, rc = cluster.sbatch("--nodes=1", "--ntasks=3", str(SLURM / "disaggregated.sbatch"),
-                           str(conf), env=job_env, cwd=tmp_path)
+    _, rc = cluster.sbatch("--nodes=1", "--ntasks=4", str(SLURM / "disaggregated.sbatch"),
+                           str(conf), env={**job_env, "TRAINER_SRUN_ARGS": "--ntasks=3"},
+                           cwd=tmp_path)
     out = job_output(tmp_path)
     assert rc != 0, out
-    assert "servers ready" in out and re.search(r"trainer exited with code [1-9]", out), out
-    assert "missing.jsonl" in (tmp_path / "runs" / "fail" / "logs" / "trainer.log").read_text()
+    assert "servers ready" in out and "trainer exited with code 2" in out, out
+    assert "world size 3 is not divisible" in (tmp_path / "runs" / "fail" / "logs" /
+                                               "trainer.log").read_text()
     assert "stopping the servers" in out and not port_listens(port)
     assert not metrics(tmp_path / "runs" / "fail")
