@@ -170,9 +170,9 @@ def _grad_chunk(z: Tensor, log_z: Tensor, entropy: Tensor, g_logp: Optional[Tens
         grad = lp.mul_(-g_ent.unsqueeze(1)).sub_(offset.unsqueeze(1)).mul_(p)
     else:
         grad = p.mul_(-g_logp.unsqueeze(1))
-    if g_logp is not None:
-        rows = owned.nonzero().squeeze(1)
-        grad[rows, local_targets[rows]] += g_logp[rows]
+    if g_logp is not None:  # + g_logp at the target column, on the rank that owns it
+        cols = local_targets.clamp(0, grad.shape[1] - 1).unsqueeze(1)
+        grad.scatter_add_(1, cols, torch.where(owned, g_logp, 0).unsqueeze(1).to(grad.dtype))
     if inv_t != 1.0:
         grad.mul_(inv_t)
     return grad
