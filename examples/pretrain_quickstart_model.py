@@ -152,6 +152,8 @@ def main() -> None:
     ap.add_argument("--max-steps", type=int, default=20_000)
     ap.add_argument("--eval-every", type=int, default=100)
     ap.add_argument("--eval-problems", type=int, default=256)
+    ap.add_argument("--held-out", type=int, default=1024,
+                    help="validation problems of the RL config kept out of training")
     ap.add_argument("--target-acc", type=float, default=0.3,
                     help="stop once greedy validation accuracy reaches this")
     ap.add_argument("--threads", type=int, default=2)
@@ -160,17 +162,15 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     started = time.time()
 
-    # The RL run's validation problems (default data.arithmetic) stay out of training; a larger
-    # held-out set drawn the same way gives a steadier estimate.
+    # An RL run's validation problems (data.arithmetic with its default seed: the first num_val
+    # problems of one stream, for any num_val up to --held-out) never appear in training; the first
+    # --eval-problems of them measure accuracy (the first num_val = 64 are the default RL val set).
     arith = ArithmeticConfig()
-    _, rl_val = train_val_problems(arith.num_train, arith.num_val, arith.min_ops, arith.max_ops,
-                                   arith.max_operand, arith.seed)
-    extra_val = generate_problems(args.eval_problems - len(rl_val), arith.min_ops, arith.max_ops,
-                                  arith.max_operand, seed=args.seed + 1,
-                                  exclude=frozenset(p.question for p in rl_val))
-    val = rl_val + extra_val
+    _, held_out = train_val_problems(0, args.held_out, arith.min_ops, arith.max_ops,
+                                     arith.max_operand, arith.seed)
+    val, rl_val = held_out[:args.eval_problems], held_out[:arith.num_val]
     train = generate_problems(args.num_train, arith.min_ops, arith.max_ops, arith.max_operand,
-                              seed=args.seed, exclude=frozenset(p.question for p in val))
+                              seed=args.seed, exclude=frozenset(p.question for p in held_out))
 
     # The text between the template's special tokens, so that "user\n" etc. merge too.
     tokenizer = build_tokenizer([f"user\n{p.question} {DEFAULT_PROMPT_SUFFIX}" for p in train[:5000]]

@@ -50,6 +50,9 @@ def test_arithmetic_is_deterministic_and_val_is_held_out():
     assert len(train) == 3000 and len(val) == 200
     assert not {p.question for p in train} & {p.question for p in val}
     assert train_val_problems(3000, 200, 1, 2, 10, seed=6)[0] != train
+    # A smaller validation set is a prefix of a larger one: the quickstart model's pretraining
+    # keeps the first 1024 out, so any data.arithmetic.num_val <= 1024 is held out.
+    assert train_val_problems(10, 50, 1, 2, 10, seed=5)[1] == val[:50]
     with pytest.raises(ValueError, match="min_ops"):
         generate_problems(1, 3, 2, 10, seed=0)
 
