@@ -108,7 +108,7 @@ def measure(dev, T=8192, V=151936, H=4096, chunk=1024) -> None:
             ent = vocab_parallel_entropy(logits.clone())
             return vocab_parallel_log_probs_from_logits(logits, targets), ent.float()
 
-        methods["verl"] = verl_path  # needs Megatron's parallel state initialised
+        methods["verl"] = verl_path  # needs Megatron's parallel state (TP=1) initialised
     except Exception as e:  # noqa: BLE001
         print(f"verl unavailable here ({type(e).__name__}); its rows are skipped")
     for name, fn in methods.items():
@@ -140,6 +140,8 @@ def measure(dev, T=8192, V=151936, H=4096, chunk=1024) -> None:
                   f"{start.elapsed_time(end):8.2f} ms  peak beyond inputs {peak:6.2f} GiB")
         except torch.OutOfMemoryError:
             print(f"{name:13s} out of memory")
+        except Exception as e:  # noqa: BLE001 - e.g. verl without Megatron's parallel state
+            print(f"{name:13s} failed: {type(e).__name__}: {e}"[:200])
         del x
         torch.cuda.empty_cache()
 
