@@ -51,6 +51,7 @@ def check_correctness(dev) -> bool:
     (lp * up[0] + ent * up[1]).sum().backward()
     errs = {"fp64 logp": (lp - ref_lp).abs().max(), "fp64 entropy": (ent - ref_ent).abs().max(),
             "fp64 grad": (leaf.grad[:, :vocab] - x.grad).abs().max()}
+    errs = {k: float(v.detach()) for k, v in errs.items()}
     for name, err in errs.items():
         good = float(err) < 1e-9
         ok &= good
