@@ -173,9 +173,9 @@ def main() -> None:
                               seed=args.seed, exclude=frozenset(p.question for p in held_out))
 
     # The text between the template's special tokens, so that "user\n" etc. merge too.
-    tokenizer = build_tokenizer([f"user\n{p.question} {DEFAULT_PROMPT_SUFFIX}" for p in train[:5000]]
-                                + [f"\nassistant\n{p.solution}" for p in train[:5000]],
-                                args.vocab)
+    corpus = [f"user\n{p.question} {DEFAULT_PROMPT_SUFFIX}" for p in train[:5000]]
+    corpus += [f"\nassistant\n{p.solution}" for p in train[:5000]]
+    tokenizer = build_tokenizer(corpus, args.vocab)
     eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
     pad_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     model = build_model(len(tokenizer), args, eos_id, pad_id)

@@ -78,3 +78,16 @@ def test_runaway_check_is_killed_and_the_checker_recovers():
     assert math_reward("\\boxed{9^{9^{9^{9}}}}", "3", timeout_s=1.0) == 0.0
     assert time.monotonic() - start < 30
     assert math_reward("\\boxed{0.25}", "\\frac{1}{4}") == 1.0  # a fresh checker answers
+
+
+def test_a_checker_that_cannot_start_is_an_error_not_a_zero(monkeypatch):
+    import shutil
+    import sys
+
+    from megatron_entropy.rewards import math as reward_math
+
+    monkeypatch.setattr(sys, "executable", shutil.which("false"))
+    monkeypatch.setattr(reward_math, "_checker", reward_math._Checker())
+    assert math_reward("\\boxed{7}", "7") == 1.0  # integers never need the checker
+    with pytest.raises(reward_math.CheckerUnavailable, match="did not start"):
+        math_reward("\\boxed{0.5}", "\\frac{1}{2}")

@@ -1,6 +1,7 @@
 """Prompt datasets, the synthetic arithmetic task, the resumable sampler and dynamic sampling."""
 
-from megatron_entropy.data.arithmetic import ArithmeticProblem, generate_problems, train_val_problems
+from megatron_entropy.data.arithmetic import (ArithmeticProblem, generate_problems,
+                                              train_val_problems)
 from megatron_entropy.data.dataset import (DEFAULT_PROMPT_SUFFIX, DatasetError, PromptDataset,
                                            PromptItem, PromptRow, arithmetic_rows,
                                            load_prompt_dataset, load_tokenizer, read_rows,

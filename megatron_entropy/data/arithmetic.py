@@ -47,7 +47,8 @@ def solve(operands: list[int], ops: list[str]) -> tuple[int, list[str]]:
     return nums[0], steps
 
 
-def make_problem(rng: random.Random, min_ops: int, max_ops: int, max_operand: int) -> ArithmeticProblem:
+def make_problem(rng: random.Random, min_ops: int, max_ops: int,
+                 max_operand: int) -> ArithmeticProblem:
     num_ops = rng.randint(min_ops, max_ops)
     operands = [rng.randint(1, max_operand) for _ in range(num_ops + 1)]
     ops = [rng.choice(OPS) for _ in range(num_ops)]

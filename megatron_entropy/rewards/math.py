@@ -2,7 +2,8 @@
 
 1.0 if the boxed answer is mathematically equal to the ground truth (``math-verify``: fractions,
 decimals, LaTeX forms, sets, intervals...), else 0.0 — also for a response without a boxed
-answer, for unparsable text, and when checking takes longer than the time limit. Never raises.
+answer, for unparsable text, and when checking takes longer than the time limit. No response
+makes it raise; only a checker that cannot start at all does (CheckerUnavailable).
 """
 
 from __future__ import annotations
@@ -10,11 +11,14 @@ from __future__ import annotations
 import atexit
 import json
 import logging
+import os
 import re
 import select
 import subprocess
 import sys
+import tempfile
 import threading
+from pathlib import Path
 from typing import Optional, Sequence
 
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*")
@@ -60,6 +64,10 @@ def last_boxed(text: str) -> Optional[str]:
     return None
 
 
+class CheckerUnavailable(RuntimeError):
+    """The answer checker cannot run at all (an environment problem, not a bad answer)."""
+
+
 class _Checker:
     """math-verify in a separate, long-lived process that is killed when a check overruns:
     sympy can spend unbounded time inside C code (``9^{9^{9^9}}``), where neither a signal nor a
@@ -69,6 +77,7 @@ class _Checker:
 
     def __init__(self) -> None:
         self._proc: Optional[subprocess.Popen] = None
+        self._stderr = None
         self._lock = threading.Lock()
 
     def _read_line(self, timeout_s: float) -> Optional[str]:
@@ -76,12 +85,20 @@ class _Checker:
         return self._proc.stdout.readline().strip() if ready else None
 
     def _start(self) -> None:
+        # The package's own folder first on the path: it need not be installed.
+        root = str(Path(__file__).resolve().parents[2])
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+        self._stderr = tempfile.TemporaryFile()  # a file, not a pipe: it can never fill up
         self._proc = subprocess.Popen(
-            [sys.executable, "-c", "from megatron_entropy.rewards.math import _serve; _serve()"], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=1)
+            [sys.executable, "-c", "from megatron_entropy.rewards.math import _serve; _serve()"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, text=True,
+            bufsize=1, env=env)
         if self._read_line(STARTUP_TIMEOUT_S) != "ready":
+            self._stderr.seek(0)
+            log = self._stderr.read().decode(errors="replace")[-2000:]
             self.close()
-            raise RuntimeError("the math-verify checker process did not start")
+            raise CheckerUnavailable(f"the math-verify checker process did not start:\n{log}")
 
     def check(self, gold: str, answer: str, timeout_s: float) -> bool:
         with self._lock:
@@ -99,9 +116,9 @@ class _Checker:
         if self._proc is not None:
             self._proc.kill()
             self._proc.wait()
-            for f in (self._proc.stdin, self._proc.stdout):
+            for f in (self._proc.stdin, self._proc.stdout, self._stderr):
                 f.close()
-            self._proc = None
+            self._proc = self._stderr = None
 
 
 _checker = _Checker()
@@ -135,8 +152,8 @@ def math_reward(response: str, ground_truth: str, timeout_s: float = TIMEOUT_S) 
         if gold_int is not None and answer_int is not None:  # the common case, no sympy
             return float(gold_int == answer_int)
         return float(_checker.check(gold, answer, timeout_s))
-    except BaseException as e:  # noqa: BLE001 - a reward must never stop training
-        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+    except BaseException as e:  # noqa: BLE001 - a bad answer must never stop training
+        if isinstance(e, (KeyboardInterrupt, SystemExit, CheckerUnavailable)):
             raise
         return 0.0
 

@@ -201,7 +201,8 @@ class InProcessEngine(RolloutEngine):
                                   meta={"weight_version": self.weight_version}))
         return out
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[list[Completion]]:
+    def generate(self, prompts: list[list[int]],
+                 sampling: SamplingParams) -> list[list[Completion]]:
         if sampling.n < 1 or sampling.max_new_tokens < 1:
             raise ValueError(f"need n >= 1 and max_new_tokens >= 1, got n={sampling.n}, "
                              f"max_new_tokens={sampling.max_new_tokens}")
