@@ -79,7 +79,12 @@ def random_subset(candidates: Tensor, n: int, generator: Optional[torch.Generato
 
 def _stable_top_k_flat(scores: Tensor, k: int, offset_of_ties: int = 0,
                        kth: Optional[Tensor] = None, take_ties: Optional[int] = None) -> Tensor:
-    """Mask of the k largest entries of a 1-D tensor, ties to the lowest index."""
+    """Mask of the k largest entries of a 1-D tensor, ties to the lowest index.
+
+    In the global scope ``kth`` (the k-th largest value overall), ``take_ties`` (how many tokens
+    equal to it are taken overall) and ``offset_of_ties`` (how many equal tokens lower ranks hold)
+    come from the gathered counts, so each rank takes its share of the ties in global order.
+    """
     sel = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
     if k <= 0 or scores.numel() == 0:
         return sel
