@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -104,8 +103,8 @@ def stage_params(a: ModelArch, tensor: int, pipeline: int) -> int:
     but the norms; the first stage holds the embedding, the last the final norm and the output
     layer (with tied embeddings and PP > 1, a copy of the embedding)."""
     q, kv = a.num_attention_heads * a.head_dim, a.num_query_groups * a.head_dim
-    split = a.hidden_size * (q + 2 * kv) + q * a.hidden_size + 3 * a.hidden_size * a.ffn_hidden_size \
-        + ((q + 2 * kv) if a.qkv_bias else 0)
+    split = (a.hidden_size * (q + 2 * kv) + q * a.hidden_size
+             + 3 * a.hidden_size * a.ffn_hidden_size + ((q + 2 * kv) if a.qkv_bias else 0))
     norms = 2 * a.hidden_size + (2 * a.head_dim if a.qk_layernorm else 0)
     layers = a.num_layers // pipeline * (split // tensor + norms)
     emb = a.padded_vocab_size * a.hidden_size // tensor

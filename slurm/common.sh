@@ -80,8 +80,9 @@ me_start_servers() {
   local overlap=()
   [ "$SHARED_NODE" = 1 ] && overlap=(--overlap)
   # shellcheck disable=SC2086  # SERVER_SRUN_ARGS is a list of options
-  srun --job-name=rollout-servers --nodes="$NUM_SERVER_NODES" --nodelist="$SERVER_NODELIST" --ntasks="$NUM_SERVERS" \
-    --ntasks-per-node="$SERVERS_PER_NODE" "${overlap[@]}" --kill-on-bad-exit=0 \
+  srun --job-name=rollout-servers --nodes="$NUM_SERVER_NODES" --nodelist="$SERVER_NODELIST" \
+    --ntasks="$NUM_SERVERS" --ntasks-per-node="$SERVERS_PER_NODE" "${overlap[@]}" \
+    --kill-on-bad-exit=0 \
     --output="$LOG_DIR/server-%t.log" --open-mode=append ${SERVER_SRUN_ARGS:-} \
     "$PYTHON" -m megatron_entropy.runtime.slurm serve --urls-dir "$URLS_DIR" "$@" &
   ME_SERVER_PID=$!
@@ -107,8 +108,8 @@ me_train() {
   # times, so a task's exit (even non-zero: 75) must not kill the others: the rest get
   # TRAINER_EXIT_GRACE seconds to finish, then srun ends them (a crashed rank's peers hang).
   # shellcheck disable=SC2086
-  srun --job-name=trainer --nodes="$NUM_TRAINER_NODES" --nodelist="$TRAINER_NODELIST" --ntasks="$TRAINER_TASKS" \
-    --ntasks-per-node="$TRAINER_TASKS_PER_NODE" --kill-on-bad-exit=0 \
+  srun --job-name=trainer --nodes="$NUM_TRAINER_NODES" --nodelist="$TRAINER_NODELIST" \
+    --ntasks="$TRAINER_TASKS" --ntasks-per-node="$TRAINER_TASKS_PER_NODE" --kill-on-bad-exit=0 \
     --wait="${TRAINER_EXIT_GRACE:-120}" \
     --output="$LOG_DIR/trainer.log" --open-mode=append --label ${TRAINER_SRUN_ARGS:-} \
     "$PYTHON" -m megatron_entropy.cli train "$@" "${extra[@]}" &

@@ -10,7 +10,7 @@ become eligible after ``cred_expire`` seconds (default 120): set to 5 so requeue
 
 Use from pytest (``slurm_cluster`` fixture in the tests) or by hand:
 
-    python tests/slurm_cluster.py start /tmp/slurm   # prints: export SLURM_CONF=/tmp/slurm/slurm.conf
+    python tests/slurm_cluster.py start /tmp/slurm  # prints export SLURM_CONF=/tmp/slurm/slurm.conf
     python tests/slurm_cluster.py stop /tmp/slurm
 """
 
@@ -117,6 +117,8 @@ class SlurmCluster:
         r = self.root
         lines = [
             "ClusterName=metest",
+            # Job ids (and the trainer's master port, derived from them) differ between clusters.
+            f"FirstJobId={1000 + int.from_bytes(os.urandom(2), 'little') % 9000}",
             f"SlurmctldHost={self.host}(127.0.0.1)",
             f"SlurmctldPort={_free_port()}",
             f"SlurmdPort={_free_port()}",
@@ -162,8 +164,18 @@ class SlurmCluster:
         raise RuntimeError(f"the test cluster's node did not come up within {timeout:.0f} s "
                            f"(sinfo: {out!r}); logs in {self.root / 'log'}")
 
-    def stop(self) -> None:
-        """Stop the daemons this folder started, by their pid files (jobs still running die)."""
+    def stop(self, timeout: float = 60) -> None:
+        """Cancel the jobs left, then stop the daemons this folder started, by their pid files.
+        (slurmstepd and a job's processes outlive slurmd: a job left running would keep its
+        master port and step on the next cluster's jobs.)"""
+        if _alive(self.root / "slurmctld.pid"):
+            jobs = self.run("squeue", "-h", "-o", "%i", check=False).stdout.split()
+            if jobs:
+                self.run("scancel", "--full", *jobs, check=False)
+            deadline = time.monotonic() + timeout
+            while jobs and time.monotonic() < deadline:
+                time.sleep(0.5)
+                jobs = self.run("squeue", "-h", "-o", "%i", check=False).stdout.split()
         for pid_file in (self.root / "slurmd.pid", self.root / "slurmctld.pid",
                          self.root / "munge" / "run" / "munged.pid"):
             pid = _alive(pid_file)

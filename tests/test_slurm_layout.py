@@ -1,4 +1,4 @@
-"""Node splitting, the layout the sbatch scripts eval, URL files, server start-up wait (no Slurm)."""
+"""Node splitting, the layout the sbatch scripts eval, URL files, waiting for servers (no Slurm)."""
 
 import http.server
 import shlex

@@ -3,7 +3,7 @@
 The sbatch scripts in slurm/ call this module; each command reads the same config as the trainer:
 
     python -m megatron_entropy.runtime.slurm layout CONFIG [overrides]   # KEY=VALUE lines to eval
-    python -m megatron_entropy.runtime.slurm serve CONFIG [overrides]    # one rollout server (a task)
+    python -m megatron_entropy.runtime.slurm serve CONFIG [overrides]    # one server (a task)
     python -m megatron_entropy.runtime.slurm wait-servers --urls-dir D --count N --out FILE
 
 A disaggregated job gives its first ``cluster.server_nodes`` nodes to rollout servers
@@ -33,6 +33,7 @@ from typing import Callable, Optional, Sequence
 from megatron_entropy.config import Config, ConfigError, load_config
 from megatron_entropy.runtime.distributed import ParallelLayoutError, check_layout
 from megatron_entropy.runtime.launch_env import expand_nodelist
+
 
 class NotEnoughNodesError(ValueError):
     """The job holds fewer nodes than the config needs."""
@@ -81,7 +82,8 @@ def script_starts_servers(cfg: Config) -> bool:
 
 
 def job_layout(cfg: Config, nodes: Sequence[str]) -> JobLayout:
-    """Split the job's nodes for this config; every mistake is a ConfigError/NotEnoughNodesError."""
+    """Split the job's nodes for this config. A mistake raises ConfigError, ParallelLayoutError
+    or NotEnoughNodesError, naming the config keys."""
     c, p = cfg.cluster, cfg.parallel
     servers = script_starts_servers(cfg)
     if c.server_nodes and not servers:
