@@ -353,6 +353,10 @@ class Trainer:
                     self.save(step)
                 metrics["time/checkpoint"] = timer.seconds["checkpoint"]
             self.logger.log(step, metrics)
+            if preempt or last:
+                # Leave together: a launcher that kills the job when one task exits (srun
+                # --kill-on-bad-exit) must not cut rank 0 off before its metrics are written.
+                dist.barrier()
             if preempt and not last:
                 self.logger.write(f"signal received: checkpointed step {step}; exiting with "
                                   f"{PREEMPTED_EXIT_CODE} to be resumed")
