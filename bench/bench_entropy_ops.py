@@ -352,7 +352,7 @@ def main() -> None:
                 ("logits", 1, 4096, 151936, 0, bf16), ("logits", 1, 8192, 151936, 0, bf16),
                 ("hidden", 1, 2048, 151936, 256, bf16), ("hidden", 1, 8192, 151936, 256, bf16),
                 ("logits", 2, 2048, 151936, 0, bf16), ("logits", 2, 8192, 151936, 0, bf16),
-                ("hidden", 2, 8192, 151936, 256, bf16)]
+                ("hidden", 2, 2048, 151936, 256, bf16), ("hidden", 2, 8192, 151936, 256, bf16)]
         reps = args.reps
     # Import Megatron (~5 s) once here, not in every forked case that needs its parallel state.
     from megatron.core import parallel_state  # noqa: F401
