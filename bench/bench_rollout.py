@@ -8,7 +8,7 @@ Needs .venv-vllm (.ci/setup-vllm.sh). Each engine first generates a warm-up batc
 call generates ``prompts x n`` samples at temperature 1 (random token-id prompts of 16 tokens),
 and tokens/s counts the response tokens generated. Weight sync: the server's own weights (every
 value nudged) go through ``update_weights`` (write the HF folder + reload on the server; the
-in-process engine copies them in place). Prints a Markdown table and writes JSON beside it.
+in-process engine copies them in place). Prints a Markdown table; JSON goes to runs/.
 """
 
 from __future__ import annotations
@@ -73,9 +73,9 @@ def timed_generate(engine, prompts: list[list[int]], sampling: SamplingParams) -
     return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
 
 
-def nudged(model_dir: Path):
-    for name, t in iter_hf_tensors(model_dir):
-        yield name, t + 1e-3 * torch.randn_like(t)
+def nudged(model_dir: Path) -> list[tuple[str, torch.Tensor]]:
+    """The model's weights, every value moved a little; made before the clock starts."""
+    return [(name, t + 1e-3 * torch.randn_like(t)) for name, t in iter_hf_tensors(model_dir)]
 
 
 def main() -> None:
@@ -86,7 +86,8 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--inprocess-dtype", default="fp32", choices=["fp32", "bf16"])
-    ap.add_argument("--out", default=str(REPO / "bench" / "bench_rollout.json"))
+    ap.add_argument("--sync-only", action="store_true", help="skip the throughput runs")
+    ap.add_argument("--out", default=str(REPO / "runs" / "bench_rollout.json"))
     args = ap.parse_args()
     if not VENV_PYTHON.exists():
         sys.exit(f"{VENV_PYTHON} is missing: run .ci/setup-vllm.sh first")
@@ -106,10 +107,12 @@ def main() -> None:
             params = sum(t.numel() for _, t in iter_hf_tensors(folder))
             row = {"model": name, "params_M": params / 1e6}
 
+            new_weights = nudged(folder)
             inproc = InProcessEngine(folder, dtype=args.inprocess_dtype, batch_size=64)
-            row["inprocess"] = timed_generate(inproc, prompts, sampling)
+            if not args.sync_only:
+                row["inprocess"] = timed_generate(inproc, prompts, sampling)
             t0 = time.perf_counter()
-            inproc.update_weights(nudged(folder), version=1)
+            inproc.update_weights(iter(new_weights), version=1)
             row["inprocess_sync_s"] = time.perf_counter() - t0
             del inproc
 
@@ -121,8 +124,9 @@ def main() -> None:
             vllm = VLLMEngine(cfg, str(folder), str(tmp / f"run-{name}"))
             row["vllm_startup_s"] = time.perf_counter() - t0
             try:
-                row["vllm"] = timed_generate(vllm, prompts, sampling)
-                stats = vllm.update_weights(nudged(folder), version=1)
+                if not args.sync_only:
+                    row["vllm"] = timed_generate(vllm, prompts, sampling)
+                stats = vllm.update_weights(iter(new_weights), version=1)
                 row["vllm_sync_s"] = stats["weight_sync/seconds"]
                 row["vllm_sync_write_s"] = stats["weight_sync/write_seconds"]
                 row["sync_bytes"] = stats["weight_sync/bytes"]
@@ -137,10 +141,12 @@ def main() -> None:
           "vLLM sync s (write) | in-process sync s |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['model']} | {r['params_M']:.1f}M | {r['inprocess']['tokens_per_s']:.0f} | "
-              f"{r['vllm']['tokens_per_s']:.0f} | {r['vllm_startup_s']:.0f} s | "
+        tps = {k: f"{r[k]['tokens_per_s']:.0f}" if k in r else "-" for k in ("inprocess", "vllm")}
+        print(f"| {r['model']} | {r['params_M']:.1f}M | {tps['inprocess']} | "
+              f"{tps['vllm']} | {r['vllm_startup_s']:.0f} s | "
               f"{r['sync_bytes'] / 2**20:.0f} | {r['vllm_sync_s']:.2f} "
               f"({r['vllm_sync_write_s']:.2f}) | {r['inprocess_sync_s']:.2f} |")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(rows, indent=2))
 
 

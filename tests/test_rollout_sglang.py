@@ -44,6 +44,20 @@ def make_cfg(**kw) -> ServerConfig:
     return ServerConfig(**base)
 
 
+def post(url: str, body: dict) -> tuple[int, object]:
+    """(HTTP status, decoded JSON body) of a POST."""
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read() or b"null")
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"null")
+
+
 def requests_of(log: Path, path: str) -> list[dict]:
     if not log.is_file():
         return []
@@ -126,19 +140,17 @@ def test_greedy_and_invalid_request(engine, models):
 
 def test_fake_is_strict(engine):
     """The fake refuses what SGLang refuses, so passing tests mean valid requests."""
-    import requests
-
     url = engine.pool.servers[0].url
-    r = requests.post(url + "/generate", json={"input_ids": [5, 6], "sampling_params": {
+    status, body = post(url + "/generate", {"input_ids": [5, 6], "sampling_params": {
         "max_new_tokens": 2, "max_tokens": 2}})
-    assert r.status_code == 400 and "unknown field `max_tokens`" in r.json()["error"]["message"]
-    r = requests.post(url + "/generate", json={"sampling_params": {"max_new_tokens": 2}})
-    assert r.status_code == 400
-    r = requests.post(url + "/update_weights_from_disk", json={"load_format": "auto"})
-    assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "model_path"]
-    r = requests.post(url + "/update_weights_from_distributed", json={
+    assert status == 400 and "unknown field `max_tokens`" in body["error"]["message"]
+    status, _ = post(url + "/generate", {"sampling_params": {"max_new_tokens": 2}})
+    assert status == 400
+    status, body = post(url + "/update_weights_from_disk", {"load_format": "auto"})
+    assert status == 422 and body["detail"][0]["loc"] == ["body", "model_path"]
+    status, body = post(url + "/update_weights_from_distributed", {
         "names": ["x"], "dtypes": ["float32"], "shapes": [[1]], "group_name": "nope"})
-    assert r.status_code == 400 and r.json()["success"] is False
+    assert status == 400 and body["success"] is False
 
 
 def test_disk_sync_follows_new_weights_and_checks_version(engine, models, tmp_path):
@@ -154,9 +166,8 @@ def test_disk_sync_follows_new_weights_and_checks_version(engine, models, tmp_pa
     out = engine.generate([[5, 6]], SamplingParams(max_new_tokens=3))
     assert out[0][0].meta["weight_version"] == "1"
     # A server that silently kept other weights is caught by the version check.
-    import requests
-    requests.post(engine.pool.servers[0].url + "/update_weights_from_disk",
-                  json={"model_path": str(models["b"]), "weight_version": "7"})
+    post(engine.pool.servers[0].url + "/update_weights_from_disk",
+         {"model_path": str(models["b"]), "weight_version": "7"})
     with pytest.raises(ServerError, match="weight version '7', expected 1"):
         engine.generate([[5, 6]] * 4, SamplingParams(max_new_tokens=2))
     # A sync that fails on a server fails loudly.
@@ -165,6 +176,23 @@ def test_disk_sync_follows_new_weights_and_checks_version(engine, models, tmp_pa
         engine.update_weights(iter(bad), version=2)
     engine.update_weights(iter(models["model_a"].state_dict().items()), version=3)
     assert_follows(engine, models["model_a"])
+
+
+def test_router_takes_generation_workers_take_updates(engine, models, tmp_path):
+    """With router_url, requests go to the router; weight updates to each worker in urls. (The
+    first fake stands in for the router here.)"""
+    urls = [s.url for s in engine.pool.servers]
+    routed = SGLangEngine(make_cfg(launch=0, urls=urls, router_url=urls[0]), str(models["a"]),
+                          str(tmp_path))
+    before = len(requests_of(engine.request_log, "/update_weights_from_disk"))
+    routed.update_weights(iter(models["model_b"].state_dict().items()), version=4)
+    updates = requests_of(engine.request_log, "/update_weights_from_disk")[before:]
+    assert [r["weight_version"] for r in updates] == ["4", "4"]
+    out = routed.generate(PROMPTS, SamplingParams(n=2, max_new_tokens=4, seed=1))
+    assert all(c.meta["server"] == -1 and c.meta["weight_version"] == "4"
+               for row in out for c in row)
+    assert "sampling_seed" in requests_of(engine.request_log, "/generate")[-1]["sampling_params"]
+    assert_follows(routed, models["model_b"])
 
 
 def test_weight_buckets():
@@ -211,13 +239,16 @@ def test_distributed_sync_by_gloo_broadcast(models, tmp_path):
         eng.shutdown()
 
 
-def _kill_when_busy(eng, sig: int, index: int) -> threading.Thread:
+def _kill_mid_rollout(eng, sig: int, index: int, after: int = 2) -> threading.Thread:
+    """Signal server ``index`` once ``after`` of its requests came back (more are queued)."""
+    server = eng.pool.servers[index]
+    done_before = server.requests
+
     def go():
-        deadline = time.monotonic() + 60
-        while eng.pool.servers[index].inflight == 0 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        time.sleep(0.3)
-        os.kill(eng.pool.servers[index].process.pid, sig)
+        deadline = time.monotonic() + 120
+        while server.requests < done_before + after and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.kill(server.process.pid, sig)
     t = threading.Thread(target=go, daemon=True)
     t.start()
     return t
@@ -233,7 +264,7 @@ def test_server_fault_mid_rollout(models, tmp_path, sig):
     try:
         victim = eng.pool.servers[1]
         old_pid = victim.process.pid
-        killer = _kill_when_busy(eng, sig, 1)
+        killer = _kill_mid_rollout(eng, sig, 1)
         prompts = [[10 + i, 20 + i] for i in range(8)]
         out = eng.generate(prompts, SamplingParams(n=2, max_new_tokens=10, temperature=1.0,
                                                    seed=3, stop_token_ids=(2,)))
@@ -271,12 +302,12 @@ def test_connected_servers_drop_dead_and_old_versions(models, tmp_path):
     try:
         eng = SGLangEngine(make_cfg(launch=0, urls=urls), str(models["a"]), str(tmp_path))
 
-        def kill_when_busy():
-            while eng.pool.servers[0].inflight == 0:
-                time.sleep(0.05)
-            time.sleep(0.3)
+        def kill_mid_rollout():
+            deadline = time.monotonic() + 120
+            while eng.pool.servers[0].requests < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
             procs[0].kill()
-        killer = threading.Thread(target=kill_when_busy, daemon=True)
+        killer = threading.Thread(target=kill_mid_rollout, daemon=True)
         killer.start()
         out = eng.generate([[10 + i] for i in range(8)],
                            SamplingParams(n=2, max_new_tokens=10, seed=1, temperature=1.0))

@@ -117,14 +117,15 @@ def test_weight_sync_follows_new_weights(engine, models):
 def test_server_killed_mid_rollout_restarts_from_newest_weights(engine, models):
     server = engine.pool.servers[0]
     old_pid = server.process.pid
+    done_before = server.requests
 
-    def kill_when_busy():
-        deadline = time.monotonic() + 60
-        while server.inflight == 0 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        time.sleep(0.5)
+    def kill_mid_rollout():
+        # After 8 of the 64 requests came back: at most 16 are in flight, so 40+ are left.
+        deadline = time.monotonic() + 300
+        while server.requests < done_before + 8 and time.monotonic() < deadline:
+            time.sleep(0.01)
         os.kill(old_pid, signal.SIGKILL)
-    killer = threading.Thread(target=kill_when_busy, daemon=True)
+    killer = threading.Thread(target=kill_mid_rollout, daemon=True)
     killer.start()
     prompts = [[10 + i, 20 + i, 30 + i] for i in range(16)]
     out = engine.generate(prompts, SamplingParams(n=4, temperature=1.0, max_new_tokens=64,
@@ -153,7 +154,8 @@ def test_rl_steps_with_vllm_engine(engine, models, tmp_path):
         "model": {"hf_path": str(models["b"]), "dtype": "fp32", "seq_length": 256},
         "rollout": {"engine": "vllm", "n_samples": 4, "max_new_tokens": 12,
                     "max_prompt_tokens": 96,
-                    "server": {"urls": [engine.pool.servers[0].url], "request_timeout_s": 120}},
+                    "server": {"urls": [engine.pool.servers[0].url], "request_timeout_s": 120,
+                               "startup_timeout_s": 60}},
         "algorithm": {"loss": "kl_cov", "kl_cov_ratio": 0.05, "entropy_coef": 0.01},
         "data": {"prompts_per_step": 4, "apply_chat_template": False, "dynamic_sampling": False},
         "trainer": {"steps": 3, "lr": 1e-3, "micro_batch_tokens": 400},

@@ -161,6 +161,7 @@ class ServerPool:
         urls = list(cfg.urls) + (read_urls_file(cfg.urls_file) if cfg.urls_file else [])
         self.servers = [Server(url=u.rstrip("/"), index=i) for i, u in enumerate(urls)]
         if cfg.launch and self.owner:
+            self.urls_file.unlink(missing_ok=True)  # a previous run's, for the other ranks
             taken: set[int] = set()
             for k in range(cfg.launch):
                 port = free_port(cfg.host, cfg.base_port + k, taken)
@@ -194,15 +195,14 @@ class ServerPool:
         with open(server.log_path, "a") as log:
             log.write(f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} launch "
                       f"(restart {server.restarts}): {shlex.join(argv)}\n")
-        log = open(server.log_path, "a")
-        try:
-            # Own session: stopping the server stops its worker processes too.
-            server.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                              start_new_session=True)
-        except OSError as e:
-            raise ServerError(f"cannot start {server.describe()}: {shlex.join(argv)}: {e}") from e
-        finally:
-            log.close()
+            log.flush()
+            try:
+                # Own session: stopping the server stops its worker processes too.
+                server.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                                  env=env, start_new_session=True)
+            except OSError as e:
+                raise ServerError(f"cannot start {server.describe()}: {shlex.join(argv)}: "
+                                  f"{e}") from e
         server.state = "starting"
         server.died = asyncio.Event()
 

@@ -179,9 +179,9 @@ class SGLangEngine(RolloutEngine):
     def generate(self, prompts: list[list[int]], sampling: SamplingParams
                  ) -> list[list[Completion]]:
         self.pool.ensure_up()
-        # Only send sampling_seed when every server that may answer knows the key.
-        with_seed = self.router is None and all(
-            self.supports_seed.get(s.index, False) for s in self.pool.servers)
+        # Only send sampling_seed when every server that may answer (behind the router too)
+        # knows the key.
+        with_seed = all(self.supports_seed.get(s.index, False) for s in self.pool.servers)
         payloads = [self._payload(prompt, sampling,
                                   None if sampling.seed is None else sample_seed(sampling.seed, i, j),
                                   with_seed)
