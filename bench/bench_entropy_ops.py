@@ -18,7 +18,8 @@ calls (inputs excluded), with glibc's mmap threshold fixed at 64 KiB so that RSS
 live tensors. Time: CPU time of the process (user + system, all its threads; the dev
 machine is shared, so wall time mostly measures the neighbours), best of ``--reps`` calls; wall
 time is printed too. Every process runs one thread (OpenMP spin-waits on a shared machine would
-otherwise be billed as CPU time); under TP=2 each rank is a process, the slowest rank counts. Collectives: torch.distributed calls counted in the forward and in the backward.
+otherwise be billed as CPU time); under TP=2 each rank is a process, the slowest rank counts.
+Collectives: torch.distributed calls counted in the forward and in the backward.
 
 The verl rows need verl in the interpreter; set it up once (git-ignored venv):
   python -m venv --system-site-packages .venv-bench
@@ -40,7 +41,6 @@ import time
 import traceback
 import warnings
 from types import SimpleNamespace
-from typing import Optional
 
 import torch
 
@@ -59,7 +59,7 @@ LOSS = PolicyLossSettings(loss="kl_cov", kl_cov_ratio=2e-3, entropy_coef=1e-3)
 
 def verl_available() -> bool:
     try:
-        import verl.utils.megatron.tensor_parallel  # noqa: F401
+        import verl.utils.megatron.tensor_parallel  # noqa: F401 - importable at all?
     except Exception:
         return False
     return True
@@ -295,7 +295,8 @@ def check_losses_against_verl() -> list[str]:
          core_algos.compute_policy_loss_vanilla),
     ]:
         config = _Config(
-            clip_ratio=0.2, clip_ratio_low=ours.clip_ratio_low, clip_ratio_high=ours.clip_ratio_high,
+            clip_ratio=0.2, clip_ratio_low=ours.clip_ratio_low,
+            clip_ratio_high=ours.clip_ratio_high,
             clip_ratio_c=ours.dual_clip_c or 3.0, global_batch_info={},
             policy_loss=SimpleNamespace(clip_cov_ratio=ours.clip_cov_ratio, clip_cov_lb=1.0,
                                         clip_cov_ub=5.0, kl_cov_ratio=ours.kl_cov_ratio,

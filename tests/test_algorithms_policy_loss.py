@@ -166,7 +166,8 @@ def test_micro_batch_scope_equals_reference(name):
     ratio = torch.exp(lp.detach() - old)
     l1, l2 = -adv * ratio, -adv * torch.clamp(ratio, 1 - s.clip_ratio_low, 1 + s.clip_ratio_high)
     seq_means = [valid_list(d["entropy"], mask)[rows == r].mean() for r in rows.unique()]
-    want = {"pg_loss": per.mean(), "ppo_kl": (old - lp).mean(), "ppo_kl_abs": (lp - old).abs().mean(),
+    want = {"pg_loss": per.mean(), "ppo_kl": (old - lp).mean(),
+            "ppo_kl_abs": (lp - old).abs().mean(),
             "cov_mean": cov.mean(), "cov_max": cov.max(), "entropy": en.mean(),
             "entropy_seq_mean": torch.stack(seq_means).mean(), "kl_ref": kl.mean()}
     if s.loss != "kl_cov":

@@ -1,5 +1,5 @@
-"""Policy losses by name — ``ppo_clip`` (GRPO), ``clip_cov``, ``kl_cov`` — with the entropy bonus
-and KL-to-reference regularisers, on one micro-batch of [B, S] tensors.
+"""Policy losses by name — ``ppo_clip`` (GRPO), ``clip_cov``, ``kl_cov`` — with the entropy
+bonus and KL-to-reference regularisers, on one micro-batch of [B, S] tensors.
 
 Per valid token (ratio = exp(logp - old_logp), L1 = -A ratio, L2 = -A clamp(ratio, 1 - eps_low,
 1 + eps_high)):

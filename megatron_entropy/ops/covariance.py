@@ -64,7 +64,8 @@ def kl_cov_count(ratio: float, num_valid: int) -> int:
     return 0 if num_valid == 0 else max(1, int(num_valid * ratio))
 
 
-def random_subset(candidates: Tensor, n: int, generator: Optional[torch.Generator] = None) -> Tensor:
+def random_subset(candidates: Tensor, n: int,
+                  generator: Optional[torch.Generator] = None) -> Tensor:
     """Mask of ``n`` candidates drawn uniformly: randperm over the candidates in row-major order,
     first n (the paper's code, with ``generator`` in place of the global RNG)."""
     flat = candidates.reshape(-1)
