@@ -182,9 +182,9 @@ class SGLangEngine(RolloutEngine):
         # Only send sampling_seed when every server that may answer (behind the router too)
         # knows the key.
         with_seed = all(self.supports_seed.get(s.index, False) for s in self.pool.servers)
+        seed = sampling.seed
         payloads = [self._payload(prompt, sampling,
-                                  None if sampling.seed is None else sample_seed(sampling.seed, i, j),
-                                  with_seed)
+                                  None if seed is None else sample_seed(seed, i, j), with_seed)
                     for i, prompt in enumerate(prompts) for j in range(sampling.n)]
         t0 = time.monotonic()
         flat = self.pool.map("/generate", payloads, self._parse,

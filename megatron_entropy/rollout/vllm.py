@@ -123,8 +123,9 @@ class VLLMEngine(RolloutEngine):
                         sampling.top_p, sampling.top_k)
             self._warned_renormalised = True
         self.pool.ensure_up()
+        seed = sampling.seed
         payloads = [self._payload(prompt, sampling,
-                                  None if sampling.seed is None else sample_seed(sampling.seed, i, j))
+                                  None if seed is None else sample_seed(seed, i, j))
                     for i, prompt in enumerate(prompts) for j in range(sampling.n)]
         t0 = time.monotonic()
         flat = self.pool.map("/v1/completions", payloads, self._parse)
