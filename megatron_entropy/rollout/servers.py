@@ -83,6 +83,14 @@ def sample_seed(seed: int, prompt_index: int, sample_index: int) -> int:
     return int.from_bytes(digest, "little") % (2**31 - 1)
 
 
+def fill_command(template: list[str], python: str, model: str, host: str, port: int,
+                 weight_version: str) -> list[str]:
+    """A user's ``rollout.server.launch_command`` with its {python}, {model}, {host}, {port},
+    {weight_version} placeholders filled."""
+    return [a.format(python=python, model=model, host=host, port=port,
+                     weight_version=weight_version) for a in template]
+
+
 def log_tail(path: Optional[Path], lines: int = 30) -> str:
     if path is None or not path.is_file():
         return ""

@@ -33,9 +33,8 @@ import torch
 from megatron_entropy.config import ServerConfig
 from megatron_entropy.models.hf_io import save_hf_weights
 from megatron_entropy.rollout.base import Completion, NamedTensors, RolloutEngine, SamplingParams
-from megatron_entropy.rollout.servers import (Server, ServerError, ServerPool, free_port,
-                                              sample_seed)
-from megatron_entropy.rollout.vllm import fill_command
+from megatron_entropy.rollout.servers import (Server, ServerError, ServerPool, fill_command,
+                                              free_port, sample_seed)
 
 FINISH_REASONS = ("stop", "length", "abort")
 FIRST_VERSION_WITH_SEED = (0, 5, 3)
@@ -90,6 +89,20 @@ def init_weight_sync_group(master_address: str, master_port: int, world_size: in
     return pg
 
 
+def server_argv(c: ServerConfig, model_dir: str, port: int,
+                weight_version: Optional[str] = INITIAL_VERSION) -> list[str]:
+    """The command line of one SGLang server (also used by slurm/ to start servers itself)."""
+    if c.launch_command:
+        return fill_command(c.launch_command, c.server_python, model_dir, c.host, port,
+                            str(weight_version))
+    argv = [c.server_python, "-m", "sglang.launch_server", "--model-path", model_dir,
+            "--host", c.host, "--port", str(port), "--dtype", c.dtype,
+            "--weight-version", str(weight_version)]
+    if c.max_model_len:
+        argv += ["--context-length", str(c.max_model_len)]
+    return argv + list(c.extra_args)
+
+
 class SGLangEngine(RolloutEngine):
     shared = True
 
@@ -113,16 +126,7 @@ class SGLangEngine(RolloutEngine):
         self._inspect_servers()
 
     def _command(self, port: int, model_dir: str) -> list[str]:
-        c = self.cfg
-        if c.launch_command:
-            return fill_command(c.launch_command, c.server_python, model_dir, c.host, port,
-                                str(self.pool.launch_version))
-        argv = [c.server_python, "-m", "sglang.launch_server", "--model-path", model_dir,
-                "--host", c.host, "--port", str(port), "--dtype", c.dtype,
-                "--weight-version", str(self.pool.launch_version)]
-        if c.max_model_len:
-            argv += ["--context-length", str(c.max_model_len)]
-        return argv + list(c.extra_args)
+        return server_argv(self.cfg, model_dir, port, self.pool.launch_version)
 
     def _inspect_servers(self) -> None:
         """Each server's version (is sampling_seed known?) and TP size (ranks in the group)."""

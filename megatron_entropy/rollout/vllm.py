@@ -24,7 +24,8 @@ from typing import Any, Optional
 from megatron_entropy.config import ServerConfig
 from megatron_entropy.models.hf_io import save_hf_weights
 from megatron_entropy.rollout.base import Completion, NamedTensors, RolloutEngine, SamplingParams
-from megatron_entropy.rollout.servers import Server, ServerError, ServerPool, sample_seed
+from megatron_entropy.rollout.servers import (Server, ServerError, ServerPool, fill_command,
+                                               sample_seed)
 
 log = logging.getLogger(__name__)
 
@@ -32,10 +33,19 @@ SERVED_NAME = "policy"  # constant across restarts from new weight folders
 FINISH_REASONS = ("stop", "length", "abort")
 
 
-def fill_command(template: list[str], python: str, model: str, host: str, port: int,
-                 weight_version: str) -> list[str]:
-    return [a.format(python=python, model=model, host=host, port=port,
-                     weight_version=weight_version) for a in template]
+def server_argv(c: ServerConfig, model_dir: str, port: int,
+                weight_version: Optional[str] = None) -> list[str]:
+    """The command line of one vLLM server (also used by slurm/ to start servers itself): the
+    flags the engine relies on (processed log-probs, a stable served name) are always there."""
+    if c.launch_command:
+        return fill_command(c.launch_command, c.server_python, model_dir, c.host, port,
+                            str(weight_version))
+    argv = [c.server_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+            "--served-model-name", SERVED_NAME, "--host", c.host, "--port", str(port),
+            "--dtype", c.dtype, "--logprobs-mode", "processed_logprobs", "--seed", "0"]
+    if c.max_model_len:
+        argv += ["--max-model-len", str(c.max_model_len)]
+    return argv + list(c.extra_args)
 
 
 class VLLMEngine(RolloutEngine):
@@ -61,16 +71,7 @@ class VLLMEngine(RolloutEngine):
         self._warned_renormalised = False
 
     def _command(self, port: int, model_dir: str) -> list[str]:
-        c = self.cfg
-        if c.launch_command:
-            return fill_command(c.launch_command, c.server_python, model_dir, c.host, port,
-                                str(self.pool.launch_version))
-        argv = [c.server_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
-                "--served-model-name", SERVED_NAME, "--host", c.host, "--port", str(port),
-                "--dtype", c.dtype, "--logprobs-mode", "processed_logprobs", "--seed", "0"]
-        if c.max_model_len:
-            argv += ["--max-model-len", str(c.max_model_len)]
-        return argv + list(c.extra_args)
+        return server_argv(self.cfg, model_dir, port, self.pool.launch_version)
 
     def _served_name(self) -> str:
         names = {i: r["data"][0]["id"] for i, r in

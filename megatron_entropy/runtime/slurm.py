@@ -24,7 +24,6 @@ import socket
 import subprocess
 import sys
 import time
-import types
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -233,10 +232,10 @@ def _visible_gpus(local_id: int, gpus: int, gpus_per_node: int) -> Optional[str]
 def server_command(cfg: Config, host: str, port: int) -> tuple[list[str], dict[str, str]]:
     """Command line and extra environment of one rollout server for ``rollout.engine``.
 
-    The engines' own launch commands (rollout/vllm.py, rollout/sglang.py) build the argv, so a
+    The engines' own ``server_argv`` (rollout/vllm.py, rollout/sglang.py) builds the argv, so a
     server started by Slurm runs with exactly the flags of one the engine starts itself (vLLM's
-    processed log-probs, SGLang's weight version); the engine object is not built (that would
-    start a pool). The server's tensor parallel size is ``cluster.server_gpus``.
+    processed log-probs, SGLang's weight version). The server's tensor parallel size is
+    ``cluster.server_gpus``.
     """
     from megatron_entropy.rollout import sglang, vllm
 
@@ -244,14 +243,11 @@ def server_command(cfg: Config, host: str, port: int) -> tuple[list[str], dict[s
     tp = cfg.cluster.server_gpus
     env = dict(item.split("=", 1) for item in s.extra_env if "=" in item)
     if cfg.rollout.engine == "vllm":
-        engine = types.SimpleNamespace(cfg=s, pool=types.SimpleNamespace(launch_version=None))
-        argv = vllm.VLLMEngine._command(engine, port, cfg.model.hf_path)
+        argv = vllm.server_argv(s, cfg.model.hf_path, port)
         env["VLLM_SERVER_DEV_MODE"] = "1"  # the weight reload endpoints
         tp_flag = ["--tensor-parallel-size", str(tp)]
     elif cfg.rollout.engine == "sglang":
-        engine = types.SimpleNamespace(
-            cfg=s, pool=types.SimpleNamespace(launch_version=sglang.INITIAL_VERSION))
-        argv = sglang.SGLangEngine._command(engine, port, cfg.model.hf_path)
+        argv = sglang.server_argv(s, cfg.model.hf_path, port)
         tp_flag = ["--tp-size", str(tp)]
     else:
         raise ConfigError(f"rollout.engine={cfg.rollout.engine} has no server to start")
