@@ -18,6 +18,7 @@ import time
 import traceback
 from typing import Any, Callable
 
+import psutil
 import torch
 
 
@@ -49,6 +50,11 @@ def _worker(fn, rank, world_size, port, results, timeout, args, kwargs):
         results.join_thread()
         sys.stdout.flush()
         sys.stderr.flush()
+        # os._exit skips multiprocessing's finalizers: helper processes this rank started (the
+        # spawn Manager and resource tracker of dist_checkpointing saves) would outlive it and
+        # hold pytest's output pipe open.
+        for child in psutil.Process().children(recursive=True):
+            child.kill()
         os._exit(0)
 
 
