@@ -21,9 +21,14 @@ def build_engine(rollout_cfg, hf_dir: Union[str, Path], run_dir: Union[str, Path
                  ) -> RolloutEngine:
     """The engine ``rollout.engine`` names, serving the model in ``hf_dir``."""
     if rollout_cfg.engine == "inprocess":
+        import torch
+
         from megatron_entropy.rollout.inprocess import InProcessEngine
 
-        return InProcessEngine(hf_dir, dtype=rollout_cfg.dtype, batch_size=rollout_cfg.batch_size)
+        # Colocated: the engine shares this rank's GPU (set by the runtime) with the actor.
+        device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+        return InProcessEngine(hf_dir, dtype=rollout_cfg.dtype, batch_size=rollout_cfg.batch_size,
+                               device=device)
     if rollout_cfg.engine == "vllm":
         from megatron_entropy.rollout.vllm import VLLMEngine
 

@@ -183,10 +183,12 @@ class Actor:
             if not self.ps.is_pipeline_last_stage():
                 return None
             sel_logp = [mb.fields["old_logprobs"] for mb in mbs]
+        # On the device of the loss (and of NCCL's collectives).
+        dev = [to_device(mb, self.device) for mb in mbs]
         return select_tokens_global(
-            self.loss_settings, sel_logp, [mb.fields["old_logprobs"] for mb in mbs],
-            [mb.advantages for mb in mbs], [mb.mask for mb in mbs],
-            dp_group=self.ps.get_data_parallel_group(), seed=seed)
+            self.loss_settings, [lp.to(self.device) for lp in sel_logp],
+            [mb.fields["old_logprobs"] for mb in dev], [mb.advantages for mb in dev],
+            [mb.mask for mb in dev], dp_group=self.ps.get_data_parallel_group(), seed=seed)
 
     def update(self, samples: list[Sample], step: int) -> dict[str, float]:
         """ppo_epochs x mini_batches_per_step optimizer steps over this rank's samples."""
