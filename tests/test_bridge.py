@@ -225,3 +225,24 @@ def test_export_streams_to_disk_at_tp2_pp2(tiny_hf, tmp_path):
         assert torch.equal(t, ref_tensors[name]), name
     with torch.no_grad():
         assert torch.equal(model(tokens).logits, ref_logits)
+
+
+def test_save_exported_weights_takes_any_order_and_checks_completeness(tmp_path):
+    """The disk weight sync writes tensors where the plan puts them, whatever order they come in
+    (exported or HF state-dict order), and refuses a stream with a tensor missing or repeated."""
+    from megatron_entropy.models.bridge import save_exported_weights
+    from megatron_entropy.models.hf_io import iter_hf_tensors
+
+    hf = save_tiny_hf_model("qwen2", tmp_path / "hf", seed=4)
+    tensors = dict(iter_hf_tensors(hf))
+    save_exported_weights(iter(list(tensors.items())[::-1]), tmp_path / "out", hf)
+    out = dict(iter_hf_tensors(tmp_path / "out"))
+    assert out.keys() == tensors.keys()
+    assert all(torch.equal(out[k], tensors[k]) for k in tensors)
+    assert (tmp_path / "out" / "config.json").is_file()
+    items = list(tensors.items())
+    with pytest.raises(ValueError, match="ended without 1 tensors"):
+        save_exported_weights(iter(items[:-1]), tmp_path / "bad", hf)
+    with pytest.raises(ValueError, match="twice"):
+        save_exported_weights(iter(items + items[:1]), tmp_path / "bad", hf)
+    assert not (tmp_path / "bad").exists()

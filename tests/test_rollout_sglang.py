@@ -153,7 +153,8 @@ def test_fake_is_strict(engine):
     assert status == 400 and body["success"] is False
 
 
-def test_disk_sync_follows_new_weights_and_checks_version(engine, models, tmp_path):
+def test_disk_sync_follows_new_weights_and_checks_version(engine, models, tmp_path,
+                                                         monkeypatch):
     start = len(requests_of(engine.request_log, "/pause_generation"))
     stats = engine.update_weights(iter(models["model_b"].state_dict().items()), version=1)
     assert stats["weight_sync/bytes"] == sum(t.numel() * 4 for t in
@@ -170,10 +171,19 @@ def test_disk_sync_follows_new_weights_and_checks_version(engine, models, tmp_pa
          {"model_path": str(models["b"]), "weight_version": "7"})
     with pytest.raises(ServerError, match="weight version '7', expected 1"):
         engine.generate([[5, 6]] * 4, SamplingParams(max_new_tokens=2))
-    # A sync that fails on a server fails loudly.
+    # A tensor of the wrong shape is refused before anything reaches the servers...
     bad = [("model.embed_tokens.weight", torch.zeros(3, 3))]
+    with pytest.raises(ValueError, match=r"model.embed_tokens.weight: got shape \(3, 3\)"):
+        engine.update_weights(iter(bad), version=2)
+    # ...and a folder a server cannot load (written here without that check) fails loudly.
+    import megatron_entropy.rollout.sglang as sglang_engine
+    from megatron_entropy.models.hf_io import save_hf_weights
+
+    monkeypatch.setattr(sglang_engine, "save_exported_weights", lambda tensors, folder, hf_dir:
+                        save_hf_weights(tensors, folder, metadata_from=hf_dir))
     with pytest.raises(ServerError, match="update_weights_from_disk"):
         engine.update_weights(iter(bad), version=2)
+    monkeypatch.undo()
     engine.update_weights(iter(models["model_a"].state_dict().items()), version=3)
     assert_follows(engine, models["model_a"])
 

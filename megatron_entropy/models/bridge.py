@@ -19,15 +19,17 @@ Layout facts:
 
 from __future__ import annotations
 
+import itertools
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Literal, Optional, Sequence, Union
+from typing import Iterable, Iterator, Literal, Optional, Sequence, Union
 
 import torch
 
-from megatron_entropy.models.arch import ModelArch
-from megatron_entropy.models.hf_io import TensorSpec, hf_weight_files, open_hf_slices
+from megatron_entropy.models.arch import ModelArch, load_arch
+from megatron_entropy.models.hf_io import (TensorSpec, hf_weight_files, open_hf_slices,
+                                           save_hf_weights)
 from megatron_entropy.models.sharding import _unwrap, layer_offset, tp_gather, to_global_name
 
 Kind = Literal["copy", "qkv", "glu", "vocab"]
@@ -151,6 +153,20 @@ def hf_tensor_specs(arch: ModelArch, dtype: torch.dtype) -> list[TensorSpec]:
     the Megatron parameters are visited in ``megatron_param_names`` order."""
     return [(n, hf_shape(n, arch), dtype)
             for name in megatron_param_names(arch) for n in weight_map(name, arch).hf]
+
+
+def save_exported_weights(named_tensors: Iterable[tuple[str, torch.Tensor]],
+                          out_dir: Union[str, Path], hf_dir: Union[str, Path]) -> dict[str, float]:
+    """Write a stream of full HF-named tensors (``export_hf_weights``, or any order) as an HF folder
+    with config and tokenizer from ``hf_dir``, holding one tensor in memory at a time: the shards
+    are planned from the architecture and the first tensor's dtype."""
+    arch = load_arch(hf_dir)
+    # A tied model's lm_head is its embedding (HF's state_dict lists both; the file holds one).
+    it = ((n, t) for n, t in named_tensors
+          if not (arch.tie_word_embeddings and n == "lm_head.weight"))
+    first = next(it)
+    return save_hf_weights(itertools.chain([first], it), out_dir, metadata_from=hf_dir,
+                           specs=hf_tensor_specs(arch, first[1].dtype))
 
 
 def check_hf_checkpoint(files: dict[str, Path], arch: ModelArch, where: Union[str, Path]) -> None:

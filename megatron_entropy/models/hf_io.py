@@ -57,8 +57,9 @@ def _nbytes(spec: TensorSpec) -> int:
 
 
 class _SafetensorsStream:
-    """One safetensors file written tensor by tensor: the header comes first, computed from the
-    specs, so no tensor has to be held after it is written."""
+    """One safetensors file written tensor by tensor, in any order: the header comes first,
+    computed from the specs, and each tensor goes to its planned offset, so no tensor has to be
+    held after it is written."""
 
     def __init__(self, path: Path, specs: list[TensorSpec]) -> None:
         header: dict = {"__metadata__": {"format": "pt"}}
@@ -71,19 +72,23 @@ class _SafetensorsStream:
             offset += size
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # the format pads the header to 8 bytes with spaces
-        self.specs = specs
-        self.written = 0
+        data_start = 8 + len(raw)
+        self.places = {name: (data_start + header[name]["data_offsets"][0], tuple(shape), dtype)
+                       for name, shape, dtype in specs}
+        self.pending = set(self.places)
         self.file: IO[bytes] = open(path, "wb")
         self.file.write(struct.pack("<Q", len(raw)) + raw)
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
-        want_name, shape, dtype = self.specs[self.written]
-        if name != want_name or tuple(tensor.shape) != tuple(shape):
-            raise ValueError(f"tensor stream out of order: got {name} {tuple(tensor.shape)}, "
-                             f"expected {want_name} {tuple(shape)}")
+        start, shape, dtype = self.places[name]
+        if name not in self.pending:
+            raise ValueError(f"tensor stream has {name} twice")
+        if tuple(tensor.shape) != shape:
+            raise ValueError(f"{name}: got shape {tuple(tensor.shape)}, expected {shape}")
         t = tensor.detach().to("cpu", dtype=dtype).contiguous().reshape(-1)
+        self.file.seek(start)
         self.file.write(t.view(torch.uint8).numpy().data)
-        self.written += 1
+        self.pending.discard(name)
 
     def close(self) -> None:
         self.file.close()
@@ -97,9 +102,9 @@ def save_hf_weights(named_tensors: Iterable[tuple[str, torch.Tensor]], out_dir: 
     """Stream tensors into sharded ``model-0000i-of-0000n.safetensors`` files plus an index.
 
     Without ``specs`` at most one shard is held in memory. With ``specs`` (every tensor's name,
-    shape and dtype, in the order they will arrive) the shards are planned up front and each tensor
-    goes to disk as it arrives, so only one tensor is held; a tensor that does not match its spec
-    raises. The folder appears complete or not at all: it is written under a temporary name and
+    shape and dtype) the shards are planned up front and each tensor goes to its place on disk as
+    it arrives, in any order, so only one tensor is held; a tensor that does not match its spec,
+    comes twice or is missing raises. The folder appears complete or not at all: it is written under a temporary name and
     renamed. Returns {"tensors", "bytes", "shards"}.
     """
     out_dir = Path(out_dir)
@@ -171,21 +176,21 @@ def _write_streamed(named_tensors: Iterable[tuple[str, torch.Tensor]], tmp: Path
             shard_bytes = 0
         shards[-1].append(spec)
         shard_bytes += _nbytes(spec)
-    tensors = iter(named_tensors)
-    for i, shard in enumerate(shards):
-        stream = _SafetensorsStream(tmp / f"shard-{i:05d}.safetensors", shard)
-        try:
-            for _ in shard:
-                item = next(tensors, None)
-                if item is None:
-                    raise ValueError(f"tensor stream ended early: expected "
-                                     f"{shard[stream.written][0]}")
-                stream.write(*item)
-        finally:
+    streams: list[_SafetensorsStream] = []
+    try:
+        for i, shard in enumerate(shards):
+            streams.append(_SafetensorsStream(tmp / f"shard-{i:05d}.safetensors", shard))
+        where = {name: stream for stream in streams for name in stream.places}
+        for name, tensor in named_tensors:
+            if name not in where:
+                raise ValueError(f"tensor stream has {name}, which its specs do not list")
+            where[name].write(name, tensor)
+    finally:
+        for stream in streams:
             stream.close()
-    extra = next(tensors, None)
-    if extra is not None:
-        raise ValueError(f"tensor stream has more tensors than its specs, e.g. {extra[0]}")
+    missing = [name for stream in streams for name in sorted(stream.pending)]
+    if missing:
+        raise ValueError(f"tensor stream ended without {len(missing)} tensors, e.g. {missing[:3]}")
     return [[name for name, _, _ in shard] for shard in shards], sum(map(_nbytes, specs))
 
 

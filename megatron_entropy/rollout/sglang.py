@@ -9,7 +9,8 @@ reject the key); it makes samples reproducible only on servers started with
 ``--enable-deterministic-inference``.
 
 Weight sync, between ``/pause_generation`` and ``/continue_generation``, then ``/flush_cache``:
-- ``disk``: the HF folder written by ``save_hf_weights`` is loaded by ``/update_weights_from_disk``.
+- ``disk``: the HF folder written by ``save_exported_weights`` is loaded by
+  ``/update_weights_from_disk``.
 - ``distributed``: global rank 0 and every server's TP ranks form one process group
   (``/init_weights_update_group``); each bucket of at most ``bucket_mb`` is announced by
   ``/update_weights_from_distributed`` (names, dtypes, shapes) and sent tensor by tensor with
@@ -31,7 +32,7 @@ from typing import Any, Iterator, Optional
 import torch
 
 from megatron_entropy.config import ServerConfig
-from megatron_entropy.models.hf_io import save_hf_weights
+from megatron_entropy.models.bridge import save_exported_weights
 from megatron_entropy.rollout.base import Completion, NamedTensors, RolloutEngine, SamplingParams
 from megatron_entropy.rollout.servers import (Server, ServerError, ServerPool, fill_command,
                                               free_port, sample_seed)
@@ -206,7 +207,7 @@ class SGLangEngine(RolloutEngine):
         stats: dict[str, float] = {}
         if self.cfg.weight_sync == "disk":
             folder = self.sync_root / f"weights-v{version}"
-            stats = save_hf_weights(named_tensors, folder, metadata_from=self.hf_dir)
+            stats = save_exported_weights(named_tensors, folder, self.hf_dir)
             stats["write_seconds"] = time.monotonic() - t0
             # A launched server that restarts from now on loads this folder.
             self.pool.model_dir, self.pool.launch_version = str(folder), v

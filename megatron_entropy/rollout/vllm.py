@@ -7,7 +7,8 @@ servers we launch run with ``--logprobs-mode processed_logprobs``: log-softmax a
 and the completions say so in ``meta["logprobs"]``. Servers started by hand must use the same
 flag (and ``VLLM_SERVER_DEV_MODE=1`` for the weight reload).
 
-Weight sync: the new HF weights are written to a folder (``save_hf_weights``), every server loads
+Weight sync: the new HF weights are written to a folder (``save_exported_weights``), every server
+loads
 them with ``/collective_rpc reload_weights`` between ``/pause`` and ``/resume``, then drops its
 prefix cache. A server restarted later starts from the newest folder.
 """
@@ -22,7 +23,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from megatron_entropy.config import ServerConfig
-from megatron_entropy.models.hf_io import save_hf_weights
+from megatron_entropy.models.bridge import save_exported_weights
 from megatron_entropy.rollout.base import Completion, NamedTensors, RolloutEngine, SamplingParams
 from megatron_entropy.rollout.servers import (Server, ServerError, ServerPool, fill_command,
                                                sample_seed)
@@ -143,7 +144,7 @@ class VLLMEngine(RolloutEngine):
     def update_weights(self, named_tensors: NamedTensors, version: int) -> dict[str, float]:
         t0 = time.monotonic()
         folder = self.sync_root / f"weights-v{version}"
-        stats = save_hf_weights(named_tensors, folder, metadata_from=self.hf_dir)
+        stats = save_exported_weights(named_tensors, folder, self.hf_dir)
         t_write = time.monotonic() - t0
         # A dead launched server restarts from the new folder and so needs no reload.
         self.pool.model_dir, self.pool.launch_version = str(folder), str(version)
