@@ -65,8 +65,10 @@ EXPECTED_KEYS = {"reward/mean", "acc/mean", "entropy/token_mean", "entropy/seq_m
                  "perf/tokens_per_s", "time/rollout", "time/update", "time/sync", "sync/seconds"}
 
 
-def test_tp2_run_writes_finite_metrics_and_engine_matches_actor(model_dir, tmp_path):
-    cfg = _config(model_dir, tmp_path, "tp2")
+@pytest.mark.parametrize("tensor,pipeline", [(2, 1), (1, 2)])
+def test_run_writes_finite_metrics_and_engine_matches_actor(model_dir, tmp_path, tensor,
+                                                            pipeline):
+    cfg = _config(model_dir, tmp_path, "tp2", parallel={"tensor": tensor, "pipeline": pipeline})
     run_distributed(_train, 2, cfg, timeout=300)
     rows = _metrics(tmp_path, "tp2")
     assert [r["step"] for r in rows] == [1, 2, 3]
@@ -83,6 +85,18 @@ def test_tp2_run_writes_finite_metrics_and_engine_matches_actor(model_dir, tmp_p
     assert any(r["response/truncated_frac"] > 0 for r in rows)
     ckpts = sorted(p.name for p in (tmp_path / "tp2" / "checkpoints").iterdir())
     assert ckpts == ["latest", "step_00000002", "step_00000003"]  # keep_last=2
+
+
+def test_resume_on_another_layout(model_dir, tmp_path):
+    """A TP=2 run's checkpoint resumes as PP=2: Megatron reshards model and optimizer."""
+    cfg = _config(model_dir, tmp_path, "relayout", trainer={"steps": 1})
+    run_distributed(_train, 2, cfg, timeout=300)
+    cfg = _config(model_dir, tmp_path, "relayout", parallel={"tensor": 1, "pipeline": 2},
+                  trainer={"steps": 2})
+    run_distributed(_train, 2, cfg, timeout=300)
+    rows = _metrics(tmp_path, "relayout")
+    assert [r["step"] for r in rows] == [1, 2]
+    assert rows[1]["rollout/logprob_drift_max"] <= 1e-4
 
 
 def _cli(config: Path, *overrides: str, log: Path) -> subprocess.Popen:
