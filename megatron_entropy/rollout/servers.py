@@ -29,6 +29,7 @@ from typing import Any, Callable, Optional
 import aiohttp
 
 from megatron_entropy.config import ServerConfig
+from megatron_entropy.rollout.base import RolloutEngine
 
 # A server's command for a port and a model folder (the latest weights); env added on launch.
 LaunchCommand = Callable[[int, str], list[str]]
@@ -584,3 +585,28 @@ class ServerPool:
             return asyncio.run(coro)
         with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
             return pool.submit(asyncio.run, coro).result()
+
+
+class ServerEngine(RolloutEngine):
+    """What the vLLM and SGLang engines share: a ``ServerPool`` in ``self.pool``, health, and
+    throughput counters (``_tokens``/``_seconds``, added to by ``generate``)."""
+
+    shared = True
+    pool: ServerPool
+    _tokens: int = 0
+    _seconds: float = 0.0
+
+    def health(self) -> bool:
+        try:
+            self.pool.ensure_up()
+        except ServerError:
+            return False
+        return True
+
+    def metrics(self) -> dict[str, float]:
+        out = self.pool.pop_metrics()
+        if self._seconds > 0:
+            out["rollout/tokens_per_s"] = self._tokens / self._seconds
+        out["rollout/response_tokens"] = float(self._tokens)
+        self._tokens, self._seconds = 0, 0.0
+        return out

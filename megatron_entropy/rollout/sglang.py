@@ -33,9 +33,9 @@ import torch
 
 from megatron_entropy.config import ServerConfig
 from megatron_entropy.models.bridge import save_exported_weights
-from megatron_entropy.rollout.base import Completion, NamedTensors, RolloutEngine, SamplingParams
-from megatron_entropy.rollout.servers import (Server, ServerError, ServerPool, fill_command,
-                                              free_port, sample_seed)
+from megatron_entropy.rollout.base import Completion, NamedTensors, SamplingParams
+from megatron_entropy.rollout.servers import (Server, ServerEngine, ServerError, ServerPool,
+                                              fill_command, free_port, sample_seed)
 
 FINISH_REASONS = ("stop", "length", "abort")
 FIRST_VERSION_WITH_SEED = (0, 5, 3)
@@ -104,8 +104,7 @@ def server_argv(c: ServerConfig, model_dir: str, port: int,
     return argv + list(c.extra_args)
 
 
-class SGLangEngine(RolloutEngine):
-    shared = True
+class SGLangEngine(ServerEngine):
 
     def __init__(self, server_cfg: ServerConfig, hf_dir: str, run_dir: str, owner: bool = True):
         self.cfg = server_cfg
@@ -302,21 +301,6 @@ class SGLangEngine(RolloutEngine):
         return {"bytes": float(sent)}
 
     # ----------------------------------------------------------------------------- other
-
-    def health(self) -> bool:
-        try:
-            self.pool.ensure_up()
-        except ServerError:
-            return False
-        return True
-
-    def metrics(self) -> dict[str, float]:
-        out = self.pool.pop_metrics()
-        if self._seconds > 0:
-            out["rollout/tokens_per_s"] = self._tokens / self._seconds
-        out["rollout/response_tokens"] = float(self._tokens)
-        self._tokens, self._seconds = 0, 0.0
-        return out
 
     def shutdown(self) -> None:
         if self._group is not None:

@@ -24,9 +24,9 @@ from typing import Any, Optional
 
 from megatron_entropy.config import ServerConfig
 from megatron_entropy.models.bridge import save_exported_weights
-from megatron_entropy.rollout.base import Completion, NamedTensors, RolloutEngine, SamplingParams
-from megatron_entropy.rollout.servers import (Server, ServerError, ServerPool, fill_command,
-                                               sample_seed)
+from megatron_entropy.rollout.base import Completion, NamedTensors, SamplingParams
+from megatron_entropy.rollout.servers import (Server, ServerEngine, ServerError, ServerPool,
+                                              fill_command, sample_seed)
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +49,7 @@ def server_argv(c: ServerConfig, model_dir: str, port: int,
     return argv + list(c.extra_args)
 
 
-class VLLMEngine(RolloutEngine):
-    shared = True
+class VLLMEngine(ServerEngine):
 
     def __init__(self, server_cfg: ServerConfig, hf_dir: str, run_dir: str,
                  tokenizer: Any = None, owner: bool = True):
@@ -175,21 +174,6 @@ class VLLMEngine(RolloutEngine):
                 "weight_sync/bytes": stats["bytes"]}
 
     # ----------------------------------------------------------------------------- other
-
-    def health(self) -> bool:
-        try:
-            self.pool.ensure_up()
-        except ServerError:
-            return False
-        return True
-
-    def metrics(self) -> dict[str, float]:
-        out = self.pool.pop_metrics()
-        if self._seconds > 0:
-            out["rollout/tokens_per_s"] = self._tokens / self._seconds
-        out["rollout/response_tokens"] = float(self._tokens)
-        self._tokens, self._seconds = 0, 0.0
-        return out
 
     def shutdown(self) -> None:
         self.pool.stop()
