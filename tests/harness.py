@@ -111,3 +111,19 @@ def init_megatron(tensor: int = 1, pipeline: int = 1, seed: int = 1234) -> None:
 
     init_distributed(tensor=tensor, pipeline=pipeline, backend="gloo")
     set_seed(seed)
+
+
+def train_from_dict(cfg: dict) -> dict:
+    """Inside a worker: the RL loop on a config given as a dict (as YAML would load it)."""
+    from megatron_entropy.config import load_config
+    from megatron_entropy.trainer.loop import train
+
+    return train(load_config(data=cfg))
+
+
+def metrics_rows(run_dir) -> list[dict]:
+    """Every line of a run's metrics.jsonl, as written (a step logged twice shows twice)."""
+    import json
+    from pathlib import Path
+
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]

@@ -44,6 +44,15 @@ def make_served_model(out_dir: Path, seed: int = 0, logit_scale: float = 5.0) ->
     return out_dir
 
 
+def make_tp2_model(out_dir: Path) -> Path:
+    """A tiny Qwen2 that TP=2 can split (4 heads, 2 KV heads) with the BPE tokenizer."""
+    out = save_tiny_hf_model("qwen2", Path(out_dir), seed=3, vocab_size=512, hidden_size=64,
+                             intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                             max_position_embeddings=512)
+    save_tokenizer(out, 512)
+    return out
+
+
 def reference_logprobs(model, prompt: list[int], completion: list[int],
                        temperature: float = 1.0) -> list[float]:
     """log-softmax(logits / T) of each completion token given what precedes it (fp32 HF)."""

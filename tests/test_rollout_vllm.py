@@ -144,10 +144,7 @@ def test_rl_steps_with_vllm_engine(engine, models, tmp_path):
     """A few RL steps (real Megatron actor, gloo) rolling out on the module's vLLM server: the
     trainer connects to it by URL, syncs its weights after every step, and the server's
     log-probs stay within 1e-2 of the actor's recompute."""
-    import json
-
-    from harness import run_distributed
-    from megatron_entropy.config import load_config
+    from harness import metrics_rows, run_distributed, train_from_dict
 
     # The server holds model b now (synced, then restarted from it): train from that folder.
     cfg = {
@@ -162,14 +159,8 @@ def test_rl_steps_with_vllm_engine(engine, models, tmp_path):
         "logging": {"name": "vllm_rl", "runs_dir": str(tmp_path), "progress_bar": False},
     }
 
-    def train(cfg: dict) -> dict:
-        from megatron_entropy.trainer.loop import train as run
-
-        return run(load_config(data=cfg))
-
-    run_distributed(train, 1, cfg, timeout=600)
-    rows = [json.loads(line) for line in
-            (tmp_path / "vllm_rl" / "metrics.jsonl").read_text().splitlines()]
+    run_distributed(train_from_dict, 1, cfg, timeout=600)
+    rows = metrics_rows(tmp_path / "vllm_rl")
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
         print(f"step {r['step']}: drift {r['rollout/logprob_drift']:.2e} "
@@ -183,12 +174,9 @@ def test_quickstart_rl_steps_on_a_server_the_trainer_launches(tmp_path):
     """The quickstart (shipped model, KL-Cov, TP=2 on 2 ranks) with rollout.engine=vllm: rank 0
     launches its own vLLM server, rolls out on it, syncs the trained weights to it every step;
     the server's bf16 log-probs stay within 1e-2 of the actor's fp32 recompute."""
-    import json
-
     import yaml
 
-    from harness import run_distributed
-    from megatron_entropy.config import load_config
+    from harness import metrics_rows, run_distributed, train_from_dict
 
     repo = Path(__file__).resolve().parents[1]
     cfg = yaml.safe_load((repo / "examples" / "quickstart.yaml").read_text())
@@ -206,14 +194,8 @@ def test_quickstart_rl_steps_on_a_server_the_trainer_launches(tmp_path):
                           micro_batch_tokens=2048)
     cfg["logging"] = {"name": "qs_vllm", "runs_dir": str(tmp_path), "progress_bar": False}
 
-    def train(cfg: dict) -> dict:
-        from megatron_entropy.trainer.loop import train as run
-
-        return run(load_config(data=cfg))
-
-    run_distributed(train, 2, cfg, timeout=600)
-    rows = [json.loads(line) for line in
-            (tmp_path / "qs_vllm" / "metrics.jsonl").read_text().splitlines()]
+    run_distributed(train_from_dict, 2, cfg, timeout=600)
+    rows = metrics_rows(tmp_path / "qs_vllm")
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert (tmp_path / "qs_vllm" / "servers").is_dir()  # logs of the server it launched
     for r in rows:

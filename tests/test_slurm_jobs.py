@@ -17,9 +17,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from serving_model import make_served_model, save_tokenizer
+from serving_model import make_served_model, make_tp2_model
 from slurm_cluster import SlurmCluster, missing_binaries
-from tiny_models import save_tiny_hf_model
 
 REPO = Path(__file__).resolve().parents[1]
 SLURM = REPO / "slurm"
@@ -51,11 +50,7 @@ def job_env(cluster):
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> Path:
     """Tiny Qwen2, 4 heads / 2 KV heads (TP=2 works), with a BPE tokenizer."""
-    out = save_tiny_hf_model("qwen2", tmp_path_factory.mktemp("tiny"), seed=3, vocab_size=512,
-                             hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                             num_key_value_heads=2, max_position_embeddings=512)
-    save_tokenizer(out, 512)
-    return out
+    return make_tp2_model(tmp_path_factory.mktemp("tiny"))
 
 
 def tiny_config(path: Path, model: Path, runs: Path, name: str, **sections) -> Path:

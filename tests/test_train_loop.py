@@ -14,12 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from harness import run_distributed
-from serving_model import save_tokenizer
-from tiny_models import save_tiny_hf_model
+from harness import metrics_rows, run_distributed, train_from_dict
+from serving_model import make_tp2_model
 
 from megatron_entropy.cli import main as cli_main
-from megatron_entropy.config import load_config
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -27,11 +25,7 @@ REPO = Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
     """A tiny random Qwen2 (4 heads, 2 KV heads: TP=2 works) with a BPE tokenizer."""
-    out = save_tiny_hf_model("qwen2", tmp_path_factory.mktemp("model"), seed=3, vocab_size=512,
-                             hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                             num_key_value_heads=2, max_position_embeddings=512)
-    save_tokenizer(out, 512)
-    return out
+    return make_tp2_model(tmp_path_factory.mktemp("model"))
 
 
 def _config(model_dir: Path, run_dir: Path, name: str, **extra) -> dict:
@@ -49,14 +43,8 @@ def _config(model_dir: Path, run_dir: Path, name: str, **extra) -> dict:
     return cfg
 
 
-def _train(cfg: dict) -> dict:
-    from megatron_entropy.trainer.loop import train
-
-    return train(load_config(data=cfg))
-
-
 def _metrics(run_dir: Path, name: str) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / name / "metrics.jsonl").read_text().splitlines()]
+    return metrics_rows(run_dir / name)
 
 
 EXPECTED_KEYS = {"reward/mean", "acc/mean", "entropy/token_mean", "entropy/seq_mean",
@@ -69,7 +57,7 @@ EXPECTED_KEYS = {"reward/mean", "acc/mean", "entropy/token_mean", "entropy/seq_m
 def test_run_writes_finite_metrics_and_engine_matches_actor(model_dir, tmp_path, tensor,
                                                             pipeline):
     cfg = _config(model_dir, tmp_path, "tp2", parallel={"tensor": tensor, "pipeline": pipeline})
-    run_distributed(_train, 2, cfg, timeout=300)
+    run_distributed(train_from_dict, 2, cfg, timeout=300)
     rows = _metrics(tmp_path, "tp2")
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
@@ -90,10 +78,10 @@ def test_run_writes_finite_metrics_and_engine_matches_actor(model_dir, tmp_path,
 def test_resume_on_another_layout(model_dir, tmp_path):
     """A TP=2 run's checkpoint resumes as PP=2: Megatron reshards model and optimizer."""
     cfg = _config(model_dir, tmp_path, "relayout", trainer={"steps": 1})
-    run_distributed(_train, 2, cfg, timeout=300)
+    run_distributed(train_from_dict, 2, cfg, timeout=300)
     cfg = _config(model_dir, tmp_path, "relayout", parallel={"tensor": 1, "pipeline": 2},
                   trainer={"steps": 2})
-    run_distributed(_train, 2, cfg, timeout=300)
+    run_distributed(train_from_dict, 2, cfg, timeout=300)
     rows = _metrics(tmp_path, "relayout")
     assert [r["step"] for r in rows] == [1, 2]
     assert rows[1]["rollout/logprob_drift_max"] <= 1e-4
@@ -135,7 +123,7 @@ def test_accuracy_rises_on_the_arithmetic_task(tmp_path):
     steps is above where it started (seeded: the same numbers every run on this CPU type)."""
     cfg = _quickstart(tmp_path, "learn", trainer={"steps": 8, "val_interval": 8,
                                                   "val_before_train": True, "lr": 5e-5})
-    run_distributed(_train, 2, cfg, timeout=600)
+    run_distributed(train_from_dict, 2, cfg, timeout=600)
     rows = {r["step"]: r for r in _metrics(tmp_path, "learn")}
     start, end = rows[0]["val/acc/mean"], rows[8]["val/acc/mean"]
     assert 0 < start < 0.9, start  # the shipped model solves some, not all
@@ -181,7 +169,7 @@ def test_killed_run_resumes_bit_identical(tmp_path):
 
 def _expect_failure(cfg: dict, match: str) -> None:
     with pytest.raises(AssertionError, match=match):
-        run_distributed(_train, 1, cfg, timeout=120)
+        run_distributed(train_from_dict, 1, cfg, timeout=120)
 
 
 def test_missing_dataset_file_is_a_clear_error(model_dir, tmp_path):
