@@ -32,11 +32,16 @@ def add_fit_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fit-points", type=int, default=None,
                    help="also fit on only the first K points and report how well that predicts "
                         "the rest (default: half of the points, when there are at least 6)")
+    p.add_argument("--bootstrap", type=int, default=1000,
+                   help="resamples of the ceiling's bootstrap interval (0: none)")
+    p.add_argument("--confidence", type=float, default=0.95, help="of the interval")
+    p.add_argument("--seed", type=int, default=0, help="of the bootstrap (reproducible)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def run_fit(args: argparse.Namespace) -> int:
-    from megatron_entropy.analysis.entropy_law import fit_and_predict, fit_entropy_law
+    from megatron_entropy.analysis.entropy_law import (ceiling_interval, fit_and_predict,
+                                                       fit_entropy_law, law_warning)
     from megatron_entropy.analysis.plots import law_points, read_metrics
 
     h, r, hk, rk = law_points(read_metrics(args.run_dir), args.entropy_key, args.performance_key)
@@ -47,6 +52,17 @@ def run_fit(args: argparse.Namespace) -> int:
               f"a performance value: {len(h)})", file=sys.stderr)
         return 2
     out: dict = {"entropy_key": hk, "performance_key": rk, **fit.to_dict()}
+    if args.bootstrap and len(h) >= 3:
+        try:
+            out["ceiling_interval"] = ceiling_interval(h, r, args.bootstrap, args.confidence,
+                                                       args.seed).to_dict()
+        except ValueError as e:
+            print(f"megatron-entropy fit: error: {e}", file=sys.stderr)
+            return 2
+    warning = law_warning(fit)
+    if warning:
+        out["warning"] = warning
+        print(f"megatron-entropy fit: warning: {args.run_dir}: {warning}", file=sys.stderr)
     k = args.fit_points if args.fit_points is not None else (len(h) // 2 if len(h) >= 6 else None)
     if k is not None:
         out["extrapolation"] = fit_and_predict(h, r, k).to_dict()
@@ -56,6 +72,11 @@ def run_fit(args: argparse.Namespace) -> int:
     print(f"{rk} = -a * exp({hk}) + b over {fit.n} steps")
     print(f"  a = {fit.a:.6g}   b = {fit.b:.6g}   R^2 = {fit.r2:.4f}")
     print(f"  ceiling at entropy 0 (b - a) = {fit.ceiling:.4f}")
+    if "ceiling_interval" in out:
+        ci = out["ceiling_interval"]
+        print(f"  {ci['confidence']:.0%} bootstrap interval of the ceiling: [{ci['low']:.4f}, "
+              f"{ci['high']:.4f}] ({ci['resamples']} resamples of the {fit.n} steps, "
+              f"seed {ci['seed']})")
     if "extrapolation" in out:
         e = out["extrapolation"]
         print(f"  fit on the first {e['k']} steps (a = {e['fit/a']:.4g}, b = {e['fit/b']:.4g}) "
