@@ -1,4 +1,5 @@
-"""``megatron-entropy plot RUN_DIR`` and ``megatron-entropy fit RUN_DIR``.
+"""``megatron-entropy plot RUN_DIR``, ``megatron-entropy fit RUN_DIR`` and
+``megatron-entropy study CONFIG``.
 
 Kept free of heavy imports: the CLI builds its parser from here before any command runs.
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Optional
 
 
 def add_plot_args(p: argparse.ArgumentParser) -> None:
@@ -89,3 +91,57 @@ PLOT = ("write PNG plots of a run: entropy, reward, covariance, reward vs entrop
         add_plot_args, run_plot)
 FIT = ("fit the entropy law R = -a*exp(H) + b to a run and report its ceiling b - a",
        add_fit_args, run_fit)
+
+
+def add_study_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", help="YAML config with a study section "
+                                  "(examples/study_quickstart.yaml)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides for every run and the study "
+                                                "section: trainer.lr=1e-4 study.sweep_seeds=2")
+    p.add_argument("--losses", default=None,
+                   help="comma-separated study.losses names to compare (default: all)")
+    p.add_argument("--seeds", default=None, help="comma-separated seeds (default: study.seeds)")
+    p.add_argument("--out", default=None, help="study folder (default: "
+                                               "<logging.runs_dir>/<logging.name>_study[_quick])")
+    p.add_argument("--quick", action="store_true",
+                   help="the same matrix at toy length (the study.quick overrides first)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="list the runs and what sets each apart; run nothing")
+
+
+def _comma_list(text: Optional[str], flag: str, integers: bool = False) -> Optional[list]:
+    from megatron_entropy.config import ConfigError
+
+    if text is None:
+        return None
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    try:
+        values = [int(t) for t in items] if integers else items
+    except ValueError:
+        raise ConfigError(f"{flag}: {text!r} is not a comma-separated list of integers") from None
+    if not values:
+        raise ConfigError(f"{flag}: empty list")
+    return values
+
+
+def run_study(args: argparse.Namespace) -> int:
+    from megatron_entropy.analysis.study import StudyError, execute, plan_study
+
+    plan = plan_study(args.config, args.overrides, args.out, args.quick,
+                      _comma_list(args.losses, "--losses"),
+                      _comma_list(args.seeds, "--seeds", integers=True))
+    if args.dry_run:
+        print(f"{len(plan.runs)} runs into {plan.out}:")
+        for run in plan.runs:
+            roles = ", ".join(f"{role}={value}" for role, value in run.roles)
+            print(f"  {run.name} [{roles}]: {' '.join(run.own)}")
+        return 0
+    try:
+        return execute(plan)
+    except StudyError as e:
+        print(f"megatron-entropy study: error: {e}", file=sys.stderr)
+        return 1
+
+
+STUDY = ("run a config's study matrix (losses x seeds, entropy bonus, threshold sweep) and write "
+         "OUT/report.md with the paper's figures at toy scale", add_study_args, run_study)
