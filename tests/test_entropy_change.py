@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from harness import init_megatron, run_distributed
-from tiny_models import tiny_hf_config
+from tiny_models import random_samples, tiny_hf_config
 
 from megatron_entropy.analysis.entropy_change import entropy_change_metrics
 from megatron_entropy.models.arch import arch_from_hf_config
@@ -21,21 +21,8 @@ TEMPERATURE = 0.7
 def _samples():
     """Four groups of two responses; groups 0, 1 from source 'a', 2, 3 from 'b' (so at DP=2
     each rank holds both sources)."""
-    from megatron_entropy.trainer.batch import Sample
-
-    g = torch.Generator().manual_seed(11)
-    out = []
-    for group in range(4):
-        for _ in range(2):
-            prompt = torch.randint(3, 1000, (int(torch.randint(3, 8, (1,), generator=g)),),
-                                   generator=g).tolist()
-            resp = torch.randint(3, 1000, (int(torch.randint(5, 13, (1,), generator=g)),),
-                                 generator=g).tolist()
-            out.append(Sample(prompt_ids=prompt, response_ids=resp,
-                              engine_logprobs=[0.0] * len(resp), reward=0.0, group=group,
-                              source="a" if group < 2 else "b", finish_reason="stop",
-                              advantage=float(torch.randn(1, generator=g))))
-    return out
+    return random_samples(11, prompt_len=(3, 8), response_len=(5, 13), adv_scale=1.0,
+                          source=lambda group: "a" if group < 2 else "b")
 
 
 def _hf_weights(chunks, arch) -> dict:

@@ -163,6 +163,9 @@ def plan_study(config_path: str, overrides: list[str], out: Optional[str] = None
             continue
         by_settings[run.fingerprint] = run
         runs.append(run)
+    if not runs:
+        raise ConfigError("the study has no run: study.losses (or --losses) and the sweeps' "
+                          "values are all empty")
     return StudyPlan(config_path, out_dir, quick, st, runs, chosen, seeds)
 
 
