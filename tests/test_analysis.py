@@ -51,7 +51,9 @@ def test_fit_recovers_a_and_b_from_noisy_data_within_their_standard_errors():
     se_b = sigma * math.sqrt(1 / n + x.mean() ** 2 / sxx)
     assert abs(fit.a - 0.3) < 4 * se_a and abs(fit.b - 0.9) < 4 * se_b
     assert se_a < 0.01 and se_b < 0.01  # so the check above pins a and b down
-    assert fit.r2 > 0.9 and law_warning(fit) == ""
+    assert fit.r2 > 0.9 and law_warning(fit, r) == ""
+    flat = fit_entropy_law(h, np.full(n, 0.4))
+    assert flat.r2 == 1.0 and "the law is undetermined" in law_warning(flat, np.full(n, 0.4))
 
 
 def test_ceiling_interval_covers_the_truth_at_about_its_nominal_rate():

@@ -61,7 +61,7 @@ def run_fit(args: argparse.Namespace) -> int:
         except ValueError as e:
             print(f"megatron-entropy fit: error: {e}", file=sys.stderr)
             return 2
-    warning = law_warning(fit)
+    warning = law_warning(fit, r)
     if warning:
         out["warning"] = warning
         print(f"megatron-entropy fit: warning: {args.run_dir}: {warning}", file=sys.stderr)
@@ -97,7 +97,8 @@ def add_study_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", help="YAML config with a study section "
                                   "(examples/study_quickstart.yaml)")
     p.add_argument("overrides", nargs="*", help="dotted overrides for every run and the study "
-                                                "section: trainer.lr=1e-4 study.sweep_seeds=2")
+                                                "section, before the options: trainer.lr=1e-4 "
+                                                "study.sweep_seeds=2")
     p.add_argument("--losses", default=None,
                    help="comma-separated study.losses names to compare (default: all)")
     p.add_argument("--seeds", default=None, help="comma-separated seeds (default: study.seeds)")

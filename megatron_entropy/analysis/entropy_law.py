@@ -62,8 +62,13 @@ def fit_entropy_law(entropy: Sequence[float], reward: Sequence[float]) -> Entrop
     return EntropyLawFit(a=float(a), b=float(b), r2=r2, n=len(h))
 
 
-def law_warning(fit: EntropyLawFit) -> str:
-    """A warning when the law does not describe the points (R^2 < R2_WARNING), else ''."""
+def law_warning(fit: EntropyLawFit, reward: Sequence[float]) -> str:
+    """A warning when the law does not describe the points it was fitted to, else ''."""
+    r = np.asarray(reward, dtype=np.float64)
+    r = r[np.isfinite(r)]
+    if r.size and np.ptp(r) == 0:
+        return ("the performance is the same at every step: the law is undetermined (its R^2 of "
+                "1 says nothing)")
     if fit.r2 >= R2_WARNING:
         return ""
     return (f"R^2 = {fit.r2:.3f} < {R2_WARNING}: the entropy law does not describe this run; "

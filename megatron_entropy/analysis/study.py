@@ -39,8 +39,9 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from megatron_entropy.config import Config, ConfigError, StudyConfig, load_config
+from megatron_entropy.trainer.checkpoint import CheckpointManager
+from megatron_entropy.trainer.loop import PREEMPTED_EXIT_CODE
 
-PREEMPTED_EXIT_CODE = 75  # as the trainer's: interrupted, run the same command again
 RUN_STATE_FILE = "study_run.json"
 RUN_LOG_FILE = "train.log"
 
@@ -211,6 +212,12 @@ def run_wall_seconds(state: Optional[dict]) -> float:
     return sum(a.get("wall_s") or 0.0 for a in (state or {}).get("attempts", []))
 
 
+def checkpoint_step(run_dir: Path) -> int:
+    """The step of the checkpoint the trainer would resume from (0: none)."""
+    latest = CheckpointManager(run_dir).latest()
+    return int(json.loads((latest / "trainer_state.json").read_text())["step"]) if latest else 0
+
+
 def last_step(run_dir: Path) -> int:
     from megatron_entropy.analysis.plots import read_metrics
 
@@ -326,9 +333,10 @@ def execute(plan: StudyPlan, echo: Callable[[str], None] = print) -> int:
             state = state or {"name": run.name, "fingerprint": run.fingerprint,
                               "settings": settings_of(run.config), "overrides": run.overrides,
                               "attempts": [], "finished": False}
-            done = last_step(run.run_dir)
+            done = checkpoint_step(run.run_dir)
             if done:
-                echo(f"{head}: resuming after step {done} (log: {run.run_dir / RUN_LOG_FILE})")
+                echo(f"{head}: resuming from the checkpoint of step {done} "
+                     f"(log: {run.run_dir / RUN_LOG_FILE})")
             else:
                 echo(f"{head}: training (log: {run.run_dir / RUN_LOG_FILE})")
             state["attempts"].append({"started": time.strftime("%Y-%m-%dT%H:%M:%S"),

@@ -114,6 +114,10 @@ def plot_study(plan: StudyPlan, results: Sequence[RunResult], summary: dict, out
                                                                   3.8), squeeze=False)
     for ax, (a, runs) in zip(axes[0], with_early.items()):
         for j, e in enumerate(runs):
+            if e["predicted"] is None:
+                ax.plot(e["steps"], e["actual"], "o", color=colors(j), markersize=3,
+                        label=f"seed {e['seed']}: not fitted ({e['undetermined']})")
+                continue
             ax.plot(e["steps"], e["actual"], "o", color=colors(j), markersize=3)
             ax.plot(e["steps"], e["predicted"], "--", color=colors(j),
                     label=f"seed {e['seed']}: final error {e['final_error']:+.3f}")

@@ -80,6 +80,17 @@ def performance_key(results: Sequence[RunResult]) -> str:
     return VAL if has_val else TRAIN_ACC
 
 
+def _law_undetermined(h: Sequence[float], r: Sequence[float], min_points: int = 3) -> str:
+    """Why the law cannot be fitted to these points, or '' when it can."""
+    if len(h) < min_points:
+        return f"{len(h)} point(s)"
+    if np.ptp(np.exp(h)) == 0:
+        return "entropy did not vary"
+    if np.ptp(r) == 0:
+        return "performance did not vary"
+    return ""
+
+
 def run_numbers(result: RunResult, window: int, early_fraction: float, perf: str) -> dict:
     rec = result.records
     out: dict[str, Any] = {"name": result.run.name, "seed": result.run.seed,
@@ -93,11 +104,13 @@ def run_numbers(result: RunResult, window: int, early_fraction: float, perf: str
     cut = early_fraction * result.steps
     k = sum(s <= cut for s in steps)
     out["early"] = None
-    if 2 <= k < len(h) and np.ptp(np.exp(h[:k])) > 0:
-        e = fit_and_predict(h, r, k)
-        out["early"] = {"seed": result.run.seed, "k": k, "cut_step": cut,
-                        "final_error": e.final_error, "mae": e.mae,
-                        "steps": steps, "actual": r, "predicted": e.fit.predict(h).tolist()}
+    if k and len(h) > k:  # points on both sides of the cut
+        why = _law_undetermined(h[:k], r[:k], min_points=2)
+        e = None if why else fit_and_predict(h, r, k)
+        out["early"] = {"seed": result.run.seed, "k": k, "cut_step": cut, "undetermined": why,
+                        "final_error": e.final_error if e else None, "mae": e.mae if e else None,
+                        "steps": steps, "actual": r,
+                        "predicted": e.fit.predict(h).tolist() if e else None}
     return out
 
 
@@ -108,17 +121,6 @@ def spread(values: Sequence[Optional[float]]) -> Optional[dict]:
     arr = np.asarray(vals)
     return {"mean": float(arr.mean()), "std": float(arr.std(ddof=1)) if len(arr) > 1 else 0.0,
             "min": float(arr.min()), "max": float(arr.max()), "n": len(vals)}
-
-
-def _law_undetermined(h: Sequence[float], r: Sequence[float]) -> str:
-    """Why the law cannot be fitted to these points, or '' when it can."""
-    if len(h) < 3:
-        return f"{len(h)} points"
-    if np.ptp(np.exp(h)) == 0:
-        return "entropy did not vary"
-    if np.ptp(r) == 0:
-        return "performance did not vary"
-    return ""
 
 
 def pooled_law(results: Sequence[RunResult], perf: str, resamples: int, seed: int
@@ -186,7 +188,8 @@ def summarize(plan: StudyPlan, results: Sequence[RunResult]) -> dict:
         if not members:
             continue
         nums = [per_run[r.run.name] for r in members]
-        early = [n["early"]["final_error"] for n in nums if n["early"] is not None]
+        early = [n["early"]["final_error"] for n in nums
+                 if n["early"] is not None and n["early"]["final_error"] is not None]
         arms[arm] = {
             "loss": members[0].run.config.algorithm.loss,
             "runs": [r.run.name for r in members], "seeds": [r.run.seed for r in members],
@@ -270,10 +273,12 @@ def targets(summary: dict, plan: StudyPlan) -> list[dict]:
             f"R^2 = {fit['r2']:.3f} (all seeds' points; per seed: {per_seed})",
             None if fit is None else fit["r2"] >= 0.9)
         early = base["early_abs_final_error"]
+        whys = sorted({(summary["runs"][n]["early"] or {}).get("undetermined")
+                       or "no points after the first steps" for n in base["runs"]})
         add(f"{base_name}: the law fitted on the first {st.early_fraction:.0%} of the steps "
             "predicts the final validation accuracy within 3 points",
-            "n/a" if early is None else f"|error| {early['mean']:.3f} (mean over "
-                                        f"{early['n']} seed(s))",
+            f"not fitted: {'; '.join(whys)}" if early is None else
+            f"|error| {early['mean']:.3f} (mean over {early['n']} seed(s))",
             None if early is None else early["mean"] <= 0.03)
         corr = base["delta_vs_cov"]["corr_delta_minus_cov"]
         add(f"{base_name}: correlation of per-step entropy/delta with -cov/step >= 0.7",
