@@ -34,7 +34,12 @@ def step_normalizer(masks: Sequence[Tensor], mode: str,
                     group: Optional[dist.ProcessGroup] = None) -> float:
     """The aggregation denominator of one optimizer step: this rank's micro-batch masks summed,
     then summed over the data-parallel ``group``. Call it once per step on every DP rank."""
-    total = torch.tensor([float(sum(local_count(m, mode) for m in masks))], dtype=torch.float64)
+    return sum_over_group(float(sum(local_count(m, mode) for m in masks)), group)
+
+
+def sum_over_group(value: float, group: Optional[dist.ProcessGroup] = None) -> float:
+    """``value`` summed over the ``group`` (float64, one all-reduce; itself without a group)."""
+    total = torch.tensor([value], dtype=torch.float64)
     if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
         if dist.get_backend(group) == "nccl":
             total = total.cuda()

@@ -23,6 +23,12 @@ Scopes (``selection``):
   ``fresh`` passes a forward-only pass of the current weights before each optimizer step (exact
   for every update: all micro-batches of one step see the same weights; costs one extra forward).
 
+Per-token adjustments (``adjust=TokenAdjustments(...)``), computed by ``algorithms.token_rules``
+and ``algorithms.rollout_correction``: a detached weight on each token's policy-gradient term
+(truncated IS), a mask and normalizer of its own for the policy-gradient term (the 80/20 rule),
+per-token clip ranges (ppo_clip only: entropy-dependent clipping) and a per-token coefficient of
+the KL-to-reference term. Shaped advantages need no hook: pass them as ``advantages``.
+
 Metrics are reducible: name -> float64 tensor [sum, count] (a mean), or, for names ending in
 ``_max``, [max]. ``reduce_metrics`` sums/maxes them over micro-batches and DP ranks.
 """
@@ -37,6 +43,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megatron_entropy.algorithms.aggregation import AGG_MODES, aggregate
+from megatron_entropy.algorithms.metrics import max_metric as _max
+from megatron_entropy.algorithms.metrics import mean_metric as _mean
 from megatron_entropy.algorithms.regularizers import KL_TYPES, kl_penalty
 from megatron_entropy.ops import covariance as cov_ops
 
@@ -92,18 +100,40 @@ class TokenSelection:
     cov: Tensor       # [B, S] Cov_i over the step's population (0 where masked)
 
 
+@dataclass
+class TokenAdjustments:
+    """Per-token changes to one micro-batch's loss; None leaves that part as it is. [B, S].
+
+    weight: detached factor on each token's policy-gradient term, after clipping and Cov.
+    pg_mask, pg_normalizer: the policy-gradient term counts only where ``pg_mask`` is set and is
+        divided by ``pg_normalizer`` (the step's count over the pg masks; None: the loss's
+        ``normalizer``); the regularisers keep ``mask`` and ``normalizer``.
+    clip_low, clip_high: per-token eps_low / eps_high in place of the settings' (ppo_clip only).
+    kl_coef: per-token coefficient of the KL-to-reference term in place of ``settings.kl_coef``.
+    """
+
+    weight: Optional[Tensor] = None
+    pg_mask: Optional[Tensor] = None
+    pg_normalizer: Optional[float] = None
+    clip_low: Optional[Tensor] = None
+    clip_high: Optional[Tensor] = None
+    kl_coef: Optional[Tensor] = None
+
+    def merged(self, other: "TokenAdjustments") -> "TokenAdjustments":
+        """Both adjustments at once: weights multiply; any other part may come from one only."""
+        out = {}
+        for f in fields(self):
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            if mine is not None and theirs is not None:
+                if f.name != "weight":
+                    raise ValueError(f"two token adjustments both set {f.name}")
+                out[f.name] = mine * theirs
+            else:
+                out[f.name] = theirs if mine is None else mine
+        return TokenAdjustments(**out)
+
+
 # ------------------------------------------------------------------------------ metrics
-
-
-def _mean(values: Tensor, where: Tensor) -> Tensor:
-    where = where.bool()
-    return torch.stack([torch.where(where, values.detach().double(), 0).sum(),
-                        where.sum().double()])
-
-
-def _max(values: Tensor, where: Tensor) -> Tensor:
-    masked = torch.where(where.bool(), values.detach().double(), -float("inf"))
-    return masked.max().reshape(1) if masked.numel() else masked.new_full((1,), -float("inf"))
 
 
 def reduce_metrics(metrics: Sequence[dict[str, Tensor]],
@@ -154,13 +184,17 @@ class _Batch:
     advantages: Tensor
     valid: Tensor  # bool
     num_valid: int
+    clip_low: Optional[Tensor] = None   # per-token eps (TokenAdjustments), else the settings'
+    clip_high: Optional[Tensor] = None
 
 
 def _ppo_surrogates(s: PolicyLossSettings, b: _Batch, log_ratio: Tensor
                     ) -> tuple[Tensor, Tensor, Tensor]:
     ratio = torch.exp(log_ratio)
     l1 = -b.advantages * ratio
-    l2 = -b.advantages * torch.clamp(ratio, 1 - s.clip_ratio_low, 1 + s.clip_ratio_high)
+    low = s.clip_ratio_low if b.clip_low is None else b.clip_low.to(ratio.dtype)
+    high = s.clip_ratio_high if b.clip_high is None else b.clip_high.to(ratio.dtype)
+    l2 = -b.advantages * torch.clamp(ratio, 1 - low, 1 + high)
     return l1, l2, ratio
 
 
@@ -235,7 +269,8 @@ POLICY_LOSSES: dict[str, Callable[..., Tensor]] = {
 
 
 def _check_inputs(settings: PolicyLossSettings, named: dict[str, Optional[Tensor]],
-                  normalizer: float | Tensor, selection: Optional[TokenSelection]) -> None:
+                  normalizer: float | Tensor, selection: Optional[TokenSelection],
+                  adjust: TokenAdjustments) -> None:
     shape = named["logp"].shape
     if len(shape) != 2:
         raise ValueError(f"logp must be [B, S] (rows = sequences); got shape {tuple(shape)}")
@@ -254,6 +289,13 @@ def _check_inputs(settings: PolicyLossSettings, named: dict[str, Optional[Tensor
     if not float(normalizer) > 0:
         raise ValueError(f"normalizer must be > 0 (valid tokens or sequences of the whole "
                          f"optimizer step); got {float(normalizer)}: the step has nothing to train")
+    if (adjust.clip_low is not None or adjust.clip_high is not None) and \
+            settings.loss != "ppo_clip":
+        raise ValueError(f"per-token clip ranges apply to ppo_clip only, not {settings.loss}")
+    if adjust.kl_coef is not None and named["ref_logp"] is None:
+        raise ValueError("a per-token kl_coef needs the reference log-probs (ref_logp)")
+    if adjust.pg_normalizer is not None and not adjust.pg_normalizer > 0:
+        raise ValueError(f"pg_normalizer must be > 0; got {adjust.pg_normalizer}")
 
 
 def _check_values(named: dict[str, Optional[Tensor]], mask: Tensor) -> None:
@@ -274,7 +316,8 @@ def policy_loss(settings: PolicyLossSettings, logp: Tensor, old_logp: Tensor, ad
                 mask: Tensor, *, normalizer: float | Tensor, entropy: Optional[Tensor] = None,
                 ref_logp: Optional[Tensor] = None, selection: Optional[TokenSelection] = None,
                 generator: Optional[torch.Generator] = None,
-                dp_group: Optional[dist.ProcessGroup] = None) -> tuple[Tensor, dict[str, Tensor]]:
+                dp_group: Optional[dist.ProcessGroup] = None,
+                adjust: Optional[TokenAdjustments] = None) -> tuple[Tensor, dict[str, Tensor]]:
     """This micro-batch's loss (already divided by the step's ``normalizer``) and its metrics.
 
     logp (with grad), old_logp, advantages (broadcast over each row's tokens), mask (float 0/1),
@@ -283,29 +326,39 @@ def policy_loss(settings: PolicyLossSettings, logp: Tensor, old_logp: Tensor, ad
     global RNG, as the paper's code); every TP rank must pass an identically seeded one.
     ``dp_group`` is unused by the loss itself (all cross-rank work is in the normalizer and in
     ``select_tokens_global``); it is accepted so callers can pass their layout uniformly.
+    ``adjust`` carries the token rules' and the rollout correction's per-token changes.
 
     An all-masked micro-batch gives a loss of exactly 0 that is still connected to ``logp`` (and
     ``entropy``), so backward runs and every rank joins the gradient collectives.
     """
+    adjust = adjust or TokenAdjustments()
     named = {"logp": logp, "old_logp": old_logp, "advantages": advantages, "mask": mask,
              "entropy": entropy, "ref_logp": ref_logp}
-    _check_inputs(settings, named, normalizer, selection)
-    _check_values({k: v for k, v in named.items() if k != "mask"}, mask)
+    adjusted = {f"adjust.{f.name}": getattr(adjust, f.name) for f in fields(adjust)
+                if f.name != "pg_normalizer"}
+    _check_inputs(settings, {**named, **adjusted}, normalizer, selection, adjust)
+    _check_values({k: v for k, v in {**named, **adjusted}.items()
+                   if k not in ("mask", "adjust.pg_mask")}, mask)
 
     valid = mask.bool()
     # Whatever sits at masked positions (padding, NaN) must not reach values or gradients.
     logp, old_logp, advantages = (torch.where(valid, t, 0) for t in (logp, old_logp, advantages))
     entropy = None if entropy is None else torch.where(valid, entropy, 0)
     ref_logp = None if ref_logp is None else torch.where(valid, ref_logp, 0)
-    batch = _Batch(logp, old_logp.detach(), advantages.detach(), valid, int(valid.sum()))
+    batch = _Batch(logp, old_logp.detach(), advantages.detach(), valid, int(valid.sum()),
+                   adjust.clip_low, adjust.clip_high)
     metrics: dict[str, Tensor] = {}
     if selection is None:
         selection = select_tokens_micro_batch(settings, logp, old_logp, advantages, mask,
                                               generator)
     pg = POLICY_LOSSES[settings.loss](settings, batch, selection, metrics)
+    if adjust.weight is not None:
+        pg = pg * adjust.weight.detach().to(pg.dtype)
+    pg_valid = valid if adjust.pg_mask is None else valid & adjust.pg_mask.bool()
     mode = settings.loss_agg_mode
-    loss = aggregate(pg, mask, mode, normalizer)
-    metrics["pg_loss"] = _mean(pg, valid)
+    loss = aggregate(pg, pg_valid, mode,
+                     normalizer if adjust.pg_normalizer is None else adjust.pg_normalizer)
+    metrics["pg_loss"] = _mean(pg, pg_valid)
     metrics["ppo_kl"] = _mean(batch.old_logp - logp, valid)
     metrics["ppo_kl_abs"] = _mean((logp - batch.old_logp).abs(), valid)
     if entropy is not None:
@@ -319,7 +372,10 @@ def policy_loss(settings: PolicyLossSettings, logp: Tensor, old_logp: Tensor, ad
     if ref_logp is not None:
         kl = kl_penalty(logp, ref_logp.detach(), settings.kl_type)
         metrics["kl_ref"] = _mean(kl, valid)
-        if settings.kl_coef > 0:
+        if adjust.kl_coef is not None:
+            coef = torch.where(valid, adjust.kl_coef.detach(), 0).to(kl.dtype)
+            loss = loss + aggregate(coef * kl, mask, mode, normalizer)
+        elif settings.kl_coef > 0:
             loss = loss + settings.kl_coef * aggregate(kl, mask, mode, normalizer)
     return loss, metrics
 

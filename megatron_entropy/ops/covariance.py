@@ -16,6 +16,9 @@ Tie rule for top-k (both scopes): among equal scores the token that comes first 
 Every rank computes from all-gathered (not all-reduced) partial results, summed in rank order, so
 all ranks holding the same tokens (e.g. the TP ranks of one DP replica) get bit-identical
 selections.
+
+The top-k and k-th-value machinery (``top_k_mask``, ``global_kth_largest``, ``global_top_k``) is
+not specific to Cov: ``ops/quantile.py`` builds the entropy rules' quantiles on it.
 """
 
 from __future__ import annotations
@@ -78,6 +81,11 @@ def random_subset(candidates: Tensor, n: int,
     return out.view_as(candidates)
 
 
+def kth_largest(values: Tensor, k: int) -> Tensor:
+    """The k-th largest entry of a non-empty 1-D tensor (1 <= k <= numel)."""
+    return torch.topk(values, k, sorted=False).values.min()
+
+
 def _stable_top_k_flat(scores: Tensor, k: int, offset_of_ties: int = 0,
                        kth: Optional[Tensor] = None, take_ties: Optional[int] = None) -> Tensor:
     """Mask of the k largest entries of a 1-D tensor, ties to the lowest index.
@@ -90,7 +98,7 @@ def _stable_top_k_flat(scores: Tensor, k: int, offset_of_ties: int = 0,
     if k <= 0 or scores.numel() == 0:
         return sel
     if kth is None:
-        kth = torch.topk(scores, k, sorted=False).values.min()
+        kth = kth_largest(scores, k)
     above = scores > kth
     ties = scores == kth
     if take_ties is None:
@@ -111,7 +119,7 @@ def top_k_mask(scores: Tensor, mask: Tensor, k: int) -> Tensor:
 # ------------------------------------------------------------------------- the global scope
 
 
-def _all_gather(t: Tensor, group: Optional[dist.ProcessGroup]) -> Tensor:
+def gather_in_rank_order(t: Tensor, group: Optional[dist.ProcessGroup]) -> Tensor:
     """[world, *t.shape]; a single process (or no group) is world 1."""
     if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
         return t.unsqueeze(0)
@@ -120,17 +128,17 @@ def _all_gather(t: Tensor, group: Optional[dist.ProcessGroup]) -> Tensor:
     return torch.stack(parts)
 
 
-def _rank(group: Optional[dist.ProcessGroup]) -> int:
+def group_rank(group: Optional[dist.ProcessGroup]) -> int:
     return dist.get_rank(group) if group is not None and dist.is_initialized() else 0
 
 
-def _flat_valid(values: Sequence[Tensor], masks: Sequence[Tensor]) -> Tensor:
+def flat_valid(values: Sequence[Tensor], masks: Sequence[Tensor]) -> Tensor:
     parts = [v.detach().reshape(-1)[m.bool().reshape(-1)] for v, m in zip(values, masks)]
     return torch.cat(parts) if parts else torch.zeros(0)
 
 
-def _scatter_flat(flags: Tensor, masks: Sequence[Tensor]) -> list[Tensor]:
-    """Inverse of ``_flat_valid``: a flag per valid token back to one [B_i, S_i] mask each."""
+def scatter_flat(flags: Tensor, masks: Sequence[Tensor]) -> list[Tensor]:
+    """Inverse of ``flat_valid``: a flag per valid token back to one [B_i, S_i] mask each."""
     out, start = [], 0
     for m in masks:
         valid = m.bool()
@@ -156,12 +164,39 @@ def global_population_means(logps: Sequence[Tensor], advantages: Sequence[Tensor
         local[0] += torch.where(valid, lp.detach(), 0).double().sum()
         local[1] += torch.where(valid, adv.detach(), 0).double().sum()
         local[2] += valid.sum()
-    total = _all_gather(local, group).sum(dim=0)
+    total = gather_in_rank_order(local, group).sum(dim=0)
     count = int(total[2])
     if count == 0:
         raise ValueError("the optimizer step has no valid (mask = 1) token on any data-parallel "
                          "rank: nothing to select from")
     return total[0] / count, total[1] / count, count
+
+
+def global_valid_count(masks: Sequence[Tensor], group: Optional[dist.ProcessGroup]) -> int:
+    """Valid tokens of every rank's micro-batches (one all-gather)."""
+    device = masks[0].device if masks else torch.device("cpu")
+    local = torch.tensor([sum(int(m.bool().sum()) for m in masks)], dtype=torch.long,
+                         device=device)
+    return int(gather_in_rank_order(local, group).sum())
+
+
+def global_kth_largest(flat: Tensor, k: int, group: Optional[dist.ProcessGroup]) -> Tensor:
+    """The k-th largest of every rank's 1-D ``flat`` values, as a float64 scalar (exact: the
+    global top k are among the ranks' own top k; one all-gather of k values per rank, padded
+    with -inf). Every rank must pass the same k >= 1; k above the total gives -inf."""
+    top = torch.full((k,), -float("inf"), dtype=torch.float64, device=flat.device)
+    n_local = min(k, flat.numel())
+    if n_local:
+        top[:n_local] = torch.topk(flat.double(), n_local, sorted=False).values
+    return kth_largest(gather_in_rank_order(top, group).reshape(-1), k)
+
+
+def global_counts_at(flat: Tensor, value: Tensor, group: Optional[dist.ProcessGroup]) -> Tensor:
+    """[world, 2] long: each rank's count of ``flat`` values above ``value`` and equal to it, in
+    rank order (one all-gather)."""
+    flat64 = flat.double()
+    counts = torch.stack([(flat64 > value).sum(), (flat64 == value).sum()])
+    return gather_in_rank_order(counts, group)
 
 
 def global_top_k(scores: Sequence[Tensor], masks: Sequence[Tensor], k: int,
@@ -173,23 +208,17 @@ def global_top_k(scores: Sequence[Tensor], masks: Sequence[Tensor], k: int,
     order.
     """
     device = masks[0].device if masks else torch.device("cpu")
-    flat = _flat_valid(scores, masks).to(device)
+    flat = flat_valid(scores, masks).to(device)
     if k <= 0:
-        return _scatter_flat(torch.zeros(flat.shape, dtype=torch.bool, device=device), masks)
-    top = torch.full((k,), -float("inf"), dtype=torch.float64, device=device)
-    n_local = min(k, flat.numel())
-    if n_local:
-        top[:n_local] = torch.topk(flat.double(), n_local, sorted=False).values
-    kth = torch.topk(_all_gather(top, group).reshape(-1), k, sorted=False).values.min()
-    flat64 = flat.double()
-    counts = torch.stack([(flat64 > kth).sum(), (flat64 == kth).sum()])
-    all_counts = _all_gather(counts, group)
-    rank = _rank(group)
+        return scatter_flat(torch.zeros(flat.shape, dtype=torch.bool, device=device), masks)
+    kth = global_kth_largest(flat, k, group)
+    all_counts = global_counts_at(flat, kth, group)
+    rank = group_rank(group)
     take_ties = k - int(all_counts[:, 0].sum())
     ties_before = int(all_counts[:rank, 1].sum())
-    flags = _stable_top_k_flat(flat64, k, offset_of_ties=ties_before, kth=kth,
+    flags = _stable_top_k_flat(flat.double(), k, offset_of_ties=ties_before, kth=kth,
                                take_ties=take_ties)
-    return _scatter_flat(flags, masks)
+    return scatter_flat(flags, masks)
 
 
 def global_random_subset(candidates: Sequence[Tensor], ratio: float, num_valid: int,
@@ -201,9 +230,9 @@ def global_random_subset(candidates: Sequence[Tensor], ratio: float, num_valid: 
     device = candidates[0].device if candidates else torch.device("cpu")
     local_count = torch.tensor([sum(int(c.sum()) for c in candidates)], dtype=torch.long,
                                device=device)
-    counts = _all_gather(local_count, group).reshape(-1)
+    counts = gather_in_rank_order(local_count, group).reshape(-1)
     total = int(counts.sum())
-    rank = _rank(group)
+    rank = group_rank(group)
     offset = int(counts[:rank].sum())
     n = clip_cov_count(ratio, num_valid, total)
     flags = torch.zeros(int(local_count), dtype=torch.bool, device=device)
@@ -213,4 +242,4 @@ def global_random_subset(candidates: Sequence[Tensor], ratio: float, num_valid: 
         chosen = perm[:n]
         mine = chosen[(chosen >= offset) & (chosen < offset + int(local_count))] - offset
         flags[mine.to(device)] = True
-    return _scatter_flat(flags, candidates)
+    return scatter_flat(flags, candidates)

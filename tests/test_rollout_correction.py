@@ -1,0 +1,230 @@
+"""Rollout mismatch correction (algorithms/rollout_correction.py) against a one-process reference
+of its formulas written here, with each of ppo_clip, clip_cov and kl_cov; the step's split
+(micro-batches, DP=2) does not change the gradient; bad settings name the setting."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from harness import run_distributed
+from test_algorithms_policy_loss import (_agg_data, _policy_logp, make_batch, ref_aggregate,
+                                         ref_kl, ref_select, ref_token_losses, valid_list)
+
+from megatron_entropy.algorithms.aggregation import step_normalizer
+from megatron_entropy.algorithms.errors import SettingError
+from megatron_entropy.algorithms.policy_loss import (PolicyLossSettings, policy_loss,
+                                                     reduce_metrics, select_tokens_global)
+from megatron_entropy.algorithms.rollout_correction import (RolloutCorrectionSettings,
+                                                            correct_rollout)
+
+SOURCES = ["math", "gsm", "math", "gsm", "math", "code"]
+
+
+def _batch(seed: int):
+    """A micro-batch whose engine log-probs drift from the recompute per token and per row."""
+    d = make_batch(6, 20, seed=seed)
+    g = torch.Generator().manual_seed(seed + 100)
+    row_shift = torch.tensor([0.0, 0.0, 0.05, -1.0, 1.2, 0.1], dtype=torch.float64)[:, None]
+    d["engine"] = d["old"] - row_shift + 0.5 * torch.randn(6, 20, generator=g,
+                                                           dtype=torch.float64)
+    return d
+
+
+def _level_log_ratio(lr, rows, level):
+    if level == "token":
+        return lr
+    means = {int(r): lr[rows == r].mean() for r in rows.unique()}
+    return torch.stack([means[int(r)] for r in rows])
+
+
+def ref_correction(st: RolloutCorrectionSettings, old, engine, rows):
+    """(weight per valid token or None, kept flags) over 1-D lists of valid tokens."""
+    rho = torch.exp(_level_log_ratio((old - engine).clamp(-20, 20), rows, st.level))
+    if st.mode == "tis":
+        return torch.clamp(rho, max=st.tis_cap), torch.ones_like(rho, dtype=torch.bool)
+    if st.mode == "mis":
+        return None, (rho >= st.mis_low) & (rho <= st.mis_high)
+    return None, torch.ones_like(rho, dtype=torch.bool)
+
+
+CASES = [(loss, mode, level) for loss in ("ppo_clip", "clip_cov", "kl_cov")
+         for mode, level in (("tis", "token"), ("tis", "geometric"), ("mis", "token"),
+                             ("mis", "geometric"))]
+
+
+@pytest.mark.parametrize("loss,mode,level", CASES)
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_correction_equals_reference_with_every_loss(loss, mode, level, agg):
+    s = PolicyLossSettings(loss=loss, clip_cov_ratio=0.05, clip_cov_lb=0.2, kl_cov_ratio=0.1,
+                           entropy_coef=0.01, kl_coef=0.05, kl_type="k3", loss_agg_mode=agg)
+    st = RolloutCorrectionSettings(mode=mode, level=level, tis_cap=1.5, mis_low=0.6,
+                                   mis_high=1.8)
+    d = _batch(seed=3)
+    corr = correct_rollout(st, d["old"], d["engine"], d["mask"], SOURCES)
+    mask = corr.mask
+    normalizer = step_normalizer([mask], agg)
+    logp = d["logp"].clone().requires_grad_()
+    loss_val, metrics = policy_loss(s, logp, d["old"], d["adv"], mask, normalizer=normalizer,
+                                    entropy=d["entropy"], ref_logp=d["ref"], adjust=corr.adjust,
+                                    generator=torch.Generator().manual_seed(7))
+    loss_val.backward()
+
+    m0 = d["mask"]
+    rows0 = m0.nonzero()[:, 0]
+    weight, kept = ref_correction(st, valid_list(d["old"], m0), valid_list(d["engine"], m0),
+                                  rows0)
+    lp_all = valid_list(d["logp"], m0).clone().requires_grad_()
+    lp = lp_all[kept]  # mis: the kept tokens are the whole population, Cov's included
+    old, adv, ref, en = (valid_list(d[k], m0)[kept] for k in ("old", "adv", "ref", "entropy"))
+    rows = rows0[kept]
+    norm = float(len(rows)) if agg == "token-mean" else float(len(rows.unique()))
+    chosen, _ = ref_select(s, lp, old, adv, seed=7)
+    per = ref_token_losses(s, lp, old, adv, chosen)
+    if weight is not None:
+        per = per * weight[kept]
+    expected = ref_aggregate(per, rows, agg, norm) \
+        - s.entropy_coef * ref_aggregate(en, rows, agg, norm) \
+        + s.kl_coef * ref_aggregate(ref_kl(lp, ref, s.kl_type), rows, agg, norm)
+    expected.backward()
+
+    assert normalizer == norm
+    if mode == "mis":
+        assert 0 < int((~kept).sum()) < len(kept)
+        assert torch.equal(valid_list(mask, m0).bool(), kept)
+        if level == "geometric":  # whole sequences go
+            assert all(kept[rows0 == r].all() or not kept[rows0 == r].any()
+                       for r in rows0.unique())
+    else:
+        assert torch.equal(mask, m0) and ((weight < 1) & (weight > 0)).any()
+        assert (weight == 1.5).any()  # the cap binds
+    if s.loss != "ppo_clip":
+        assert chosen.any()
+    torch.testing.assert_close(loss_val, expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(valid_list(logp.grad, m0), lp_all.grad, rtol=1e-12, atol=1e-14)
+    assert torch.equal(logp.grad[mask == 0], torch.zeros_like(logp.grad[mask == 0]))
+    if weight is not None:
+        assert reduce_metrics([metrics])["pg_loss"] == pytest.approx(float(per.detach().mean()),
+                                                                     rel=1e-12)
+
+
+@pytest.mark.parametrize("mode,level", [("none", "token"), ("tis", "token"), ("tis", "geometric"),
+                                        ("mis", "token"), ("mis", "geometric")])
+def test_metrics_equal_their_definitions(mode, level):
+    st = RolloutCorrectionSettings(mode=mode, level=level, tis_cap=1.5, mis_low=0.6,
+                                   mis_high=1.8)
+    d = _batch(seed=5)
+    m0 = d["mask"]
+    got = reduce_metrics([correct_rollout(st, d["old"], d["engine"], m0, SOURCES).metrics])
+    rows = m0.nonzero()[:, 0]
+    old, engine = valid_list(d["old"], m0), valid_list(d["engine"], m0)
+    lr = old - engine
+    rho = torch.exp(_level_log_ratio(lr, rows, level))
+    want = {"rollout_corr/ratio_mean": rho.mean(), "rollout_corr/ratio_max": rho.max(),
+            "rollout_corr/kl_k1": (engine - old).mean(),
+            "rollout_corr/kl_k3": (torch.exp(lr) - 1 - lr).mean()}
+    for src in set(SOURCES):
+        on = torch.tensor([SOURCES[int(r)] == src for r in rows])
+        want[f"rollout_corr/{src}/kl_k1"] = (engine - old)[on].mean()
+        want[f"rollout_corr/{src}/kl_k3"] = (torch.exp(lr) - 1 - lr)[on].mean()
+    if mode == "tis":
+        w = torch.clamp(rho, max=1.5)
+        want.update({"rollout_corr/weight_mean": w.mean(), "rollout_corr/weight_max": w.max(),
+                     "rollout_corr/clipped_frac": (rho > 1.5).double().mean()})
+    if mode == "mis":
+        out = (rho < 0.6) | (rho > 1.8)
+        want.update({"rollout_corr/masked_frac": out.double().mean(),
+                     "rollout_corr/seq_masked_frac": torch.stack(
+                         [out[rows == r].any() for r in rows.unique()]).double().mean()})
+    assert set(got) == set(want)
+    for k, v in want.items():
+        assert got[k] == pytest.approx(float(v), rel=1e-12, abs=1e-15), k
+    assert got["rollout_corr/kl_k3"] > 0
+
+
+def test_none_changes_nothing():
+    d = _batch(seed=2)
+    corr = correct_rollout(RolloutCorrectionSettings(), d["old"], d["engine"], d["mask"])
+    assert corr.mask is d["mask"] and corr.adjust.weight is None
+
+
+def test_extreme_drift_stays_finite():
+    d = _batch(seed=2)
+    engine = d["engine"].clone()
+    engine[0, 0] = d["old"][0, 0] - 500.0  # a ratio of e^500 (clamped to e^20)
+    corr = correct_rollout(RolloutCorrectionSettings(mode="tis"), d["old"], engine, d["mask"])
+    assert float(corr.adjust.weight[0, 0]) == 2.0
+    got = reduce_metrics([corr.metrics])
+    assert got["rollout_corr/ratio_max"] == pytest.approx(math.exp(20))
+    assert all(math.isfinite(v) for v in got.values())
+
+
+# ------------------------------------------------------------------------ split invariance
+
+
+def _split_grad(mode: str, level: str, splits: list[list[int]], dp_group=None):
+    x, targets, theta0, old, adv, mask = _agg_data()
+    g = torch.Generator().manual_seed(13)
+    engine = old - 0.6 * torch.randn(old.shape, generator=g, dtype=torch.float64)
+    st = RolloutCorrectionSettings(mode=mode, level=level, tis_cap=1.5, mis_low=0.7,
+                                   mis_high=1.4)
+    s = PolicyLossSettings(loss="kl_cov", kl_cov_ratio=0.1)
+    corrs = [correct_rollout(st, old[r], engine[r], mask[r]) for r in splits]
+    masks = [c.mask for c in corrs]
+    theta = theta0.clone().requires_grad_()
+    with torch.no_grad():
+        lp = _policy_logp(theta0, x, targets)
+    sels = select_tokens_global(s, [lp[r] for r in splits], [old[r] for r in splits],
+                                [adv[r] for r in splits], masks, dp_group=dp_group, seed=0)
+    normalizer = step_normalizer(masks, s.loss_agg_mode, dp_group)
+    for r, c, sel in zip(splits, corrs, sels):
+        loss, _ = policy_loss(s, _policy_logp(theta, x[r], targets[r]), old[r], adv[r], c.mask,
+                              normalizer=normalizer, selection=sel, adjust=c.adjust)
+        loss.backward()
+    return theta.grad
+
+
+def _dp_split_worker(mode: str, level: str):
+    import torch.distributed as dist
+
+    splits = [[[0, 5], [2]], [[7, 1, 3], [4, 6]]][dist.get_rank()]
+    grad = _split_grad(mode, level, splits, dist.group.WORLD)
+    dist.all_reduce(grad)
+    return grad
+
+
+@pytest.mark.parametrize("mode,level", [("tis", "token"), ("mis", "token"), ("mis", "geometric")])
+def test_gradient_does_not_depend_on_the_split(mode, level):
+    whole = _split_grad(mode, level, [list(range(8))])
+    three = _split_grad(mode, level, [[0, 1, 2], [3, 4], [5, 6, 7]])
+    for g in [three] + run_distributed(_dp_split_worker, 2, mode, level):
+        torch.testing.assert_close(g, whole, rtol=1e-12, atol=1e-14)
+    # The correction does something here.
+    assert (whole - _split_grad("none", "token", [list(range(8))])).abs().max() > 1e-6
+
+
+# ------------------------------------------------------------------------ bad input
+
+
+@pytest.mark.parametrize("kwargs,setting", [
+    (dict(mode="is"), "mode"), (dict(level="sequence"), "level"), (dict(tis_cap=0.0), "tis_cap"),
+    (dict(mis_low=1.2), "mis_low"), (dict(mis_high=0.9), "mis_high")])
+def test_bad_settings_name_the_setting(kwargs, setting):
+    with pytest.raises(SettingError, match=f"^{setting}: ") as err:
+        RolloutCorrectionSettings(**kwargs)
+    assert err.value.setting == setting
+
+
+def test_bad_input_raises_one_clear_error():
+    d = _batch(seed=1)
+    st = RolloutCorrectionSettings(mode="tis")
+    with pytest.raises(ValueError, match="must share one"):
+        correct_rollout(st, d["old"], d["engine"][:, :5], d["mask"])
+    engine = d["engine"].clone()
+    engine[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="^engine_logp contain NaN"):
+        correct_rollout(st, d["old"], engine, d["mask"])
+    with pytest.raises(ValueError, match="sources names 2 rows"):
+        correct_rollout(st, d["old"], d["engine"], d["mask"], ["a", "b"])
