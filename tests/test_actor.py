@@ -4,6 +4,8 @@ whole step), in both selection modes; micro_batch scope selects per micro-batch.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -33,7 +35,12 @@ def _samples():
     return out
 
 
-def _update_worker(loss: str, scope: str, selection_logprobs: str):
+def _update_worker(loss: str, scope: str, selection_logprobs: str,
+                   loss_agg_mode: str = "token-mean", empty_response: bool = False,
+                   micro_batch_tokens: int = 24):
+    """One RL step's updates (2 epochs x 2 mini-batches) of the tiny model on ``_samples()`` (plus
+    a sample with an empty response, last); returns the weights after, the metrics, the weights
+    before."""
     from megatron_entropy.algorithms.policy_loss import PolicyLossSettings
     from megatron_entropy.models.sharding import full_state_dict
     from megatron_entropy.trainer.actor import Actor, ActorSettings
@@ -52,15 +59,19 @@ def _update_worker(loss: str, scope: str, selection_logprobs: str):
     actor = Actor(arch, chunks, optimizer, scheduler,
                   PolicyLossSettings(loss=loss, clip_cov_ratio=0.1, clip_cov_lb=0.0,
                                      clip_cov_ub=100.0, kl_cov_ratio=0.1, kl_cov_coef=1.0,
-                                     clip_ratio_low=1.0, clip_ratio_high=1.0),
-                  ActorSettings(logprob_impl="fused", micro_batch_tokens=24,
+                                     clip_ratio_low=1.0, clip_ratio_high=1.0,
+                                     loss_agg_mode=loss_agg_mode),
+                  ActorSettings(logprob_impl="fused", micro_batch_tokens=micro_batch_tokens,
                                 mini_batches_per_step=2, ppo_epochs=2, cov_scope=scope,
                                 global_selection_logprobs=selection_logprobs, seed=5))
-    mine = dp_share(_samples())
+    samples = _samples()
+    if empty_response:
+        samples.append(replace(samples[0], response_ids=[], engine_logprobs=[]))
+    mine = dp_share(samples)
     actor.recompute(mine)
     metrics = actor.update(mine, step=1)
     # The largest |log-prob| the selection saw, the scale of its rounding.
-    metrics["max_abs_logp"] = max(float(s.old_logprobs.abs().max()) for s in mine)
+    metrics["max_abs_logp"] = float(torch.cat([s.old_logprobs for s in mine]).abs().max())
     return full_state_dict(chunks[0]), metrics, initial
 
 
@@ -104,3 +115,22 @@ def test_micro_batch_scope_selects_inside_each_micro_batch():
     assert mm["selected_frac"] > 0 and mg["selected_frac"] > 0
     assert mm["cov_selected_mean"] != pytest.approx(mg["cov_selected_mean"], rel=1e-3)
     assert max((wm[n] - wg[n]).abs().max() for n in wm) > 1e-6
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+def test_a_sequence_without_response_tokens_changes_no_update(mode):
+    """The step's normaliser counts valid tokens (token-mean) or sequences with a valid token
+    (seq-mean-*), as ``aggregation.step_normalizer`` does: a sample with an empty response adds
+    nothing to the loss and nothing to its denominator, so the update is the same without it.
+    (Micro-batches of 48 tokens: the empty response shares one with another sample.)"""
+    ((w, _, w0),) = run_distributed(_update_worker, 1, "ppo_clip", "micro_batch", "recompute",
+                                    mode, False, 48)
+    ((we, _, _),) = run_distributed(_update_worker, 1, "ppo_clip", "micro_batch", "recompute",
+                                    mode, True, 48)
+    samples = _samples()
+    logp_path = transformer_terms(arch_from_hf_config(tiny_hf_config("qwen2")),
+                                  max(s.length for s in samples), log_softmax=True)
+    path = grad_terms(logp_path, sum(len(s.response_ids) for s in samples))
+    for name in w:
+        torch.testing.assert_close(we[name], w[name], rtol=0, msg=name,
+                                   atol=update_tol(w[name], w0[name], UPDATES, path))
