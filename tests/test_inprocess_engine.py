@@ -207,7 +207,10 @@ def test_update_weights(model_dirs, prompts):
     before = engine.generate(prompts, sp)
     expected = source.generate(prompts, sp)
     stats = engine.update_weights(source.model.state_dict().items(), version=3)
-    assert stats["tensors"] == len(source.model.state_dict()) and stats["bytes"] > 0
+    assert stats["weight_sync/tensors"] == len(source.model.state_dict())
+    assert stats["weight_sync/bytes"] == sum(t.numel() * 4 for t in
+                                             source.model.state_dict().values())
+    assert stats["weight_sync/seconds"] > 0
     after = engine.generate(prompts, sp)
     flat = lambda out: [c.token_ids for g in out for c in g]  # noqa: E731
     assert flat(after) == flat(expected) != flat(before)

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from safetensors.torch import load_file
 
 from harness import metrics_rows, run_distributed, train_from_dict
 from serving_model import make_tp2_model
@@ -73,7 +74,8 @@ def _metrics(run_dir: Path, name: str) -> list[dict]:
 EXPECTED_KEYS = {"reward/mean", "acc/mean", "entropy/token_mean", "entropy/seq_mean",
                  "cov/mean", "cov/selected_mean", "loss/selected_frac", "loss/ppo_kl", "grad_norm",
                  "lr", "response/length_mean", "response/truncated_frac", "rollout/logprob_drift",
-                 "perf/tokens_per_s", "time/rollout", "time/update", "time/sync", "sync/seconds"}
+                 "perf/tokens_per_s", "time/rollout", "time/update", "time/sync",
+                 "weight_sync/seconds", "weight_sync/bytes", "weight_sync/tensors"}
 
 
 @pytest.mark.parametrize("tensor,pipeline", [(2, 1), (1, 2)])
@@ -83,8 +85,13 @@ def test_run_writes_finite_metrics_and_engine_matches_actor(model_dir, drift_tol
     run_distributed(train_from_dict, 2, cfg, timeout=300)
     rows = _metrics(tmp_path, "tp2")
     assert [r["step"] for r in rows] == [1, 2, 3]
+    hf_bytes = sum(t.numel() * 4 for t in load_file(model_dir / "model.safetensors").values())
     for r in rows:
         assert EXPECTED_KEYS <= r.keys(), EXPECTED_KEYS - r.keys()
+        # The engine's sync metrics under the names the README documents, once: every HF
+        # tensor (fp32) went to the engine.
+        assert r["weight_sync/bytes"] == hf_bytes
+        assert not [k for k in r if k.startswith("sync/")]
         bad = {k: v for k, v in r.items() if not (isinstance(v, (int, float))
                                                   and math.isfinite(v))}
         assert not bad, bad
@@ -117,7 +124,7 @@ def _cli(config: Path, *overrides: str, log: Path) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, start_new_session=True)
 
 
-STABLE = ("time/", "perf/", "sync/seconds", "rollout/tokens_per_s")
+STABLE = ("time/", "perf/", "weight_sync/seconds", "rollout/tokens_per_s")
 
 
 QUICKSTART = REPO / "examples" / "quickstart.yaml"

@@ -268,10 +268,10 @@ class Trainer:
 
     def sync_weights(self, version: int) -> dict[str, float]:
         """Megatron weights -> the engine. Every model-parallel rank of a replica that feeds an
-        engine takes part in the gather; the replica's leader streams tensors to its engine."""
+        engine takes part in the gather; the replica's leader streams tensors to its engine.
+        Returns the engine's ``weight_sync/*`` metrics (the step's whole sync is ``time/sync``)."""
         from megatron_entropy.models.bridge import export_hf_weights
 
-        start = time.perf_counter()
         stats: dict[str, float] = {}
         feeds_engine = (self.ps.get_data_parallel_rank() == 0) if self.shared_engine else True
         if feeds_engine:
@@ -282,8 +282,7 @@ class Trainer:
                 for _ in tensors:  # take part in the collective gather
                     pass
         dist.barrier()
-        return {"sync/seconds": time.perf_counter() - start,
-                **{f"sync/{k}": float(v) for k, v in stats.items()}}
+        return {k: float(v) for k, v in stats.items()}
 
     def validate(self, step: int) -> dict[str, float]:
         from megatron_entropy.rewards import math_rewards
