@@ -117,6 +117,27 @@ def test_resume_on_another_layout(model_dir, drift_tol, tmp_path):
     assert rows[1]["rollout/logprob_drift_max"] <= drift_tol
 
 
+def _model_sequence_length(cfg: dict) -> int:
+    """Worker: the sequence length the trainer built its Megatron model for."""
+    from megatron_entropy.config import load_config
+    from megatron_entropy.runtime import shutdown
+    from megatron_entropy.trainer.loop import Trainer
+
+    trainer = Trainer(load_config(data=cfg))
+    try:
+        return trainer.model[0].module.max_sequence_length
+    finally:
+        trainer.close()
+        shutdown()
+
+
+def test_model_is_built_for_model_seq_length(model_dir, tmp_path):
+    cfg = _config(model_dir, tmp_path, "seq", parallel={"tensor": 1})
+    full = cfg["rollout"]["max_prompt_tokens"] + cfg["rollout"]["max_new_tokens"]
+    assert cfg["model"]["seq_length"] > full  # what the trainer used instead
+    assert run_distributed(_model_sequence_length, 1, cfg) == [cfg["model"]["seq_length"]]
+
+
 def _cli(config: Path, *overrides: str, log: Path) -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen([sys.executable, "-m", "megatron_entropy.cli", "train", str(config),

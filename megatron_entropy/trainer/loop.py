@@ -143,7 +143,6 @@ class Trainer:
             self.hf_dir = m.hf_path
         self.arch.check_parallel(cfg.parallel.tensor, cfg.parallel.pipeline)
         self.tokenizer = load_tokenizer(self.hf_dir)
-        seq_length = cfg.rollout.max_prompt_tokens + cfg.rollout.max_new_tokens
 
         self.train_data = load_prompt_dataset(cfg.data, self.tokenizer,
                                               cfg.rollout.max_prompt_tokens, "train")
@@ -154,7 +153,7 @@ class Trainer:
         self.ckpt = CheckpointManager(self.run_dir, cfg.trainer.keep_last)
         resume_from = self._resume_path()
         self.model = build_trainable_model(self.arch, cfg.parallel.tensor, cfg.parallel.pipeline,
-                                           m.dtype, m.transformer_impl, seq_length,
+                                           m.dtype, m.transformer_impl, m.seq_length,
                                            cfg.parallel.sequence_parallel,
                                            m.recompute_activations)
         if resume_from is None:
@@ -168,7 +167,7 @@ class Trainer:
             from megatron_entropy.models.builder import build_gpt_model
 
             ref_model = build_gpt_model(self.arch, cfg.parallel.tensor, cfg.parallel.pipeline,
-                                        m.dtype, m.transformer_impl, seq_length,
+                                        m.dtype, m.transformer_impl, m.seq_length,
                                         cfg.parallel.sequence_parallel)
             self._load_initial_weights(ref_model)
             ref_model.requires_grad_(False)
