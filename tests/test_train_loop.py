@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -143,6 +144,30 @@ def _cli(config: Path, *overrides: str, log: Path) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "megatron_entropy.cli", "train", str(config),
                              *overrides], cwd=REPO, env=env, stdout=log.open("w"),
                             stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def test_cli_first_screen_shows_the_run_not_megatrons_start_up_notes(model_dir, tmp_path):
+    """One process, 2 steps with a validation before them: the progress bar ends at 2/2, and
+    none of megatron-core's known-harmless notes (cli.HARMLESS_*) reach the console."""
+    import yaml
+
+    from megatron_entropy.cli import HARMLESS_LOG_LINES, HARMLESS_WARNINGS
+
+    cfg = _config(model_dir, tmp_path, "screen", parallel={"tensor": 1},
+                  trainer={"steps": 2, "val_before_train": True, "val_interval": 2,
+                           "save_interval": 0},
+                  data={"arithmetic": {"num_val": 4}}, logging={"progress_bar": True})
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    run = _cli(tmp_path / "c.yaml", "--nproc", "1", log=tmp_path / "screen.log")
+    assert run.wait(timeout=300) == 0, (tmp_path / "screen.log").read_text()[-3000:]
+    screen = (tmp_path / "screen.log").read_text()
+    bars = [line for line in screen.replace("\r", "\n").splitlines()
+            if line.startswith("RL steps")]
+    assert bars and "2/2" in bars[-1] and not [b for b in bars if "3it" in b], bars
+    for _, message in HARMLESS_WARNINGS:
+        assert not re.search(message, screen), message
+    for line in HARMLESS_LOG_LINES:
+        assert line not in screen
 
 
 STABLE = ("time/", "perf/", "weight_sync/seconds", "rollout/tokens_per_s")
