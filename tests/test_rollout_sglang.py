@@ -28,10 +28,12 @@ FAKE = str(Path(__file__).with_name("fake_sglang_server.py"))
 PROMPTS = [[5, 6, 7, 8], [40, 41], [100, 7, 3, 9, 12]]
 
 
-def fake_command(version: str = "0.5.23", delay: float = 0.0, log: str = "") -> list[str]:
+def fake_command(version: str = "0.5.23", delay: float = 0.0, log: str = "",
+                 busy_health_delay: float = 0.0, warmup: float = 0.0) -> list[str]:
     cmd = [sys.executable, FAKE, "--model-path", "{model}", "--host", "{host}", "--port",
            "{port}", "--weight-version", "{weight_version}", "--version", version,
-           "--token-delay-s", str(delay)]
+           "--token-delay-s", str(delay), "--busy-health-delay-s", str(busy_health_delay),
+           "--warmup-s", str(warmup)]
     return cmd + (["--request-log", log] if log else [])
 
 
@@ -289,6 +291,34 @@ def test_server_fault_mid_rollout(models, tmp_path, sig):
         eng.pool.ensure_up()
         assert victim.restarts == 1 and victim.process.pid != old_pid
         assert victim.state == "up" and "restart 1" in victim.log_path.read_text()
+    finally:
+        eng.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("warmup", [0.0, 4.0], ids=["busy", "warming_up"])
+def test_a_slow_server_that_makes_progress_is_not_restarted(models, tmp_path, warmup):
+    """What a busy machine does to a (re)started server: its health probe goes unanswered for
+    longer than health_timeout_s while it decodes (busy), and before its first answer it may
+    take longer still (warming up). Neither is a hang: a server completing requests is alive,
+    and one that has not completed any since it came up is governed by startup_timeout_s. So no
+    restart, and every sample comes back once (before the pool judged liveness by progress, the
+    unanswered probes alone killed and restarted it)."""
+    cfg = make_cfg(launch=1, health_check_interval_s=0.3, health_timeout_s=1.0,
+                   launch_command=fake_command(delay=0.05, busy_health_delay=3.0,
+                                               warmup=warmup))
+    eng = SGLangEngine(cfg, str(models["a"]), str(tmp_path))
+    try:
+        server = eng.pool.servers[0]
+        pid = server.process.pid
+        prompts = [[10 + i, 20 + i] for i in range(6)]
+        out = eng.generate(prompts, SamplingParams(n=2, max_new_tokens=10, temperature=1.0,
+                                                   seed=3))
+        assert [len(row) for row in out] == [2] * 6
+        metrics = eng.metrics()
+        assert metrics["rollout/server_restarts"] == 0 and metrics["rollout/retries"] == 0
+        assert server.restarts == 0 and server.process.pid == pid and server.state == "up"
+        assert metrics["rollout/server0/requests"] == 12
     finally:
         eng.shutdown()
 
