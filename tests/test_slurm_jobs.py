@@ -139,8 +139,6 @@ def test_conversion_job_writes_a_checkpoint_of_the_model(cluster, job_env, tiny_
 
 @pytest.mark.slow
 def test_colocated_script_runs_the_quickstart_on_two_tasks(cluster, job_env, tmp_path):
-    if not QUICKSTART.is_file():
-        pytest.skip("examples/quickstart.yaml is not there yet")
     _, rc = cluster.sbatch(
         "--nodes=1", "--ntasks=2", str(SLURM / "colocated.sbatch"), str(QUICKSTART),
         "cluster.gpus_per_node=2", "trainer.steps=2", "data.prompts_per_step=4",
