@@ -49,6 +49,15 @@ def silence_harmless_warnings() -> None:
     logging.getLogger("megatron.core.rerun_state_machine").addFilter(_keep_log_record)
 
 
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from megatron_entropy.config import ConfigError
+    from megatron_entropy.data import DatasetError
+    from megatron_entropy.models.arch import UnsupportedModelError
+    from megatron_entropy.runtime import ParallelLayoutError
+
+    return USER_ERRORS + (ConfigError, DatasetError, UnsupportedModelError, ParallelLayoutError)
+
+
 # ------------------------------------------------------------------------------------ train
 
 

@@ -296,7 +296,7 @@ def test_server_fault_mid_rollout(models, tmp_path, sig):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("warmup", [0.0, 4.0], ids=["busy", "warming_up"])
+@pytest.mark.parametrize("warmup", [0.0, 8.0], ids=["busy", "warming_up"])
 def test_a_slow_server_that_makes_progress_is_not_restarted(models, tmp_path, warmup):
     """What a busy machine does to a (re)started server: its health probe goes unanswered for
     longer than health_timeout_s while it decodes (busy), and before its first answer it may
@@ -304,21 +304,24 @@ def test_a_slow_server_that_makes_progress_is_not_restarted(models, tmp_path, wa
     and one that has not completed any since it came up is governed by startup_timeout_s. So no
     restart, and every sample comes back once (before the pool judged liveness by progress, the
     unanswered probes alone killed and restarted it)."""
-    cfg = make_cfg(launch=1, health_check_interval_s=0.3, health_timeout_s=1.0,
-                   launch_command=fake_command(delay=0.05, busy_health_delay=3.0,
+    # Probes get 3 s and are answered only after 10 s while the server decodes; requests take
+    # ~2 s (40 tokens at 0.05 s), 4 at a time, so a completion comes every ~0.5 s, well inside
+    # 3 s even on a busy machine; the warm-up holds the first answer 8 s.
+    cfg = make_cfg(launch=1, health_check_interval_s=0.5, health_timeout_s=3.0,
+                   launch_command=fake_command(delay=0.05, busy_health_delay=10.0,
                                                warmup=warmup))
     eng = SGLangEngine(cfg, str(models["a"]), str(tmp_path))
     try:
         server = eng.pool.servers[0]
         pid = server.process.pid
-        prompts = [[10 + i, 20 + i] for i in range(6)]
-        out = eng.generate(prompts, SamplingParams(n=2, max_new_tokens=10, temperature=1.0,
+        prompts = [[10 + i, 20 + i] for i in range(8)]
+        out = eng.generate(prompts, SamplingParams(n=2, max_new_tokens=40, temperature=1.0,
                                                    seed=3))
-        assert [len(row) for row in out] == [2] * 6
+        assert [len(row) for row in out] == [2] * 8
         metrics = eng.metrics()
         assert metrics["rollout/server_restarts"] == 0 and metrics["rollout/retries"] == 0
         assert server.restarts == 0 and server.process.pid == pid and server.state == "up"
-        assert metrics["rollout/server0/requests"] == 12
+        assert metrics["rollout/server0/requests"] == 16
     finally:
         eng.shutdown()
 
