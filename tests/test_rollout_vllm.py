@@ -27,6 +27,7 @@ PROMPTS = [[5, 6, 7, 8], [40, 41], [100, 7, 3, 9, 12]]
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.vllm,
     pytest.mark.skipif(not VENV_PYTHON.exists(),
                        reason="no .venv-vllm: run .ci/setup-vllm.sh (tests/run.sh does)"),
 ]

@@ -188,6 +188,7 @@ def test_usr1_checkpoints_requeues_and_the_metrics_continue(cluster, job_env, ti
 
 
 @pytest.mark.slow
+@pytest.mark.vllm
 @pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="needs .venv-vllm (.ci/setup-vllm.sh)")
 def test_disaggregated_script_with_a_vllm_server(cluster, job_env, tmp_path):
     model = make_served_model(tmp_path / "model")  # head_dim 64, 1 KV head: TP=1, DP=2
