@@ -21,13 +21,17 @@ time is printed too. Every process runs one thread (OpenMP spin-waits on a share
 otherwise be billed as CPU time); under TP=2 each rank is a process, the slowest rank counts.
 Collectives: torch.distributed calls counted in the forward and in the backward.
 
-The verl rows need verl in the interpreter; set it up once (git-ignored venv):
-  python -m venv --system-site-packages .venv-bench
+The verl rows need verl in the interpreter; set it up once in a git-ignored venv of its own (verl
+without its dependencies, which would pull a GPU stack, plus the few its imports need):
+  python -m venv .venv-bench
+  .venv-bench/bin/pip install -c constraints-cpu.txt -e .
   .venv-bench/bin/pip install --no-deps "verl==0.9.*" tensordict ray pyvers
-  .venv-bench/bin/pip install -c constraints-cpu.txt omegaconf codetiming msgpack protobuf
+  .venv-bench/bin/pip install -c constraints-cpu.txt omegaconf codetiming msgpack protobuf \
+      requests jsonschema cloudpickle orjson
   .venv-bench/bin/python bench/bench_entropy_ops.py [--quick]
-Without verl its rows say "unavailable". It also checks verl's compute_policy_loss_clip_cov /
-_kl_cov against ours number for number on the same inputs.
+Without verl its rows say "unavailable" and the first line says why (the import error). It also
+checks verl's compute_policy_loss_clip_cov / _kl_cov against ours number for number on the same
+inputs.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ import time
 import traceback
 import warnings
 from types import SimpleNamespace
+from typing import Optional
 
 import torch
 
@@ -57,12 +62,14 @@ SEQ = 512  # tokens per sequence when the loss views [T] as [T / SEQ, SEQ]
 LOSS = PolicyLossSettings(loss="kl_cov", kl_cov_ratio=2e-3, entropy_coef=1e-3)
 
 
-def verl_available() -> bool:
+def verl_import_error() -> Optional[str]:
+    """Why verl cannot be used here (None when it can): the error of importing what we call."""
     try:
-        import verl.utils.megatron.tensor_parallel  # noqa: F401 - importable at all?
-    except Exception:
-        return False
-    return True
+        import verl.utils.megatron.tensor_parallel  # noqa: F401
+        import verl.trainer.ppo.core_algos  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - any failure makes its rows unavailable
+        return f"{type(e).__name__}: {e}"
+    return None
 
 
 # ----------------------------------------------------------------------------- measurement
@@ -341,7 +348,8 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=1024)
     args = ap.parse_args()
 
-    have_verl = verl_available()
+    verl_error = verl_import_error()
+    have_verl = verl_error is None
     bf16 = torch.bfloat16
     if args.quick:
         grid = [("logits", 1, 512, 4096, 0, bf16), ("hidden", 1, 512, 4096, 64, bf16),
@@ -359,7 +367,8 @@ def main() -> None:
     from megatron.core import parallel_state  # noqa: F401
 
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, verl "
-          f"{'available' if have_verl else 'unavailable'}; loss = {LOSS.loss} + entropy bonus, "
+          f"{'available' if have_verl else f'unavailable ({verl_error})'}; "
+          f"loss = {LOSS.loss} + entropy bonus, "
           f"chunk_tokens = {args.chunk}")
     print("| scenario | TP | T | V | dtype | method | fwd+bwd CPU s | fwd CPU s | fwd+bwd wall s | "
           "peak GiB | coll fwd/bwd | CPU time vs verl | peak vs verl |")

@@ -4,15 +4,49 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import os
 import signal
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from typing import Callable, Optional
 
 # Errors that are the user's to fix: printed as one line, exit code 2, no traceback.
 USER_ERRORS: tuple[type[BaseException], ...] = (FileNotFoundError,)
+
+# megatron-core's start-up notes that are known to be harmless, matched by the start of their
+# message: fallbacks on machines without Transformer Engine/Apex, deprecations inside
+# megatron-core and torch that a user cannot act on. Every other warning stays.
+HARMLESS_WARNINGS = (
+    (UserWarning, r"Transformer Engine and Apex are not installed"),
+    (UserWarning, r"Apex is not installed"),
+    (UserWarning, r"full scope is deprecated"),
+    (FutureWarning, r"`torch\.distributed\.all_gather_into_tensor` is deprecated"),
+)
+# A GPU hint (CUDA_DEVICE_MAX_CONNECTIONS), only noise where there is no GPU.
+CPU_ONLY_HARMLESS_WARNINGS = (
+    (UserWarning, r"When using async grad allreduce it is recommended to set the environment "
+                  r"variable CUDA_DEVICE_MAX_CONNECTIONS"),
+)
+# Printed through megatron-core's logger at WARNING on every start.
+HARMLESS_LOG_LINES = ("Implicit initialization of Rerun State Machine!",
+                      "RerunStateMachine initialized in mode RerunMode.DISABLED")
+
+
+def _keep_log_record(record) -> bool:
+    return record.getMessage() not in HARMLESS_LOG_LINES
+
+
+def silence_harmless_warnings() -> None:
+    """Hide the known-harmless start-up lines of megatron-core (this process only)."""
+    import torch
+
+    cpu_only = () if torch.cuda.is_available() else CPU_ONLY_HARMLESS_WARNINGS
+    for category, message in HARMLESS_WARNINGS + cpu_only:
+        warnings.filterwarnings("ignore", message=message, category=category)
+    logging.getLogger("megatron.core.rerun_state_machine").addFilter(_keep_log_record)
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
@@ -89,6 +123,8 @@ def _spawn_local(args: argparse.Namespace, nproc: int, run_dir: Path) -> int:
 def _run_train(args: argparse.Namespace) -> int:
     from megatron_entropy.config import load_config
     from megatron_entropy.runtime import check_layout, detect_launch_env
+
+    silence_harmless_warnings()
 
     cfg = load_config(args.config, args.overrides)
     launch = detect_launch_env()

@@ -40,7 +40,8 @@ class ModelConfig:
     transformer_impl: Literal["auto", "local", "transformer_engine"] = _f(
         "auto", help="auto: Transformer Engine when installed with CUDA, else the local spec")
     recompute_activations: bool = False
-    seq_length: int = _f(4096, ge=16, help="max prompt + response tokens (rope table size)")
+    seq_length: int = _f(4096, ge=16, help="the longest sequence the model is built for; must "
+                                           "hold rollout.max_prompt_tokens + max_new_tokens")
 
 
 @dataclass
@@ -479,6 +480,13 @@ def validate(cfg: Config) -> None:
     if cfg.trainer.min_lr > cfg.trainer.lr:
         raise ConfigError(f"trainer.min_lr ({cfg.trainer.min_lr}) must be <= trainer.lr "
                           f"({cfg.trainer.lr})")
+    r = cfg.rollout
+    if cfg.model.seq_length < r.max_prompt_tokens + r.max_new_tokens:
+        raise ConfigError(f"model.seq_length ({cfg.model.seq_length}) is shorter than a full "
+                          f"sequence: rollout.max_prompt_tokens + rollout.max_new_tokens = "
+                          f"{r.max_prompt_tokens} + {r.max_new_tokens} = "
+                          f"{r.max_prompt_tokens + r.max_new_tokens}; raise model.seq_length or "
+                          "lower those")
     if cfg.parallel.sequence_parallel and cfg.parallel.tensor == 1:
         raise ConfigError("parallel.sequence_parallel needs parallel.tensor > 1")
     _validate_study(cfg.study)

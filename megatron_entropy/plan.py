@@ -179,9 +179,6 @@ def make_plan(cfg: Config, arch: ModelArch, nodes: int, arch_source: str = "") -
             "the trainer's GPUs: that is for CPU tests; give the servers nodes of their own")
     plan.data_parallel = lay.trainer_tasks // (p.tensor * p.pipeline)
     seq = r.max_prompt_tokens + r.max_new_tokens
-    if cfg.model.seq_length < seq:
-        plan.problems.append(f"model.seq_length={cfg.model.seq_length} is shorter than a full "
-                             f"sequence (rollout.max_prompt_tokens + max_new_tokens = {seq})")
     if t.micro_batch_tokens < seq:
         plan.problems.append(f"trainer.micro_batch_tokens={t.micro_batch_tokens} cannot hold one "
                              f"full sequence of {seq} tokens")

@@ -21,7 +21,9 @@ checked against a reference, and it enforces SGLang's HTTP contract as its sourc
   (400 while requests run), ``/health``, ``/health_generate``, ``/get_model_info``,
   ``/get_server_info``, ``/get_weight_version``.
 Test knobs (not SGLang's): ``--token-delay-s`` slows decoding; ``--request-log`` appends every
-request body to a JSONL file.
+request body to a JSONL file; ``--busy-health-delay-s`` makes ``/health`` answer that late while a
+request runs and ``--warmup-s`` holds the first request that long before decoding (a busy server,
+and one warming up, that still make progress).
 
 Run: python tests/fake_sglang_server.py --model-path DIR --host 127.0.0.1 --port P
 """
@@ -96,6 +98,7 @@ class FakeSGLang:
         self.unpaused = asyncio.Event()
         self.unpaused.set()
         self.running = 0
+        self.warmed_up = False
 
     # --------------------------------------------------------------------------- helpers
 
@@ -278,6 +281,9 @@ class FakeSGLang:
         await self.unpaused.wait()
         self.running += 1
         try:
+            if not self.warmed_up:
+                await asyncio.sleep(self.args.warmup_s)
+                self.warmed_up = True
             loop = asyncio.get_running_loop()
             outs = []
             for prompt in batch:
@@ -434,6 +440,8 @@ class FakeSGLang:
                                  "will not be performed.)\n")
 
     async def health(self, request: web.Request) -> web.Response:
+        if self.running:
+            await asyncio.sleep(self.args.busy_health_delay_s)
         return web.Response(status=200)
 
     async def model_info(self, request: web.Request) -> web.Response:
@@ -479,6 +487,8 @@ def main() -> None:
     ap.add_argument("--weight-version", default="default")
     ap.add_argument("--version", default="0.5.23", help="the SGLang release to behave as")
     ap.add_argument("--token-delay-s", type=float, default=0.0)
+    ap.add_argument("--busy-health-delay-s", type=float, default=0.0)
+    ap.add_argument("--warmup-s", type=float, default=0.0)
     ap.add_argument("--request-log", default=None)
     args = ap.parse_args()
     torch.set_num_threads(1)

@@ -53,13 +53,27 @@ def make_tp2_model(out_dir: Path) -> Path:
     return out
 
 
-def reference_logprobs(model, prompt: list[int], completion: list[int],
-                       temperature: float = 1.0) -> list[float]:
-    """log-softmax(logits / T) of each completion token given what precedes it (fp32 HF)."""
+def reference(model, prompt: list[int], completion: list[int], temperature: float = 1.0
+              ) -> tuple[list[float], float]:
+    """log-softmax(logits / T) of each completion token given what precedes it, from one plain
+    fp32 forward of the HF model (no padding, no cache), and the tolerance for the same log-probs
+    computed another way (batched, padded, from a KV cache, by another implementation): rounding
+    along one log-prob's path (tests/tolerance.py)."""
     import torch
+
+    from megatron_entropy.models.arch import arch_from_hf_config
+    from tolerance import logprob_tol, transformer_terms
 
     ids = torch.tensor([prompt + completion])
     with torch.no_grad():
-        logits = model(ids).logits[0, len(prompt) - 1:-1].float()
-    lp = torch.log_softmax(logits / temperature, -1)
-    return lp.gather(1, torch.tensor(completion)[:, None])[:, 0].tolist()
+        logits = model(ids).logits[0, len(prompt) - 1:-1].float() / temperature
+    lp = torch.log_softmax(logits, -1).gather(1, torch.tensor(completion)[:, None])[:, 0]
+    terms = transformer_terms(arch_from_hf_config(model.config.to_dict()), ids.shape[1],
+                              log_softmax=True)
+    return lp.tolist(), logprob_tol(logits, lp, terms)
+
+
+def reference_logprobs(model, prompt: list[int], completion: list[int],
+                       temperature: float = 1.0) -> list[float]:
+    """The log-probs of ``reference``."""
+    return reference(model, prompt, completion, temperature)[0]

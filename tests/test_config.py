@@ -92,3 +92,13 @@ def test_family_flags():
 
 def test_package_imports_in_fresh_interpreter():
     subprocess.run([sys.executable, "-c", "import megatron_entropy"], check=True)
+
+
+def test_seq_length_must_hold_a_full_sequence():
+    with pytest.raises(ConfigError, match=r"model\.seq_length \(1000\) is shorter than a full "
+                                          r"sequence: rollout\.max_prompt_tokens \+ "
+                                          r"rollout\.max_new_tokens = 600 \+ 500 = 1100"):
+        load_config(overrides=["model.seq_length=1000", "rollout.max_prompt_tokens=600",
+                               "rollout.max_new_tokens=500"])
+    assert load_config(overrides=["model.seq_length=1100", "rollout.max_prompt_tokens=600",
+                                  "rollout.max_new_tokens=500"]).model.seq_length == 1100

@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -317,9 +318,39 @@ def test_hf_output_of_existing_folder_refused_and_overwritten(tiny_hf, converted
 # ------------------------------------------------------------------------------------------ CLI
 
 
-def _tool(name: str, *args: str) -> subprocess.CompletedProcess:
+def _tool(name: str, *args: str, env: Optional[dict] = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(REPO / "tools" / name), *args, "--quiet"],
-                          capture_output=True, text=True, timeout=300, cwd=REPO)
+                          capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
+
+
+@pytest.mark.slow
+def test_tools_run_with_any_accepted_megatron_without_the_cpu_layer(tmp_path):
+    """The tools hide the GPUs, so on a GPU cluster they run where the CPU compatibility layer
+    would apply; conversion needs none of it, and the layer refuses any megatron-core but the
+    one it was written for. Under a megatron-core that reports 0.17.0 (setup.py accepts it) both
+    tools convert, and the round trip is bit-identical."""
+    from safetensors.torch import load_file
+
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import megatron.core\n"
+                                           "megatron.core.__version__ = '0.17.0'\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(REPO)])}
+    check = subprocess.run([sys.executable, "-c", "from megatron_entropy.runtime import "
+                            "cpu_compat; cpu_compat.apply()"], capture_output=True, text=True,
+                           env=env, timeout=300)
+    assert "but 0.17.0 is installed" in check.stderr  # the layer would refuse this version
+    src = save_tiny_hf_model("llama", tmp_path / "src")
+    done = _tool("convert_hf_to_mcore.py", "--hf-dir", str(src), "--out", str(tmp_path / "ckpt"),
+                 env=env)
+    assert done.returncode == 0, done.stderr
+    done = _tool("convert_mcore_to_hf.py", "--ckpt", str(tmp_path / "ckpt"), "--out",
+                 str(tmp_path / "out"), env=env)
+    assert done.returncode == 0, done.stderr
+    ref, out = load_file(src / "model.safetensors"), load_file(tmp_path / "out" /
+                                                              "model.safetensors")
+    assert out.keys() == ref.keys()
+    assert all(torch.equal(out[name], t) for name, t in ref.items())
 
 
 @pytest.mark.slow

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -16,6 +17,9 @@ def test_bench_quick_mode_runs_and_counts_collectives():
     out = subprocess.run([sys.executable, "bench/bench_entropy_ops.py", "--quick", "--reps", "1"],
                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
+    # Without verl the first line says why (the import error), not only that it is missing.
+    assert re.search(r"verl (available|unavailable \(\w+(Error|Exception): .+\));", out.stdout), \
+        out.stdout[:500]
     rows = [[c.strip() for c in line.strip("|").split("|")]
             for line in out.stdout.splitlines() if line.startswith("| logits") or
             line.startswith("| hidden")]

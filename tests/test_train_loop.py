@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -13,9 +14,11 @@ import time
 from pathlib import Path
 
 import pytest
+from safetensors.torch import load_file
 
 from harness import metrics_rows, run_distributed, train_from_dict
 from serving_model import make_tp2_model
+from tolerance import rounding_tol, transformer_terms
 
 from megatron_entropy.cli import main as cli_main
 
@@ -26,6 +29,28 @@ REPO = Path(__file__).resolve().parent.parent
 def model_dir(tmp_path_factory) -> Path:
     """A tiny random Qwen2 (4 heads, 2 KV heads: TP=2 works) with a BPE tokenizer."""
     return make_tp2_model(tmp_path_factory.mktemp("model"))
+
+
+@pytest.fixture(scope="module")
+def drift_tol(model_dir) -> float:
+    """The engine (transformers, batched, KV cache) and the actor (Megatron, TP/PP) compute the
+    same fp32 log-probs in another order: rounding along one log-prob's path, at the scale of
+    |log p| <= log V + 2 max|z|. max|z| is the initial model's on random tokens, doubled for what
+    3 steps at lr 1e-3 can add."""
+    import torch
+    import transformers
+
+    from megatron_entropy.models.arch import load_arch
+
+    arch = load_arch(model_dir)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    tokens = torch.randint(0, arch.vocab_size, (4, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        max_logit = float(model(tokens).logits.abs().max())
+    rollout = _config(model_dir, model_dir, "")["rollout"]
+    seq = rollout["max_prompt_tokens"] + rollout["max_new_tokens"]
+    return rounding_tol(math.log(arch.vocab_size) + 4 * max_logit,
+                        transformer_terms(arch, seq, log_softmax=True))
 
 
 def _config(model_dir: Path, run_dir: Path, name: str, **extra) -> dict:
@@ -50,24 +75,30 @@ def _metrics(run_dir: Path, name: str) -> list[dict]:
 EXPECTED_KEYS = {"reward/mean", "acc/mean", "entropy/token_mean", "entropy/seq_mean",
                  "cov/mean", "cov/selected_mean", "loss/selected_frac", "loss/ppo_kl", "grad_norm",
                  "lr", "response/length_mean", "response/truncated_frac", "rollout/logprob_drift",
-                 "perf/tokens_per_s", "time/rollout", "time/update", "time/sync", "sync/seconds"}
+                 "perf/tokens_per_s", "time/rollout", "time/update", "time/sync",
+                 "weight_sync/seconds", "weight_sync/bytes", "weight_sync/tensors"}
 
 
 @pytest.mark.parametrize("tensor,pipeline", [(2, 1), (1, 2)])
-def test_run_writes_finite_metrics_and_engine_matches_actor(model_dir, tmp_path, tensor,
-                                                            pipeline):
+def test_run_writes_finite_metrics_and_engine_matches_actor(model_dir, drift_tol, tmp_path,
+                                                            tensor, pipeline):
     cfg = _config(model_dir, tmp_path, "tp2", parallel={"tensor": tensor, "pipeline": pipeline})
     run_distributed(train_from_dict, 2, cfg, timeout=300)
     rows = _metrics(tmp_path, "tp2")
     assert [r["step"] for r in rows] == [1, 2, 3]
+    hf_bytes = sum(t.numel() * 4 for t in load_file(model_dir / "model.safetensors").values())
     for r in rows:
         assert EXPECTED_KEYS <= r.keys(), EXPECTED_KEYS - r.keys()
+        # The engine's sync metrics under the names the README documents, once: every HF
+        # tensor (fp32) went to the engine.
+        assert r["weight_sync/bytes"] == hf_bytes
+        assert not [k for k in r if k.startswith("sync/")]
         bad = {k: v for k, v in r.items() if not (isinstance(v, (int, float))
                                                   and math.isfinite(v))}
         assert not bad, bad
         # Right after each weight sync the engine samples with the actor's weights: its
         # log-probs of the sampled tokens equal the actor's recompute (temperature 1).
-        assert r["rollout/logprob_drift_max"] <= 1e-4
+        assert r["rollout/logprob_drift_max"] <= drift_tol
         # max_new_tokens=12 cuts responses: truncated, marked, and trained on, not a crash
         assert r["response/length_max"] <= 12
     assert any(r["response/truncated_frac"] > 0 for r in rows)
@@ -75,7 +106,7 @@ def test_run_writes_finite_metrics_and_engine_matches_actor(model_dir, tmp_path,
     assert ckpts == ["latest", "step_00000002", "step_00000003"]  # keep_last=2
 
 
-def test_resume_on_another_layout(model_dir, tmp_path):
+def test_resume_on_another_layout(model_dir, drift_tol, tmp_path):
     """A TP=2 run's checkpoint resumes as PP=2: Megatron reshards model and optimizer."""
     cfg = _config(model_dir, tmp_path, "relayout", trainer={"steps": 1})
     run_distributed(train_from_dict, 2, cfg, timeout=300)
@@ -84,7 +115,28 @@ def test_resume_on_another_layout(model_dir, tmp_path):
     run_distributed(train_from_dict, 2, cfg, timeout=300)
     rows = _metrics(tmp_path, "relayout")
     assert [r["step"] for r in rows] == [1, 2]
-    assert rows[1]["rollout/logprob_drift_max"] <= 1e-4
+    assert rows[1]["rollout/logprob_drift_max"] <= drift_tol
+
+
+def _model_sequence_length(cfg: dict) -> int:
+    """Worker: the sequence length the trainer built its Megatron model for."""
+    from megatron_entropy.config import load_config
+    from megatron_entropy.runtime import shutdown
+    from megatron_entropy.trainer.loop import Trainer
+
+    trainer = Trainer(load_config(data=cfg))
+    try:
+        return trainer.model[0].module.max_sequence_length
+    finally:
+        trainer.close()
+        shutdown()
+
+
+def test_model_is_built_for_model_seq_length(model_dir, tmp_path):
+    cfg = _config(model_dir, tmp_path, "seq", parallel={"tensor": 1})
+    full = cfg["rollout"]["max_prompt_tokens"] + cfg["rollout"]["max_new_tokens"]
+    assert cfg["model"]["seq_length"] > full  # what the trainer used instead
+    assert run_distributed(_model_sequence_length, 1, cfg) == [cfg["model"]["seq_length"]]
 
 
 def _cli(config: Path, *overrides: str, log: Path) -> subprocess.Popen:
@@ -94,7 +146,31 @@ def _cli(config: Path, *overrides: str, log: Path) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, start_new_session=True)
 
 
-STABLE = ("time/", "perf/", "sync/seconds", "rollout/tokens_per_s")
+def test_cli_first_screen_shows_the_run_not_megatrons_start_up_notes(model_dir, tmp_path):
+    """One process, 2 steps with a validation before them: the progress bar ends at 2/2, and
+    none of megatron-core's known-harmless notes (cli.HARMLESS_*) reach the console."""
+    import yaml
+
+    from megatron_entropy.cli import HARMLESS_LOG_LINES, HARMLESS_WARNINGS
+
+    cfg = _config(model_dir, tmp_path, "screen", parallel={"tensor": 1},
+                  trainer={"steps": 2, "val_before_train": True, "val_interval": 2,
+                           "save_interval": 0},
+                  data={"arithmetic": {"num_val": 4}}, logging={"progress_bar": True})
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    run = _cli(tmp_path / "c.yaml", "--nproc", "1", log=tmp_path / "screen.log")
+    assert run.wait(timeout=300) == 0, (tmp_path / "screen.log").read_text()[-3000:]
+    screen = (tmp_path / "screen.log").read_text()
+    bars = [line for line in screen.replace("\r", "\n").splitlines()
+            if line.startswith("RL steps")]
+    assert bars and "2/2" in bars[-1] and not [b for b in bars if "3it" in b], bars
+    for _, message in HARMLESS_WARNINGS:
+        assert not re.search(message, screen), message
+    for line in HARMLESS_LOG_LINES:
+        assert line not in screen
+
+
+STABLE = ("time/", "perf/", "weight_sync/seconds", "rollout/tokens_per_s")
 
 
 QUICKSTART = REPO / "examples" / "quickstart.yaml"

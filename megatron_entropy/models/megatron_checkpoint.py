@@ -149,14 +149,14 @@ def load_model_weights(model, ckpt_dir: Union[str, Path]) -> None:
 
 @contextlib.contextmanager
 def _single_process_megatron() -> Iterator[None]:
-    """Megatron's parallel state for one process (TP=1, PP=1), unless the caller has one."""
+    """Megatron's parallel state for one process (TP=1, PP=1), unless the caller has one.
+
+    Conversion builds the model on the meta device and reads and writes CPU tensors: it needs no
+    RNG tracker and no CUDA, so it runs without the CPU compatibility layer and with any
+    megatron-core the package accepts."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
-    from megatron.core import tensor_parallel
 
-    from megatron_entropy.runtime import cpu_compat
-
-    cpu_compat.apply()
     own_group = not dist.is_initialized()
     if own_group:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -165,7 +165,6 @@ def _single_process_megatron() -> Iterator[None]:
     own_state = not ps.model_parallel_is_initialized()
     if own_state:
         ps.initialize_model_parallel(1, 1)
-        tensor_parallel.model_parallel_cuda_manual_seed(0)
     try:
         yield
     finally:

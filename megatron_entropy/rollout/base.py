@@ -60,8 +60,10 @@ class RolloutEngine(abc.ABC):
     @abc.abstractmethod
     def update_weights(self, named_tensors: NamedTensors, version: int) -> dict[str, float]:
         """Replace the weights with full HF-named tensors (as ``model.state_dict()`` of the HF
-        model names them), streamed one at a time. Returns metrics (seconds, bytes). Raises if
-        any replica fails to take them: training must not go on against stale weights."""
+        model names them), streamed one at a time. Returns metrics, logged as they are:
+        ``weight_sync/seconds`` (the engine's side of the sync), ``weight_sync/bytes`` and any
+        other ``weight_sync/*``. Raises if any replica fails to take them: training must not go
+        on against stale weights."""
 
     def health(self) -> bool:
         return True

@@ -257,8 +257,8 @@ class InProcessEngine(RolloutEngine):
                              f"{', '.join(sorted(missing)[:5])}; the rollout model would mix "
                              "old and new weights")
         self.weight_version = version
-        return {"seconds": time.perf_counter() - start, "bytes": float(nbytes),
-                "tensors": float(count)}
+        return {"weight_sync/seconds": time.perf_counter() - start,
+                "weight_sync/bytes": float(nbytes), "weight_sync/tensors": float(count)}
 
     def metrics(self) -> dict[str, float]:
         out = {"rollout/response_tokens": float(self._tokens)}

@@ -4,11 +4,14 @@ A ``ServerPool`` owns a set of HTTP servers of one kind (vLLM or SGLang). It eit
 (one command per server, in the serving stack's own Python environment, logs in the run folder)
 or connects to URLs that already serve. Requests run concurrently with ``asyncio``/``aiohttp``:
 each goes to the usable server with the fewest requests in flight, at most ``max_concurrency``
-per server. A server that dies (process exit, refused connection) or stops answering (health
-probe unanswered for ``health_timeout_s``) is marked dead; its unfinished requests are issued
-again elsewhere, and it is restarted if we launched it. Every request's result is stored once,
-by its index, so no sample is lost or duplicated. Retries are bounded; the error then names the
-server and the tail of its log.
+per server. A server that dies (process exit, refused connection) or hangs is marked dead; its
+unfinished requests are issued again elsewhere, and it is restarted if we launched it. Hung means
+no sign of life (a health probe answered, a request completed) for ``health_timeout_s``; a
+server that came up but has not completed a request yet is still warming up, on a busy machine
+slowly, and is governed by ``startup_timeout_s`` like its start, so that a slow fresh server is
+not killed and restarted over and over. Every request's result is stored once, by its index, so
+no sample is lost or duplicated. Retries and restarts are bounded (``max_retries``); the error
+then names the server and the tail of its log.
 """
 
 from __future__ import annotations
@@ -61,6 +64,11 @@ class Server:
     inflight: int = 0
     restarts: int = 0
     last_error: str = ""
+    # Liveness (time.monotonic()): when it last came up, its last sign of life (came up, answered
+    # a probe, completed a request), and whether it has completed a request since it came up.
+    up_at: float = 0.0
+    alive_at: float = 0.0
+    warm: bool = False
     # Metrics since the last ``ServerPool.pop_metrics``.
     requests: int = 0
     failures: int = 0
@@ -202,8 +210,10 @@ class ServerPool:
         argv = self.launch_command(server.port, self.model_dir)
         env = {**os.environ, **self.env}
         with open(server.log_path, "a") as log:
-            log.write(f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} launch "
-                      f"(restart {server.restarts}): {shlex.join(argv)}\n")
+            why = (f"restart {server.restarts} of at most {self.cfg.max_retries}, after: "
+                   f"{server.last_error}" if server.restarts else "restart 0")
+            log.write(f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} launch ({why}): "
+                      f"{shlex.join(argv)}\n")
             log.flush()
             try:
                 # Own session: stopping the server stops its worker processes too.
@@ -248,16 +258,42 @@ class ServerPool:
 
     # ------------------------------------------------------------------------------ health
 
-    async def _probe(self, session: aiohttp.ClientSession, server: Server) -> bool:
+    async def _probe(self, session: aiohttp.ClientSession, server: Server) -> str:
+        """"up" (answered 200), "dead" (exited, nothing listens, or an error answer) or "silent"
+        (no answer within health_timeout_s: hung, or only busy)."""
         if server.process is not None and server.process.poll() is not None:
-            return False
+            return "dead"
         try:
             async with session.get(server.url + self.health_path,
                                    timeout=aiohttp.ClientTimeout(total=self.cfg.health_timeout_s)
                                    ) as r:
-                return r.status == 200
+                healthy = r.status == 200
+        except (aiohttp.ClientConnectorError, ConnectionRefusedError):
+            return "dead"
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            return "silent"
+        if healthy:
+            server.alive_at = time.monotonic()
+        return "up" if healthy else "dead"
+
+    def _hung(self, server: Server) -> bool:
+        """No sign of life for health_timeout_s; before its first completed request a server is
+        still warming up and gets until startup_timeout_s after it came up."""
+        now = time.monotonic()
+        if now - server.alive_at <= self.cfg.health_timeout_s:
             return False
+        return server.warm or now - server.up_at > self.cfg.startup_timeout_s
+
+    def _why_dead(self, server: Server, probe: str) -> Optional[str]:
+        """Why a server that was up is dead after a probe, or None while it still counts as up."""
+        if server.process is not None and server.process.poll() is not None:
+            return f"exited with code {server.process.returncode}"
+        if probe == "dead":
+            return "refused its health probe"
+        if probe == "silent" and self._hung(server):
+            return (f"no sign of life for {time.monotonic() - server.alive_at:.0f} s (health "
+                    f"probe unanswered for {self.cfg.health_timeout_s} s, no request completed)")
+        return None
 
     async def _wait_up(self, session: aiohttp.ClientSession, server: Server,
                        timeout: float) -> None:
@@ -269,8 +305,9 @@ class ServerPool:
                                         "starting")
                 raise ServerError(f"{server.describe()} {server.last_error}; log tail:\n"
                                   f"{log_tail(server.log_path)}")
-            if await self._probe(session, server):
+            if await self._probe(session, server) == "up":
                 server.state = "up"
+                server.up_at, server.warm = server.alive_at, False
                 server.died = asyncio.Event()
                 if server.launched:
                     server.weight_version = self.launch_version
@@ -300,8 +337,10 @@ class ServerPool:
         async def go() -> None:
             async with aiohttp.ClientSession() as session:
                 for server in self.servers:
-                    if server.state == "up" and not await self._probe(session, server):
-                        self._mark_dead(server, "failed a health probe")
+                    if server.state == "up":
+                        why = self._why_dead(server, await self._probe(session, server))
+                        if why:
+                            self._mark_dead(server, why)
                     if server.state == "dead" and server.launched and self.owner:
                         self._restart(server)
                 waits = []
@@ -309,8 +348,9 @@ class ServerPool:
                     if server.state == "starting":
                         waits.append(self._wait_up(session, server, self.cfg.startup_timeout_s))
                     elif server.state == "dead" and not server.launched:
-                        if await self._probe(session, server):  # back, holding unknown weights
+                        if await self._probe(session, server) == "up":  # back, unknown weights
                             server.state, server.weight_version = "up", None
+                            server.up_at, server.warm = server.alive_at, False
                 results = await asyncio.gather(*waits, return_exceptions=True)
             if all(s.state != "up" for s in self.servers):
                 raise ServerError(f"no {self.kind} server is up:\n" + self._status()) from next(
@@ -329,6 +369,7 @@ class ServerPool:
             self._notify()
 
     def _restart(self, server: Server) -> bool:
+        """Launch a dead server again, at most ``max_retries`` times over the run."""
         if server.restarts >= self.cfg.max_retries:
             return False
         self._kill(server, grace_s=2.0)
@@ -414,6 +455,7 @@ class ServerPool:
                     http.cancel()
                     raise _ServerDied(server.last_error)
                 result = parse(http.result(), server)
+                server.alive_at, server.warm = time.monotonic(), True
                 server.requests += 1
                 server.latency_s += time.monotonic() - t0
                 return result
@@ -439,14 +481,14 @@ class ServerPool:
                           why: str) -> None:
         if server.state != "up":
             return
-        exited = server.process is not None and server.process.poll() is not None
-        if not exited and await self._probe(session, server):
-            return  # a transient error: the server is fine, the request is simply retried
+        probe = "dead" if server.process is not None and server.process.poll() is not None \
+            else await self._probe(session, server)
         if server.state != "up":
             return  # another failed request handled it while we probed
-        exited = server.process is not None and server.process.poll() is not None
-        self._mark_dead(server, f"exited with code {server.process.returncode}" if exited
-                        else f"stopped answering ({why})")
+        dead = self._why_dead(server, probe)
+        if dead is None:
+            return  # a transient error (or only busy): the request is simply retried
+        self._mark_dead(server, f"{dead}; a request failed with {why}")
         self._restart_in_background(session, server)
 
     def _restart_in_background(self, session: aiohttp.ClientSession, server: Server) -> None:
@@ -465,12 +507,11 @@ class ServerPool:
         while True:
             await asyncio.sleep(self.cfg.health_check_interval_s)
             busy = [s for s in targets if s.state == "up" and s.inflight > 0]
-            alive = await asyncio.gather(*(self._probe(session, s) for s in busy))
-            for server, ok in zip(busy, alive):
-                if not ok and server.state == "up":
-                    exited = server.process is not None and server.process.poll() is not None
-                    self._mark_dead(server, "exited" if exited else
-                                    f"health probe unanswered for {self.cfg.health_timeout_s} s")
+            probes = await asyncio.gather(*(self._probe(session, s) for s in busy))
+            for server, probe in zip(busy, probes):
+                why = self._why_dead(server, probe) if server.state == "up" else None
+                if why:
+                    self._mark_dead(server, why)
                     self._restart_in_background(session, server)
 
     def map(self, path: str, payloads: list[dict], parse: ParseResponse,

@@ -15,7 +15,8 @@ On a machine without CUDA each of these raises. This layer redirects them to the
 
 The layer was written against the megatron-core versions in ``SUPPORTED_MEGATRON_VERSIONS``; any other
 version raises instead of half-working. It is never applied when CUDA is available, so nothing here
-touches the GPU path.
+touches the GPU path; only the trainer's distributed start-up applies it (checkpoint conversion
+needs none of it and runs with any megatron-core).
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from megatron_entropy.algorithms.aggregation import step_normalizer
 from megatron_entropy.algorithms.policy_loss import (PolicyLossSettings, policy_loss,
                                                      reduce_metrics)
 from megatron_entropy.analysis.entropy_change import entropy_change_metrics
@@ -161,14 +162,6 @@ class Actor:
 
     # ------------------------------------------------------------------ updates
 
-    def _normalizer(self, samples: list[Sample], ids: list[int]) -> float:
-        """The aggregation denominator of the whole optimizer step, over every DP rank."""
-        per_token = self.loss_settings.loss_agg_mode == "token-mean"
-        local = sum(len(samples[i].response_ids) if per_token else 1 for i in ids)
-        t = torch.tensor([float(local)], dtype=torch.float64, device=self.device)
-        torch.distributed.all_reduce(t, group=self.ps.get_data_parallel_group())
-        return float(t.item())
-
     def _global_selections(self, mbs: list[MicroBatch], seed: int) -> Optional[list]:
         """Clip-Cov/KL-Cov token choice over the whole optimizer step (cov_scope=global)."""
         if self.settings.cov_scope != "global":
@@ -203,8 +196,10 @@ class Actor:
         for epoch in range(self.settings.ppo_epochs):
             for k in range(n_mini):
                 ids = list(range(bounds[k], bounds[k + 1]))
-                normalizer = self._normalizer(samples, ids)
                 mbs = pack_micro_batches(samples, self.settings.micro_batch_tokens, ids)
+                normalizer = step_normalizer([mb.mask for mb in mbs],
+                                             self.loss_settings.loss_agg_mode,
+                                             self.ps.get_data_parallel_group())
                 # Every draw derives from (seed, step, epoch, mini-batch, micro-batch): resumable.
                 update_seed = ((self.settings.seed * 1_000_003 + step) * 1009 + epoch) * 101 + k
                 selections = self._global_selections(mbs, update_seed)

@@ -144,7 +144,6 @@ class Trainer:
             self.hf_dir = m.hf_path
         self.arch.check_parallel(cfg.parallel.tensor, cfg.parallel.pipeline)
         self.tokenizer = load_tokenizer(self.hf_dir)
-        seq_length = cfg.rollout.max_prompt_tokens + cfg.rollout.max_new_tokens
 
         self.train_data = load_prompt_dataset(cfg.data, self.tokenizer,
                                               cfg.rollout.max_prompt_tokens, "train")
@@ -155,7 +154,7 @@ class Trainer:
         self.ckpt = CheckpointManager(self.run_dir, cfg.trainer.keep_last)
         resume_from = self._resume_path()
         self.model = build_trainable_model(self.arch, cfg.parallel.tensor, cfg.parallel.pipeline,
-                                           m.dtype, m.transformer_impl, seq_length,
+                                           m.dtype, m.transformer_impl, m.seq_length,
                                            cfg.parallel.sequence_parallel,
                                            m.recompute_activations)
         if resume_from is None:
@@ -169,7 +168,7 @@ class Trainer:
             from megatron_entropy.models.builder import build_gpt_model
 
             ref_model = build_gpt_model(self.arch, cfg.parallel.tensor, cfg.parallel.pipeline,
-                                        m.dtype, m.transformer_impl, seq_length,
+                                        m.dtype, m.transformer_impl, m.seq_length,
                                         cfg.parallel.sequence_parallel)
             self._load_initial_weights(ref_model)
             ref_model.requires_grad_(False)
@@ -269,10 +268,10 @@ class Trainer:
 
     def sync_weights(self, version: int) -> dict[str, float]:
         """Megatron weights -> the engine. Every model-parallel rank of a replica that feeds an
-        engine takes part in the gather; the replica's leader streams tensors to its engine."""
+        engine takes part in the gather; the replica's leader streams tensors to its engine.
+        Returns the engine's ``weight_sync/*`` metrics (the step's whole sync is ``time/sync``)."""
         from megatron_entropy.models.bridge import export_hf_weights
 
-        start = time.perf_counter()
         stats: dict[str, float] = {}
         feeds_engine = (self.ps.get_data_parallel_rank() == 0) if self.shared_engine else True
         if feeds_engine:
@@ -283,8 +282,7 @@ class Trainer:
                 for _ in tensors:  # take part in the collective gather
                     pass
         dist.barrier()
-        return {"sync/seconds": time.perf_counter() - start,
-                **{f"sync/{k}": float(v) for k, v in stats.items()}}
+        return {k: float(v) for k, v in stats.items()}
 
     def validate(self, step: int) -> dict[str, float]:
         from megatron_entropy.rewards import math_rewards

@@ -47,6 +47,7 @@ class MetricsLogger:
         self.enabled = enabled
         self.path = Path(run_dir) / "metrics.jsonl"
         self._bar = None
+        self._shown: dict[str, str] = {}  # the bar's numbers: the latest of each (val persists)
         self._tb = None
         self._wandb = None
         if not enabled:
@@ -90,10 +91,13 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.log(record, step=step)
         if self._bar is not None:
-            shown = {short: f"{record[k]:.3g}" for k, short in PROGRESS_KEYS
-                     if isinstance(record.get(k), (int, float))}
-            self._bar.set_postfix(shown, refresh=False)
-            self._bar.update(1)
+            self._shown.update({short: f"{record[k]:.3g}" for k, short in PROGRESS_KEYS
+                                if isinstance(record.get(k), (int, float))})
+            self._bar.set_postfix({short: self._shown[short] for _, short in PROGRESS_KEYS
+                                   if short in self._shown}, refresh=False)
+            # The bar counts training steps: a validation before the first (step 0) only
+            # refreshes the numbers shown.
+            self._bar.update(max(step - self._bar.n, 0))
 
     def write(self, message: str) -> None:
         """A line on the console that does not break the progress bar."""
