@@ -122,7 +122,7 @@ class Trainer:
         self.cfg = cfg
         self.run_dir = cfg.run_dir
         init_distributed(cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.backend,
-                         cfg.parallel.timeout_minutes)
+                         cfg.parallel.timeout_minutes, socket_ifname=cfg.parallel.socket_ifname)
         set_seed(cfg.trainer.seed)
         self.ps = ps
         self.rank0 = dist.get_rank() == 0
