@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs Debian's Slurm (slurmctld, slurmd, client tools) and munge for tests/test_slurm*.py.
 # Idempotent: does nothing when the binaries are already there. The tests start and stop their own
-# single-node cluster (tests/slurm_cluster.py); nothing is started here.
+# four-node cluster on this machine (tests/slurm_cluster.py: one slurmd per fake node, each in a
+# mount namespace of its own made with util-linux's unshare); nothing is started here.
 set -euo pipefail
 start=$SECONDS
 if command -v slurmctld >/dev/null && command -v slurmd >/dev/null && command -v sbatch >/dev/null \

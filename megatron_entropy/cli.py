@@ -121,6 +121,9 @@ def _spawn_local(args: argparse.Namespace, nproc: int, run_dir: Path) -> int:
 
 
 def _run_train(args: argparse.Namespace) -> int:
+    from megatron_entropy.trainer import preemption
+
+    preemption.install()  # first: a USR1/TERM during the minutes of start-up is held, not fatal
     from megatron_entropy.config import load_config
     from megatron_entropy.runtime import check_layout, detect_launch_env
 

@@ -49,8 +49,14 @@ class ParallelConfig:
     tensor: int = _f(1, ge=1)
     pipeline: int = _f(1, ge=1)
     sequence_parallel: bool = _f(False, help="GPU with Transformer Engine only")
-    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    backend: Literal["auto", "nccl", "gloo"] = _f(
+        "auto", help="auto: nccl where CUDA is, else gloo (under Slurm a task without a visible "
+                     "GPU is an error: CPU runs say gloo)")
     timeout_minutes: float = _f(30.0, gt=0)
+    socket_ifname: Optional[str] = _f(
+        None, help="network interface(s) of NCCL's and gloo's sockets, set as NCCL_SOCKET_IFNAME "
+                   "and GLOO_SOCKET_IFNAME (e.g. ib0, or ^lo,docker0 to exclude); null: the "
+                   "libraries' own choice")
 
 
 @dataclass

@@ -1,14 +1,19 @@
-"""The slurm/ scripts on a real single-node Slurm cluster (slurmctld + slurmd + munge, started by
-tests/slurm_cluster.py): srun ranks, a too-small job, conversion, the colocated quickstart, a
-preempted job that requeues and resumes, and the disaggregated script with a real vLLM server."""
+"""The slurm/ scripts on a real Slurm cluster of 4 fake nodes with 2 fake GPUs each, all on this
+machine (slurmctld + one slurmd per node + munge, started by tests/slurm_cluster.py): srun ranks
+across nodes, a too-small job, conversion, the colocated script, the disaggregated split with
+the GPUs every step sees, a time-limit warning (USR1) and a real preemption (GraceTime, SIGTERM to
+every task) that checkpoint, requeue and continue, a controller that fails a command once, a
+server node that dies, the disaggregated script with a real vLLM server, a failing trainer."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import re
 import shutil
 import socket
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -19,10 +24,12 @@ import yaml
 from serving_model import make_served_model, make_tp2_model
 from slurm_cluster import SlurmCluster, missing_binaries
 
+from megatron_entropy.runtime.launch_env import SLURM_MASTER_PORT_BASE, SLURM_MASTER_PORT_SPAN
+
 REPO = Path(__file__).resolve().parents[1]
 SLURM = REPO / "slurm"
-QUICKSTART = REPO / "examples" / "quickstart.yaml"
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+FAKE_SGLANG = Path(__file__).with_name("fake_sglang_server.py")
 
 pytestmark = pytest.mark.skipif(
     bool(missing_binaries()) or os.geteuid() != 0,
@@ -34,15 +41,17 @@ def cluster():
     # Not under pytest's tmp: munged (user munge) must traverse the folder to its socket.
     root = Path(tempfile.mkdtemp(prefix="me-slurm-"))
     root.chmod(0o755)
-    c = SlurmCluster(root, cpus=8).start()
-    yield c
-    c.stop()
-    shutil.rmtree(root, ignore_errors=True)
+    c = SlurmCluster(root, nodes=4, cpus=8, gpus=2)
+    try:
+        yield c.start()
+    finally:
+        c.stop()
+        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
 def job_env(cluster):
-    # One thread per rank: the machine has 2 cores for a 2-task trainer (and maybe a server).
+    # One thread per rank: the machine has 2 cores for every rank and server of a job.
     return cluster.env(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
 
 
@@ -55,7 +64,7 @@ def tiny_model(tmp_path_factory) -> Path:
 def tiny_config(path: Path, model: Path, runs: Path, name: str, **sections) -> Path:
     cfg = {
         "model": {"hf_path": str(model), "dtype": "fp32", "seq_length": 256},
-        "parallel": {"tensor": 2},
+        "parallel": {"tensor": 2, "backend": "gloo"},  # CPU jobs say so (no GPU under Slurm)
         "rollout": {"n_samples": 4, "max_new_tokens": 12, "max_prompt_tokens": 96},
         "algorithm": {"loss": "kl_cov", "kl_cov_ratio": 0.05},
         "data": {"prompts_per_step": 4, "apply_chat_template": False, "dynamic_sampling": False},
@@ -84,9 +93,226 @@ def job_output(tmp: Path) -> str:
     return "\n".join(p.read_text() for p in sorted(tmp.glob("slurm-*.out")))
 
 
-def port_listens(port: int) -> bool:
+def read(path: Path) -> str:
+    return path.read_text() if path.is_file() else ""
+
+
+def port_listens(port: int, host: str = "127.0.0.1") -> bool:
     with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0
+        return s.connect_ex((host, port)) == 0
+
+
+# ----------------------------------------------------------------- the four-node disaggregated job
+
+
+def disaggregated_config(tmp: Path, model: Path, name: str, steps: int, **sections) -> Path:
+    """Servers (the strict fake SGLang server, tests/fake_sglang_server.py) on node1 and node2,
+    one per node with both its GPUs; the trainer on node3 and node4, TP=2 inside a node and DP=2
+    across them. Each server binds its own node's address, so both may use the same port."""
+    request_log = f'{tmp}/requests-"$SLURMD_NODENAME".jsonl'
+    serve = ["/bin/sh", "-c",
+             f'exec "$0" "$@" --host "$SLURMD_NODENAME" --request-log {request_log}',
+             "{python}", str(FAKE_SGLANG), "--model-path", "{model}", "--port", "{port}",
+             "--weight-version", "{weight_version}"]
+    server = {"urls_file": str(tmp / "runs" / name / "server_urls.txt"), "base_port": 31900,
+              "server_python": sys.executable, "launch_command": serve,
+              "startup_timeout_s": 300, "health_check_interval_s": 1, "health_timeout_s": 5}
+    layout = {"rollout": {"engine": "sglang", "server": server},
+              "trainer": {"steps": steps, "save_interval": 1},
+              "cluster": {"server_nodes": 2, "servers_per_node": 1, "server_gpus": 2}}
+    for section, values in sections.items():
+        layout[section] = {**layout.get(section, {}), **values}
+    return tiny_config(tmp / "c.yaml", model, tmp / "runs", name, **layout)
+
+
+def recording_python(tmp: Path) -> Path:
+    """A PYTHON for the scripts that logs where each process of the job runs and which GPUs it
+    was given, then becomes the real interpreter."""
+    wrapper = tmp / "python"
+    wrapper.write_text(
+        "#!/bin/sh\n"
+        f'echo "${{SLURMD_NODENAME:-?}} step=${{SLURM_STEP_ID:-batch}} task=${{SLURM_PROCID:-?}} '
+        f'gpus=${{CUDA_VISIBLE_DEVICES:-none}} step_gpus=${{SLURM_STEP_GPUS:-none}} $*" '
+        f'>> {tmp}/processes.txt\n'
+        f'exec {sys.executable} "$@"\n')
+    wrapper.chmod(0o755)
+    return wrapper
+
+
+def failing_once(tmp: Path, *commands: str) -> Path:
+    """A bin folder for PATH whose ``squeue`` / ``scontrol SUB`` fail the first time each is
+    called, as a busy or restarting controller answers ("Socket timed out"), then work."""
+    bin_dir, state = tmp / "bin", tmp / "failed-once"
+    bin_dir.mkdir()
+    state.mkdir()
+    for cmd in commands:
+        real = shutil.which(cmd)
+        (bin_dir / cmd).write_text(
+            "#!/bin/sh\n"
+            f'key="{state}/{cmd}-$1"\n'
+            'if [ ! -e "$key" ]; then\n'
+            '  touch "$key"\n'
+            f'  echo "{cmd}: error: Socket timed out on send/recv operation (test)" >&2\n'
+            "  exit 1\n"
+            "fi\n"
+            f'exec {real} "$@"\n')
+        (bin_dir / cmd).chmod(0o755)
+    return bin_dir
+
+
+def processes_by_role(tmp: Path) -> dict[str, list[dict]]:
+    roles: dict[str, list[dict]] = {"trainer": [], "server": [], "batch": []}
+    for line in read(tmp / "processes.txt").splitlines():
+        node, step, task, gpus, step_gpus, *argv = line.split()
+        row = {"node": node, "step": step.split("=")[1], "task": task.split("=")[1],
+               "gpus": gpus.split("=")[1], "step_gpus": step_gpus.split("=")[1]}
+        if argv[:3] == ["-m", "megatron_entropy.cli", "train"]:
+            roles["trainer"].append(row)
+        elif argv[:3] == ["-m", "megatron_entropy.runtime.slurm", "serve"]:
+            roles["server"].append(row)
+        else:
+            roles["batch"].append(row)
+    return roles
+
+
+def wait_for(what: str, condition, cluster: SlurmCluster, job: int, tmp: Path,
+             timeout: float = 420) -> dict:
+    """Poll until ``condition(job info)`` holds; fail if the job ends first."""
+    deadline = time.monotonic() + timeout
+    while True:
+        info = cluster.job(job)
+        if condition(info):
+            return info
+        assert info["JobState"] in ("PENDING", "RUNNING", "REQUEUED", "COMPLETING"), \
+            (what, info, job_output(tmp))
+        assert time.monotonic() < deadline, (what, info, job_output(tmp))
+        time.sleep(0.5)
+
+
+@pytest.mark.slow
+def test_four_node_job_gpus_usr1_and_preemption_checkpoint_requeue_resume(cluster, job_env,
+                                                                          tiny_model, tmp_path):
+    """One disaggregated job on the four nodes: servers on the first two, the trainer (TP=2 x
+    DP=2) on the other two, every step with the GPUs it asked for (the job holds them only
+    through --exclusive). It is warned by USR1 (what --signal=B:USR1@600 sends the batch script
+    before the time limit), then preempted for real (a job of the `urgent` partition needs a
+    node: GraceTime, SIGTERM to every task of every step); each time it checkpoints, requeues and
+    resumes, with squeue and each scontrol subcommand failing once, and the metrics go on."""
+    steps = 6
+    conf = disaggregated_config(tmp_path, tiny_model, "four", steps)
+    run = tmp_path / "runs" / "four"
+    env = {**job_env, "PYTHON": str(recording_python(tmp_path)),
+           "PATH": f"{failing_once(tmp_path, 'squeue', 'scontrol')}:{job_env['PATH']}"}
+    job = cluster.submit("--nodes=4", str(SLURM / "disaggregated.sbatch"), str(conf), env=env,
+                         cwd=tmp_path)
+
+    def steps_done(n: int):
+        return lambda info: len(metrics(run)) >= n
+
+    wait_for("the first step", steps_done(1), cluster, job, tmp_path)
+    cluster.run("scancel", "--signal=USR1", "--batch", str(job))
+    wait_for("a requeue", lambda info: info.get("Restarts") == "1", cluster, job, tmp_path)
+    # The resumed run makes progress, then a real preemption comes.
+    wait_for("resume", lambda info: "resumed from" in read(run / "logs" / "trainer.log"),
+             cluster, job, tmp_path)
+    resumed_at = len(metrics(run))
+    wait_for("a step after resuming", steps_done(resumed_at + 1), cluster, job, tmp_path)
+    cluster.submit("--partition=urgent", "--nodes=1", "--nodelist=node3",
+                   f"--output={tmp_path}/urgent.out", "--wrap", "echo urgent ran", env=job_env)
+    info = wait_for("the end", lambda info: info["JobState"] in ("COMPLETED", "FAILED"),
+                    cluster, job, tmp_path, timeout=600)
+    out, log = job_output(tmp_path), read(run / "logs" / "trainer.log")
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", out + log[-3000:]
+    assert info["Restarts"] == "2", out
+    assert read(tmp_path / "urgent.out") == "urgent ran\n"  # it ran while ours waited
+
+    # The split: servers on node1 and node2, the trainer's four ranks on node3 and node4.
+    assert "trainer: 4 tasks on node3,node4 (GPUs per node: 2)" in out, out
+    assert "servers: 2 x sglang (2 GPU each) on node1,node2" in out, out
+    assert read(run / "server_urls.txt") == "http://node1:31900\nhttp://node2:31900\n"
+    roles = processes_by_role(tmp_path)
+    assert len(roles["trainer"]) == 12 and len(roles["server"]) == 6, roles  # three starts
+    for start in range(3):
+        trainers = roles["trainer"][4 * start:4 * start + 4]
+        servers = roles["server"][2 * start:2 * start + 2]
+        assert sorted((r["node"], r["task"]) for r in trainers) == \
+            [("node3", "0"), ("node3", "1"), ("node4", "2"), ("node4", "3")], roles
+        assert sorted(r["node"] for r in servers) == ["node1", "node2"], roles
+        # Bug 1: each step asked for its GPUs, so each task sees its node's two.
+        for r in trainers + servers:
+            assert (r["gpus"], r["step_gpus"]) == ("0,1", "0,1"), r
+    server_logs = read(run / "logs" / "server-0.log") + read(run / "logs" / "server-1.log")
+    assert re.search(r"\[serve 0\] node1:31900 GPUs 0,1", server_logs), server_logs
+    assert re.search(r"\[serve 1\] node2:31900 GPUs 0,1", server_logs), server_logs
+    # Rollouts went to both servers; each got the new weights.
+    for node in ("node1", "node2"):
+        paths = [json.loads(line)["path"] for line in
+                 read(tmp_path / f"requests-{node}.jsonl").splitlines()]
+        assert "/generate" in paths and "/update_weights_from_disk" in paths, (node, paths)
+
+    # USR1: passed on by the script; the requeue is retried once.
+    assert "USR1: asking the trainer to checkpoint and stop" in out
+    assert re.search(r"scontrol requeue \d+ failed \(attempt 1 of 5\): scontrol: error: Socket "
+                     r"timed out", out), out
+    # SIGTERM from the preemption: the servers ignored it and kept serving the last step.
+    assert "SIGTERM ignored" in server_logs
+    assert out.count("preempted: checkpoint written; requeueing") == 2, out
+    assert len(re.findall(r"signal received: checkpointed step \d; exiting with 75", log)) >= 2
+    assert log.count("resumed from") >= 2
+    rows = metrics(run)
+    assert [r["step"] for r in rows] == list(range(1, steps + 1)), out
+    assert_finite(rows)
+    assert "stopping the servers" in out
+    assert not port_listens(31900, cluster.address("node1"))
+    assert not cluster.processes(job_id=job)
+
+
+@pytest.mark.slow
+def test_a_server_node_that_dies_takes_the_job_down_and_leaves_nothing(cluster, job_env,
+                                                                      tiny_model, tmp_path):
+    """node2 (a server node) loses power mid-run: its slurmd, step daemons and server die at
+    once. The trainer goes on with node1's server until Slurm declares node2 DOWN and requeues
+    the job (or the trainer fails first): either way no process of the job is left on any node
+    and node1's server no longer listens."""
+    # Lighter than the job above: three nodes, one trainer rank (on node3), one GPU per step.
+    conf = disaggregated_config(tmp_path, tiny_model, "dies", steps=200,
+                                parallel={"tensor": 1}, cluster={"gpus_per_node": 1,
+                                                                 "server_gpus": 1})
+    run = tmp_path / "runs" / "dies"
+    # (node2 named: requeued, the job waits for it instead of starting on node4)
+    job = cluster.submit("--nodes=3", "--nodelist=node[1-3]",
+                         str(SLURM / "disaggregated.sbatch"), str(conf), env=job_env,
+                         cwd=tmp_path)
+    try:
+        wait_for("the first step", lambda info: len(metrics(run)) >= 1, cluster, job, tmp_path)
+        cluster.kill_node("node2")
+        steps_at_kill = len(metrics(run))
+        deadline = time.monotonic() + 180
+        while True:
+            info = cluster.job(job)
+            if info["JobState"] == "FAILED" or int(info.get("Restarts", 0)) >= 1:
+                break
+            assert time.monotonic() < deadline, (info, job_output(tmp_path))
+            time.sleep(1)
+        if info["JobState"] != "FAILED":  # requeued: keep it from starting again
+            cluster.run("scontrol", "hold", str(job))
+        deadline = time.monotonic() + 60
+        while cluster.processes(job_id=job) and time.monotonic() < deadline:
+            time.sleep(1)
+        out = job_output(tmp_path)
+        assert not cluster.processes(job_id=job), out
+        assert not port_listens(31900, cluster.address("node1"))
+        if info["JobState"] == "FAILED":
+            assert "trainer exited with code" in out and "stopping the servers" in out, out
+        else:
+            assert cluster.node_states()["node2"].startswith("down"), cluster.node_states()
+            # Until then the trainer went on with node1's server alone.
+            assert len(metrics(run)) > steps_at_kill, (steps_at_kill, out)
+            assert "due to failure of node node2" in read(cluster.root / "log" /
+                                                           "slurmctld.log")
+    finally:
+        cluster.run("scancel", str(job), check=False)
+        cluster.start_node("node2")
 
 
 # --------------------------------------------------------------------------------------- basics
@@ -94,17 +320,21 @@ def port_listens(port: int) -> bool:
 
 def test_srun_tasks_see_their_rank_and_the_jobs_master(cluster, job_env, tmp_path):
     script = tmp_path / "ranks.sbatch"
-    script.write_text("#!/bin/bash\nsrun python -c 'from megatron_entropy.runtime import "
+    script.write_text("#!/bin/bash\necho NODES $(scontrol show hostnames)\n"
+                      "srun python -c 'import os; from megatron_entropy.runtime import "
                       "detect_launch_env as d; e = d(); print(\"RANK\", e.rank, e.world_size, "
-                      "e.local_rank, e.master_addr, e.master_port, e.launcher)'\n")
-    job, rc = cluster.sbatch("--nodes=1", "--ntasks=2", f"--output={tmp_path}/out.txt",
-                             str(script), env=job_env)
+                      "e.local_rank, os.environ[\"SLURMD_NODENAME\"], e.master_addr, "
+                      "e.master_port, e.launcher)'\n")
+    job, rc = cluster.sbatch("--nodes=2", "--ntasks=4", "--ntasks-per-node=2",
+                             f"--output={tmp_path}/out.txt", str(script), env=job_env)
     out = (tmp_path / "out.txt").read_text()
     assert rc == 0, out
+    first, second = next(ln.split()[1:] for ln in out.splitlines() if ln.startswith("NODES"))
     rows = sorted(line.split()[1:] for line in out.splitlines() if line.startswith("RANK"))
-    port = str(20000 + job % 20000)
-    assert rows == [["0", "2", "0", cluster.host, port, "slurm"],
-                    ["1", "2", "1", cluster.host, port, "slurm"]]
+    port = SLURM_MASTER_PORT_BASE + job % SLURM_MASTER_PORT_SPAN
+    # Ranks 0-1 on the first node, 2-3 on the second; all agree on the first node as master.
+    assert rows == [[str(r), "4", str(r % 2), (first, second)[r // 2], first, str(port), "slurm"]
+                    for r in range(4)]
 
 
 def test_job_with_too_few_nodes_fails_with_the_count_it_needs(cluster, job_env, tiny_model,
@@ -118,6 +348,18 @@ def test_job_with_too_few_nodes_fails_with_the_count_it_needs(cluster, job_env, 
     assert rc != 0
     assert "the job has 1 node" in out and "needs 2: 1 for rollout servers" in out, out
     assert not (tmp_path / "runs" / "few" / "metrics.jsonl").exists()
+
+
+def test_gpu_job_without_gpus_fails_before_starting_anything(cluster, job_env, tiny_model,
+                                                            tmp_path):
+    conf = tiny_config(tmp_path / "c.yaml", tiny_model, tmp_path / "runs", "nogpu",
+                       parallel={"backend": "auto"})
+    _, rc = cluster.sbatch("--nodes=1", "--ntasks=2", str(SLURM / "colocated.sbatch"),
+                           str(conf), env=job_env, cwd=tmp_path)
+    out = job_output(tmp_path)
+    assert rc != 0
+    assert "the job holds no GPUs" in out and "--gpus-per-node=2" in out, out
+    assert "trainer started" not in out
 
 
 @pytest.mark.slow
@@ -137,53 +379,19 @@ def test_conversion_job_writes_a_checkpoint_of_the_model(cluster, job_env, tiny_
 
 
 @pytest.mark.slow
-def test_colocated_script_runs_the_quickstart_on_two_tasks(cluster, job_env, tmp_path):
-    _, rc = cluster.sbatch(
-        "--nodes=1", "--ntasks=2", str(SLURM / "colocated.sbatch"), str(QUICKSTART),
-        "cluster.gpus_per_node=2", "trainer.steps=2", "data.prompts_per_step=4",
-        "trainer.val_before_train=false", "trainer.val_interval=0",
-        f"model.hf_path={REPO / 'examples' / 'quickstart_model'}",
-        f"logging.runs_dir={tmp_path / 'runs'}", "logging.name=quick",
-        env=job_env, cwd=tmp_path, timeout=900)
-    run = tmp_path / "runs" / "quick"
-    assert rc == 0, job_output(tmp_path) + (run / "logs" / "trainer.log").read_text()[-3000:]
+def test_colocated_script_trains_on_two_tasks_with_their_gpus(cluster, job_env, tiny_model,
+                                                              tmp_path):
+    conf = tiny_config(tmp_path / "c.yaml", tiny_model, tmp_path / "runs", "colo",
+                       trainer={"steps": 2})
+    _, rc = cluster.sbatch("--nodes=1", "--ntasks=2", "--gpus-per-node=2",
+                           str(SLURM / "colocated.sbatch"), str(conf), env=job_env, cwd=tmp_path,
+                           timeout=900)
+    run = tmp_path / "runs" / "colo"
+    out = job_output(tmp_path)
+    assert rc == 0, out + read(run / "logs" / "trainer.log")[-3000:]
+    assert "trainer: 2 tasks on node1 (GPUs per node: 2)" in out, out
     rows = metrics(run)
     assert [r["step"] for r in rows] == [1, 2]
-    assert_finite(rows)
-    # Both tasks are ranks of one job: the quickstart's TP=2 cannot run on fewer.
-    assert yaml.safe_load((run / "config.yaml").read_text())["parallel"]["tensor"] == 2
-    assert "trainer: 2 tasks" in job_output(tmp_path)
-
-
-@pytest.mark.slow
-def test_usr1_checkpoints_requeues_and_the_metrics_continue(cluster, job_env, tiny_model,
-                                                            tmp_path):
-    steps = 5
-    conf = tiny_config(tmp_path / "c.yaml", tiny_model, tmp_path / "runs", "pre",
-                       trainer={"steps": steps})
-    run = tmp_path / "runs" / "pre"
-    job = cluster.submit("--nodes=1", "--ntasks=2", str(SLURM / "colocated.sbatch"), str(conf),
-                         env=job_env, cwd=tmp_path)
-    deadline = time.monotonic() + 300
-    while not metrics(run):  # the trainer is past step 1: its signal handler is in place
-        info = cluster.job(job)
-        assert info["JobState"] in ("PENDING", "RUNNING"), (info, job_output(tmp_path))
-        assert time.monotonic() < deadline, job_output(tmp_path)
-        time.sleep(0.2)
-    # What --signal=B:USR1@N does before a time limit: signal the batch script alone.
-    cluster.run("scancel", "--signal=USR1", "--batch", str(job))
-    info = cluster.wait_state(job, ("PENDING", "REQUEUED", "COMPLETED", "FAILED"), timeout=300)
-    done_before_requeue = len(metrics(run))
-    info = cluster.wait_state(job, ("COMPLETED", "FAILED", "CANCELLED"), timeout=600)
-    out = job_output(tmp_path)
-    log = (run / "logs" / "trainer.log").read_text()
-    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", out + log[-3000:]
-    assert info["Restarts"] == "1"
-    assert "preempted: checkpoint written; requeueing" in out
-    assert "resumed from" in log
-    assert done_before_requeue < steps
-    rows = metrics(run)
-    assert [r["step"] for r in rows] == list(range(1, steps + 1))  # each step once, in order
     assert_finite(rows)
 
 
@@ -206,9 +414,9 @@ def test_disaggregated_script_with_a_vllm_server(cluster, job_env, tmp_path):
                            str(conf), env=job_env, cwd=tmp_path, timeout=900)
     run = tmp_path / "runs" / "dis"
     out = job_output(tmp_path)
-    log = (run / "logs" / "trainer.log").read_text() if (run / "logs").is_dir() else ""
+    log = read(run / "logs" / "trainer.log")
     assert rc == 0, out + log[-3000:]
-    assert (run / "server_urls.txt").read_text() == f"http://{cluster.host}:{port}\n"
+    assert (run / "server_urls.txt").read_text() == f"http://node1:{port}\n"
     rows = metrics(run)
     assert [r["step"] for r in rows] == [1, 2]
     assert_finite(rows)

@@ -1,6 +1,7 @@
 """Node splitting, the layout the sbatch scripts eval, URL files, waiting for servers (no Slurm)."""
 
 import http.server
+import re
 import shlex
 import subprocess
 import threading
@@ -10,9 +11,10 @@ import pytest
 
 from megatron_entropy.config import ConfigError, load_config
 from megatron_entropy.runtime import ParallelLayoutError, expand_nodelist
-from megatron_entropy.runtime.slurm import (NotEnoughNodesError, _visible_gpus, job_layout,
-                                            layout_shell, main, read_urls, server_command,
-                                            split_nodes, wait_for_servers, write_url)
+from megatron_entropy.runtime.slurm import (NotEnoughNodesError, _visible_gpus,
+                                            job_gpus_on_node, job_layout, layout_shell, main,
+                                            read_urls, server_command, split_nodes, step_gpus,
+                                            wait_for_servers, write_url)
 
 REPO = Path(__file__).resolve().parents[1]
 SERVED = ["rollout.engine=sglang", "rollout.server.urls_file=urls.txt"]
@@ -76,11 +78,32 @@ def test_servers_share_the_first_trainer_node_without_server_nodes():
 def test_layout_shell_evaluates_in_bash(tmp_path, no_scontrol):
     c = cfg(*SERVED, "cluster.server_nodes=1", "cluster.server_gpus=4", f"logging.runs_dir="
             f"{tmp_path / 'my runs'}", "logging.name=x")
-    script = layout_shell(c, expand_nodelist("n[1-3]")) + \
-        'echo "$RUN_DIR|$SERVER_NODELIST|$SERVERS_PER_NODE|$TRAINER_NODELIST|$TRAINER_TASKS"'
+    script = layout_shell(c, expand_nodelist("n[1-3]"), job_gpus=8) + \
+        'echo "$RUN_DIR|$SERVER_NODELIST|$SERVERS_PER_NODE|$TRAINER_NODELIST|$TRAINER_TASKS|' \
+        '$TRAINER_STEP_GPUS|$SERVER_STEP_GPUS"'
     out = subprocess.run(["bash", "-c", script], capture_output=True, text=True,
                          check=True).stdout.strip()
-    assert out == f"{tmp_path / 'my runs' / 'x'}|n1|2|n2,n3|16"
+    assert out == f"{tmp_path / 'my runs' / 'x'}|n1|2|n2,n3|16|8|8"
+
+
+def test_every_step_asks_for_gpus_when_the_job_holds_them(no_scontrol):
+    c = cfg(*SERVED, "cluster.server_nodes=1", "cluster.server_gpus=2",
+            "cluster.servers_per_node=3")
+    lay = job_layout(c, ["a", "b"])
+    assert step_gpus(c, lay, job_gpus=8) == (8, 6)  # trainer: one per task; servers: 3 x 2
+    # A CPU job (no GPUs held): steps ask for none, and the config must say so.
+    assert step_gpus(cfg(*SERVED, "parallel.backend=gloo"), lay, job_gpus=0) == (0, 0)
+    with pytest.raises(ConfigError, match=r"holds no GPUs .* --gpus-per-node=8 .* "
+                                          r"parallel\.backend=gloo"):
+        step_gpus(c, lay, job_gpus=0)
+    with pytest.raises(ConfigError, match="holds 4 GPU.* cluster.gpus_per_node=8"):
+        step_gpus(c, lay, job_gpus=4)
+
+
+def test_the_jobs_gpus_come_from_slurms_variables():
+    assert job_gpus_on_node({"SLURM_JOB_GPUS": "0,1,2,3", "SLURM_GPUS_ON_NODE": "4"}) == 4
+    assert job_gpus_on_node({"SLURM_GPUS_ON_NODE": "2"}) == 2
+    assert job_gpus_on_node({}) == 0
 
 
 def test_layout_command_prints_error_and_fails(tmp_path, capsys):
@@ -89,7 +112,8 @@ def test_layout_command_prints_error_and_fails(tmp_path, capsys):
                     "{urls_file: u.txt}}\n")
     assert main(["layout", "--nodelist", "a,b", str(conf)]) == 1
     assert "the job has 2 nodes" in capsys.readouterr().err
-    assert main(["layout", "--nodelist", "a,b,c,d", str(conf), "cluster.gpus_per_node=2"]) == 0
+    assert main(["layout", "--nodelist", "a,b,c,d", "--job-gpus", "2", str(conf),
+                 "cluster.gpus_per_node=2"]) == 0
     values = dict(line.split("=", 1) for line in capsys.readouterr().out.split())
     assert values["SERVER_NODELIST"] == "a,b,c" and values["TRAINER_NODELIST"] == "d"
     assert shlex.split(values["URLS_FILE"]) == [str(Path("u.txt").resolve())]
@@ -175,3 +199,20 @@ def test_scripts_parse(script):
         text = script.read_text()
         assert text.startswith("#!/bin/bash\n# ")  # documented at the top
         assert "#SBATCH" in text
+
+
+def test_scripts_expand_arrays_safely_under_set_u():
+    """`"${a[@]}"` of an empty array is an unbound-variable error under `set -u` before bash 4.4
+    (login nodes of RHEL/CentOS 7 run 4.2; this machine's 5.2 cannot show it, so the source is
+    checked): the scripts write `${a[@]+"${a[@]}"}`."""
+    checked = 0
+    for script in sorted((REPO / "slurm").iterdir()):
+        text = script.read_text()
+        for m in re.finditer(r'"\$\{(\w+)\[[@*]\]\}"', text):
+            line = text.count("\n", 0, m.start()) + 1
+            if text.splitlines()[line - 1].lstrip().startswith("#"):
+                continue  # a comment that shows the idiom
+            assert text[:m.start()].endswith("${" + m.group(1) + "[@]+"), \
+                f"slurm/{script.name}:{line}: {m.group(0)} fails under set -u when empty"
+            checked += 1
+    assert checked >= 3  # the guarded expansions in common.sh were seen

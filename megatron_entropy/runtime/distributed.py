@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import os
 import random
 from typing import Optional
 
@@ -10,6 +11,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_entropy.config import ConfigError
 from megatron_entropy.runtime import cpu_compat
 from megatron_entropy.runtime.launch_env import LaunchEnv, detect_launch_env
 
@@ -31,24 +33,49 @@ def check_layout(world_size: int, tensor: int, pipeline: int) -> int:
     return world_size // (tensor * pipeline)
 
 
-def pick_backend(requested: str = "auto") -> str:
+def pick_backend(requested: str = "auto", launch: Optional[LaunchEnv] = None) -> str:
+    """nccl where CUDA is, else gloo. Under Slurm, ``auto`` without a visible CUDA device is an
+    error: on a GPU cluster it means the step got no GPU (a job that asked for none, or GPUs that
+    came only with --exclusive on a site with ConstrainDevices=yes), and training on the CPU
+    instead would be silent and hopeless; a CPU run says parallel.backend=gloo."""
     if requested == "auto":
-        return "nccl" if torch.cuda.is_available() else "gloo"
+        if torch.cuda.is_available():
+            return "nccl"
+        if launch is not None and launch.launcher == "slurm":
+            raise ConfigError(
+                "parallel.backend=auto, but this Slurm task (rank "
+                f"{launch.rank}, node {os.environ.get('SLURMD_NODENAME', '?')}) sees no CUDA "
+                f"device: CUDA_VISIBLE_DEVICES={_env_or_unset('CUDA_VISIBLE_DEVICES')}, "
+                f"SLURM_STEP_GPUS={_env_or_unset('SLURM_STEP_GPUS')}. Request GPUs on the job "
+                "and on every step (sbatch/srun --gpus-per-node=N or --gres=gpu:N; the slurm/ "
+                "scripts do it on each step), or set parallel.backend=gloo to train on CPUs")
+        return "gloo"
     if requested == "nccl" and not torch.cuda.is_available():
         raise RuntimeError("parallel.backend=nccl needs CUDA, which is not available here; use gloo")
     return requested
 
 
+def _env_or_unset(name: str) -> str:
+    value = os.environ.get(name)
+    return "(unset)" if value is None else repr(value)
+
+
 def init_distributed(tensor: int = 1, pipeline: int = 1, backend: str = "auto",
                      timeout_minutes: float = 30.0, launch: Optional[LaunchEnv] = None,
-                     init_method: Optional[str] = None) -> LaunchEnv:
+                     init_method: Optional[str] = None,
+                     socket_ifname: Optional[str] = None) -> LaunchEnv:
     """Join the job (torchrun, srun or one process), then build Megatron's TP/PP/DP groups.
 
-    On a machine without CUDA the CPU compatibility layer is applied first.
+    On a machine without CUDA the CPU compatibility layer is applied first. ``socket_ifname``
+    (parallel.socket_ifname) becomes NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME: the interface
+    whose address NCCL's bootstrap and gloo's sockets use instead of what the host name resolves
+    to (often 127.0.1.1, or a management network).
     """
     launch = launch or detect_launch_env()
     check_layout(launch.world_size, tensor, pipeline)
-    backend = pick_backend(backend)
+    backend = pick_backend(backend, launch)
+    if socket_ifname:
+        os.environ["NCCL_SOCKET_IFNAME"] = os.environ["GLOO_SOCKET_IFNAME"] = socket_ifname
     if torch.cuda.is_available():
         torch.cuda.set_device(launch.local_rank % torch.cuda.device_count())
     else:
@@ -63,8 +90,12 @@ def init_distributed(tensor: int = 1, pipeline: int = 1, backend: str = "auto",
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
+    # No gloo copies of the DP groups: nothing of ours uses them (the optimizer is built with
+    # use_gloo_process_groups=False), and each is one more gloo group per rank, bound to whatever
+    # the host name resolves to.
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tensor, pipeline_model_parallel_size=pipeline)
+        tensor_model_parallel_size=tensor, pipeline_model_parallel_size=pipeline,
+        create_gloo_process_groups=False)
     return launch
 
 

@@ -49,10 +49,19 @@ def expand_nodelist(nodelist: str) -> list[str]:
     return hosts
 
 
+# The master port of a Slurm job: SLURM_MASTER_PORT_BASE + job id % SLURM_MASTER_PORT_SPAN, the
+# same on every task without talking, different for jobs that share a node. The range lies below
+# Linux's default ephemeral range (net.ipv4.ip_local_port_range, 32768-60999), from which every
+# outgoing connection on the master node takes its local port (a rank's rollout requests, NCCL's
+# and gloo's own sockets) and so may hold the port before the TCPStore binds it, and below the
+# rollout servers' default base_port (30000). MASTER_PORT overrides it.
+SLURM_MASTER_PORT_BASE = 10000
+SLURM_MASTER_PORT_SPAN = 20000
+
+
 def _slurm_port(env: Mapping[str, str]) -> int:
-    # Derived from the job id so that jobs sharing a node do not collide, and all tasks agree.
     job = int(env.get("SLURM_JOB_ID", "0") or 0)
-    return 20000 + job % 20000
+    return SLURM_MASTER_PORT_BASE + job % SLURM_MASTER_PORT_SPAN
 
 
 def detect_launch_env(env: Optional[Mapping[str, str]] = None) -> LaunchEnv:

@@ -8,13 +8,16 @@ The sbatch scripts in slurm/ call this module; each command reads the same confi
 
 A disaggregated job gives its first ``cluster.server_nodes`` nodes to rollout servers
 (``servers_per_node`` servers of ``server_gpus`` GPUs each) and the rest to the trainer (one task
-per GPU). Each server task writes its URL to ``urls-dir/<index>`` once it answers /health;
-``wait-servers`` gathers them into the file the trainer reads (``rollout.server.urls_file``).
+per GPU); ``layout`` also says how many GPUs per node each step asks for. Each server task writes
+its URL to ``urls-dir/<index>`` once it answers /health; ``wait-servers`` gathers them into the
+file the trainer reads (``rollout.server.urls_file``). A server task ignores SIGTERM and SIGUSR1
+(preemption and the time-limit warning are the trainer's) and stops on SIGUSR2 from the script.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import dataclasses
 import math
 import os
@@ -114,9 +117,44 @@ def job_layout(cfg: Config, nodes: Sequence[str]) -> JobLayout:
                      shared=shared)
 
 
-def layout_shell(cfg: Config, nodes: Sequence[str]) -> str:
-    """``KEY=value`` lines (shell-quoted) for the sbatch scripts to ``eval``."""
+def job_gpus_on_node(env: Optional[dict[str, str]] = None) -> int:
+    """The job's GPUs on this node (the batch script's): SLURM_JOB_GPUS, else SLURM_GPUS_ON_NODE;
+    0 when the job holds none."""
+    env = os.environ if env is None else env
+    ids = env.get("SLURM_JOB_GPUS", "")
+    return len(ids.split(",")) if ids else int(env.get("SLURM_GPUS_ON_NODE") or 0)
+
+
+def step_gpus(cfg: Config, layout: JobLayout, job_gpus: int) -> tuple[int, int]:
+    """GPUs per node that the trainer step and the server step ask for (srun --gpus-per-node).
+
+    A step gets only the GPUs it asks for: GPUs that came with the job's --exclusive alone are
+    not handed to its steps (and with ConstrainDevices=yes the tasks then see no device at all),
+    so every step asks whenever the job holds GPUs. ``job_gpus`` is the job's count on a node;
+    0 is a CPU job, whose steps ask for none and whose trainer must say parallel.backend=gloo.
+    """
+    c = cfg.cluster
+    if not job_gpus:
+        if cfg.parallel.backend != "gloo":
+            raise ConfigError(
+                f"the job holds no GPUs (SLURM_JOB_GPUS is not set) but parallel.backend="
+                f"{cfg.parallel.backend} trains on GPUs: submit with --gpus-per-node="
+                f"{c.gpus_per_node} (or --gres=gpu:{c.gpus_per_node}), or set "
+                "parallel.backend=gloo for a CPU run")
+        return 0, 0
+    if job_gpus < c.gpus_per_node:
+        raise ConfigError(
+            f"the job holds {job_gpus} GPU(s) per node but cluster.gpus_per_node="
+            f"{c.gpus_per_node} (one trainer task per GPU): submit with --gpus-per-node="
+            f"{c.gpus_per_node} or set cluster.gpus_per_node={job_gpus}")
+    return c.gpus_per_node, layout.servers_per_node * layout.server_gpus
+
+
+def layout_shell(cfg: Config, nodes: Sequence[str], job_gpus: int) -> str:
+    """``KEY=value`` lines (shell-quoted) for the sbatch scripts to ``eval``; ``job_gpus`` is the
+    job's GPU count per node (job_gpus_on_node)."""
     layout = job_layout(cfg, nodes)
+    trainer_step_gpus, server_step_gpus = step_gpus(cfg, layout, job_gpus)
     run_dir = cfg.run_dir.resolve()
     # Config validation makes a server engine without urls/launch name its urls_file.
     urls_file = Path(cfg.rollout.server.urls_file or run_dir / "server_urls.txt").resolve()
@@ -138,6 +176,8 @@ def layout_shell(cfg: Config, nodes: Sequence[str]) -> str:
         "NUM_TRAINER_NODES": len(layout.trainer_nodes),
         "TRAINER_TASKS_PER_NODE": layout.trainer_tasks_per_node,
         "TRAINER_TASKS": layout.trainer_tasks,
+        "TRAINER_STEP_GPUS": trainer_step_gpus,
+        "SERVER_STEP_GPUS": server_step_gpus if layout.num_servers else 0,
     }
     return "".join(f"{k}={shlex.quote(str(v))}\n" for k, v in values.items())
 
@@ -254,13 +294,32 @@ def server_command(cfg: Config, host: str, port: int) -> tuple[list[str], dict[s
     return argv + (tp_flag if tp > 1 and not s.launch_command else []), env
 
 
+# The signal that stops a server task: the job script sends it to the server step's srun, which
+# forwards it to every task as it is. Not SIGTERM: Slurm sends SIGTERM to every task of every step
+# when a preemption's grace time begins, and the servers must keep serving the step the trainer
+# finishes before its checkpoint; not SIGINT, which srun takes for its own Ctrl-C handling.
+STOP_SIGNAL = signal.SIGUSR2
+SERVER_STOP_GRACE_S = 20.0  # then the server's process group gets SIGKILL
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _server_process_setup() -> None:
+    """In the server process, before exec: keep SIGTERM and SIGUSR1 blocked (proctrack/linuxproc
+    signals a task's whole process tree, and the serving stacks install handlers that stop on TERM;
+    a blocked signal stays pending and never reaches them), and die with this task (SIGKILL on the
+    parent's death) so that no server outlives its step."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGUSR1})
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
 def serve(cfg: Config, urls_dir: os.PathLike, task: int, local_id: int,
           node: Optional[str] = None) -> int:
     """Run one rollout server in the foreground; publish its URL once it answers /health.
 
-    Returns 0 when stopped by SIGTERM/SIGINT, else non-zero (the server ended on its own). SIGUSR1
-    is ignored so that a job-wide preemption warning does not kill the servers the trainer still
-    needs.
+    Stops on STOP_SIGNAL (or SIGINT): SIGINT to the server, SIGKILL after SERVER_STOP_GRACE_S;
+    returns 0 then. SIGTERM and SIGUSR1 are ignored (preemption and the time-limit warning are the
+    trainer's to act on). Any other end of the server is a failure (non-zero).
     """
     s = cfg.rollout.server
     port = s.base_port + local_id
@@ -272,41 +331,56 @@ def serve(cfg: Config, urls_dir: os.PathLike, task: int, local_id: int,
         env["CUDA_VISIBLE_DEVICES"] = gpus
     print(f"[serve {task}] {node}:{port} GPUs {gpus or env.get('CUDA_VISIBLE_DEVICES', '-')}: "
           f"{shlex.join(cmd)}", flush=True)
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # inherited by the server across exec
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
 
-    stopped = []
+    def ignored(signum: int, frame: object) -> None:
+        print(f"[serve {task}] {signal.Signals(signum).name} ignored: the job script stops the "
+              f"servers ({STOP_SIGNAL.name})", flush=True)
 
-    def stop(signum, frame):
-        stopped.append(signum)
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, ignored)
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True,
+                            preexec_fn=_server_process_setup)
+    stop_requested: list[float] = []
 
-    signal.signal(signal.SIGTERM, stop)
+    def stop(signum: Optional[int], frame: object) -> None:
+        if not stop_requested:
+            stop_requested.append(time.monotonic())
+            _signal_group(proc, signal.SIGINT)
+
+    signal.signal(STOP_SIGNAL, stop)
     signal.signal(signal.SIGINT, stop)
     url = f"http://{node}:{port}"
     deadline = time.monotonic() + s.startup_timeout_s
-    while proc.poll() is None:
-        if healthy(url):
-            write_url(urls_dir, task, url)
-            print(f"[serve {task}] ready at {url}", flush=True)
-            break
-        if time.monotonic() > deadline:
-            print(f"[serve {task}] no answer on {url}/health within {s.startup_timeout_s:.0f} s",
-                  flush=True)
-            os.killpg(proc.pid, signal.SIGTERM)
-            break
-        time.sleep(1.0)
+    published = timed_out = False
     try:
-        rc = proc.wait()
+        while proc.poll() is None:
+            if stop_requested:
+                if time.monotonic() - stop_requested[0] > SERVER_STOP_GRACE_S:
+                    _signal_group(proc, signal.SIGKILL)
+            elif not published and healthy(url):
+                write_url(urls_dir, task, url)
+                print(f"[serve {task}] ready at {url}", flush=True)
+                published = True
+            elif not published and time.monotonic() > deadline:
+                print(f"[serve {task}] no answer on {url}/health within "
+                      f"{s.startup_timeout_s:.0f} s", flush=True)
+                timed_out = True
+                stop(None, None)
+            time.sleep(0.5)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    # Asked to stop (Slurm may signal the server before this process): not a failure.
-    if stopped or rc == -signal.SIGTERM:
+        _signal_group(proc, signal.SIGKILL)  # whatever of the server's group is left
+        proc.wait()
+    if stop_requested and not timed_out:
         return 0
-    print(f"[serve {task}] the server exited with {rc}", flush=True)
-    return rc if rc > 0 else 1
+    print(f"[serve {task}] the server exited with {proc.returncode}", flush=True)
+    return proc.returncode if proc.returncode and proc.returncode > 0 else 1
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
 
 
 # ------------------------------------------------------------------------------------- CLI
@@ -322,6 +396,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     lay.add_argument("overrides", nargs="*")
     lay.add_argument("--nodelist", default=os.environ.get("SLURM_JOB_NODELIST"),
                      help="Slurm node list (default: $SLURM_JOB_NODELIST)")
+    lay.add_argument("--job-gpus", type=int, default=job_gpus_on_node(),
+                     help="the job's GPUs per node (default: from $SLURM_JOB_GPUS)")
     srv = sub.add_parser("serve", help="run one rollout server (one srun task)")
     srv.add_argument("config")
     srv.add_argument("overrides", nargs="*")
@@ -339,7 +415,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             if not args.nodelist:
                 raise NotEnoughNodesError("no node list: run inside a Slurm job or pass --nodelist")
             cfg = load_config(args.config, args.overrides)
-            sys.stdout.write(layout_shell(cfg, expand_nodelist(args.nodelist)))
+            sys.stdout.write(layout_shell(cfg, expand_nodelist(args.nodelist), args.job_gpus))
             return 0
         if args.command == "serve":
             cfg = load_config(args.config, args.overrides)

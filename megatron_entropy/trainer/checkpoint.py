@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_entropy.models.megatron_checkpoint import write_checkpoint_metadata
+from megatron_entropy.trainer import preemption
 
 
 def _unwrap(chunk):
@@ -103,7 +104,8 @@ class CheckpointManager:
         with_optimizer = _has_optimizer_state(optimizer)
         if with_optimizer:
             sharded["optimizer"] = optimizer.sharded_state_dict(model_sd)
-        dist_checkpointing.save(sharded, str(tmp))
+        with preemption.held():  # its writer processes and Manager must not die of a signal
+            dist_checkpointing.save(sharded, str(tmp))
         torch.save(_rng_state(), tmp / f"rng_rank_{_rank():05d}.pt")
         _barrier()
         if _rank() == 0:

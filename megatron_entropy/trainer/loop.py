@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import signal
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_entropy.config import Config, dump_config
+from megatron_entropy.trainer import preemption
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: checkpointed on a signal, resume later
 
@@ -41,18 +41,15 @@ class RunState:
 
 
 class _SignalFlag:
-    """SIGUSR1/SIGTERM ask for a checkpoint at the end of the step, then exit 75."""
+    """SIGUSR1/SIGTERM ask for a checkpoint at the end of the step, then exit 75. The handler
+    (trainer/preemption.py) is installed again here for callers of train() that did not install
+    it first thing; a request it recorded during start-up is kept."""
 
     def __init__(self) -> None:
-        self.raised = False
-        for sig in (signal.SIGUSR1, signal.SIGTERM):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame) -> None:
-        self.raised = True
+        preemption.install()
 
     def any_rank(self) -> bool:
-        flag = torch.tensor([1.0 if self.raised else 0.0], device=_device())
+        flag = torch.tensor([1.0 if preemption.requested() else 0.0], device=_device())
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
@@ -123,7 +120,7 @@ class Trainer:
         self.cfg = cfg
         self.run_dir = cfg.run_dir
         init_distributed(cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.backend,
-                         cfg.parallel.timeout_minutes)
+                         cfg.parallel.timeout_minutes, socket_ifname=cfg.parallel.socket_ifname)
         set_seed(cfg.trainer.seed)
         self.ps = ps
         self.rank0 = dist.get_rank() == 0

@@ -76,7 +76,8 @@ def build_optimizer(model_chunks: list, settings: OptimSettings, dtype: str = "f
         params_dtype={"fp32": torch.float32, "bf16": torch.bfloat16,
                       "fp16": torch.float16}[dtype],
         use_distributed_optimizer=False)
-    optimizer = get_megatron_optimizer(opt_config, model_chunks)
+    # init_distributed creates no gloo DP groups; Megatron's optimizer would look them up.
+    optimizer = get_megatron_optimizer(opt_config, model_chunks, use_gloo_process_groups=False)
     decay_steps = max(settings.total_steps, settings.warmup_steps + 1)
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0 if settings.warmup_steps else settings.lr, max_lr=settings.lr,
