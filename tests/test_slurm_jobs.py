@@ -175,6 +175,12 @@ def processes_by_role(tmp: Path) -> dict[str, list[dict]]:
     return roles
 
 
+# States of a job that has not ended: SIGNALING is shown while a preemption's GraceTime signals
+# its tasks (seen on a busy machine), CONFIGURING / STAGE_OUT around its start and end.
+NOT_ENDED = ("PENDING", "CONFIGURING", "RUNNING", "SIGNALING", "REQUEUED", "COMPLETING",
+             "STAGE_OUT")
+
+
 def wait_for(what: str, condition, cluster: SlurmCluster, job: int, tmp: Path,
              timeout: float = 420) -> dict:
     """Poll until ``condition(job info)`` holds; fail if the job ends first."""
@@ -183,8 +189,7 @@ def wait_for(what: str, condition, cluster: SlurmCluster, job: int, tmp: Path,
         info = cluster.job(job)
         if condition(info):
             return info
-        assert info["JobState"] in ("PENDING", "RUNNING", "REQUEUED", "COMPLETING"), \
-            (what, info, job_output(tmp))
+        assert info["JobState"] in NOT_ENDED, (what, info, job_output(tmp))
         assert time.monotonic() < deadline, (what, info, job_output(tmp))
         time.sleep(0.5)
 
