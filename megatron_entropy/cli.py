@@ -116,6 +116,7 @@ def _commands() -> dict[str, tuple[str, Callable[[argparse.ArgumentParser], None
         "plan": importlib.import_module("megatron_entropy.plan").PLAN,
         "plot": importlib.import_module("megatron_entropy.analysis.commands").PLOT,
         "fit": importlib.import_module("megatron_entropy.analysis.commands").FIT,
+        "study": importlib.import_module("megatron_entropy.analysis.commands").STUDY,
     }
 
 

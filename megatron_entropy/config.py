@@ -230,6 +230,75 @@ class ClusterConfig:
 
 
 @dataclass
+class AnalysisConfig:
+    entropy_change: bool = _f(False, help=(
+        "after each step's updates, score its response tokens again with the new weights (one "
+        "forward-only pass) and log entropy/delta = H_after - H_before beside cov/step"))
+
+
+@dataclass
+class StudyLoss:
+    """One arm of a study's comparison: a name and the overrides that make it."""
+
+    name: str = _f("", help="names its runs (NAME-seedS) and its curves; --losses picks by it")
+    overrides: list[str] = _f(default_factory=list, help="dotted overrides, e.g. "
+                                                         "algorithm.loss=clip_cov")
+
+
+@dataclass
+class EntropyBonusSweep:
+    """The entropy bonus the paper shows failing (Fig. 6): the base arm at each coefficient."""
+
+    base: str = _f("grpo", help="the study.losses arm the runs start from")
+    key: str = _f("algorithm.entropy_coef", help="the dotted config key that is varied")
+    values: list[float] = _f(default_factory=lambda: [1e-4, 1e-3, 1e-2],
+                             help="empty: no such runs")
+
+
+@dataclass
+class ThresholdSweep:
+    """The threshold sweep (Fig. 7): more tokens restrained should keep more entropy."""
+
+    base: str = _f("kl_cov", help="the study.losses arm the runs start from")
+    key: str = _f("algorithm.kl_cov_ratio", help="the dotted config key that is varied "
+                                                 "(algorithm.clip_cov_ratio for Clip-Cov)")
+    values: list[float] = _f(default_factory=lambda: [2e-4, 2e-3, 2e-2],
+                             help="empty: no such runs")
+
+
+def _default_study_losses() -> list[StudyLoss]:
+    return [StudyLoss("grpo", ["algorithm.loss=ppo_clip"]),
+            # The paper's Clip-Cov runs use eps_low = eps_high = 1.
+            StudyLoss("clip_cov", ["algorithm.loss=clip_cov", "algorithm.clip_ratio_low=1.0",
+                                   "algorithm.clip_ratio_high=1.0"]),
+            StudyLoss("kl_cov", ["algorithm.loss=kl_cov"])]
+
+
+@dataclass
+class StudyConfig:
+    """The run matrix of ``megatron-entropy study`` (ignored by ``train``)."""
+
+    losses: list[StudyLoss] = _f(default_factory=_default_study_losses)
+    baseline: str = _f("grpo", help="the arm the targets compare the others with")
+    seeds: list[int] = _f(default_factory=lambda: [1, 2, 3])
+    seed_keys: list[str] = _f(default_factory=lambda: ["trainer.seed", "rollout.seed",
+                                                       "data.seed"],
+                              help="config keys each run sets to its seed")
+    entropy_bonus: EntropyBonusSweep = _f(default_factory=EntropyBonusSweep)
+    threshold_sweep: ThresholdSweep = _f(default_factory=ThresholdSweep)
+    sweep_seeds: int = _f(1, ge=1, help="the first K of seeds run the entropy-bonus and "
+                                        "threshold sweeps")
+    window: int = _f(5, ge=1, help="steps averaged for a run's start and end values")
+    early_fraction: float = _f(1 / 3, gt=0, lt=1, help="early prediction: the law fitted on "
+                                                       "this first fraction of the steps")
+    bootstrap: int = _f(1000, ge=0, help="resamples of the ceiling's interval; 0 = none")
+    bootstrap_seed: int = 0
+    time_budget_minutes: float = _f(90.0, gt=0, help="target wall time of the whole study")
+    quick: list[str] = _f(default_factory=list, help="overrides applied with --quick (toy "
+                                                     "length: steps, batch, validation set)")
+
+
+@dataclass
 class Config:
     model: ModelConfig = _f(default_factory=ModelConfig)
     parallel: ParallelConfig = _f(default_factory=ParallelConfig)
@@ -239,6 +308,8 @@ class Config:
     trainer: TrainerConfig = _f(default_factory=TrainerConfig)
     logging: LoggingConfig = _f(default_factory=LoggingConfig)
     cluster: ClusterConfig = _f(default_factory=ClusterConfig)
+    analysis: AnalysisConfig = _f(default_factory=AnalysisConfig)
+    study: StudyConfig = _f(default_factory=StudyConfig)
 
     @property
     def run_dir(self) -> Path:
@@ -430,12 +501,39 @@ def validate(cfg: Config) -> None:
                           f"({cfg.trainer.lr})")
     if cfg.parallel.sequence_parallel and cfg.parallel.tensor == 1:
         raise ConfigError("parallel.sequence_parallel needs parallel.tensor > 1")
+    _validate_study(cfg.study)
     if cfg.rollout.engine != "inprocess":
         s = cfg.rollout.server
         if not (s.urls or s.urls_file or s.launch):
             raise ConfigError(f"rollout.engine={cfg.rollout.engine} needs servers: set "
                               "rollout.server.urls, rollout.server.urls_file or "
                               "rollout.server.launch")
+
+
+def _validate_study(st: StudyConfig) -> None:
+    names = [arm.name for arm in st.losses]
+    for i, arm in enumerate(st.losses):
+        if not arm.name or "/" in arm.name or arm.name != arm.name.strip():
+            raise ConfigError(f"study.losses[{i}].name: {arm.name!r} must be a non-empty name "
+                              "without '/' or surrounding spaces")
+        if names.count(arm.name) > 1:
+            raise ConfigError(f"study.losses: the name {arm.name!r} is used twice")
+    if names and st.baseline not in names:
+        raise ConfigError(f"study.baseline: {st.baseline!r} is not one of study.losses "
+                          f"({', '.join(names)})")
+    for part in ("entropy_bonus", "threshold_sweep"):
+        sweep = getattr(st, part)
+        if not sweep.values:
+            continue
+        if sweep.base not in names:
+            raise ConfigError(f"study.{part}.base: {sweep.base!r} is not one of study.losses "
+                              f"({', '.join(names)})")
+        if not sweep.key:
+            raise ConfigError(f"study.{part}.key: set the config key the sweep varies")
+        if len(set(sweep.values)) != len(sweep.values):
+            raise ConfigError(f"study.{part}.values: {sweep.values} repeats a value")
+    if len(set(st.seeds)) != len(st.seeds):
+        raise ConfigError(f"study.seeds: {st.seeds} repeats a seed")
 
 
 def dump_config(cfg: Config, path: Union[str, Path]) -> None:

@@ -8,28 +8,9 @@ import pytest
 import torch
 
 from harness import init_megatron, run_distributed
-from tiny_models import tiny_hf_config
+from tiny_models import random_samples, tiny_hf_config
 
 from megatron_entropy.models.arch import arch_from_hf_config
-
-
-def _samples():
-    from megatron_entropy.trainer.batch import Sample
-
-    g = torch.Generator().manual_seed(0)
-    out = []
-    for group in range(4):
-        rewards = [1.0, 0.0]
-        for j in range(2):
-            prompt = torch.randint(3, 1000, (int(torch.randint(4, 9, (1,), generator=g)),),
-                                   generator=g).tolist()
-            resp = torch.randint(3, 1000, (int(torch.randint(6, 12, (1,), generator=g)),),
-                                 generator=g).tolist()
-            out.append(Sample(prompt_ids=prompt, response_ids=resp,
-                              engine_logprobs=[0.0] * len(resp), reward=rewards[j], group=group,
-                              source="s", finish_reason="stop",
-                              advantage=float(torch.randn(1, generator=g)) * 2))
-    return out
 
 
 def _update_worker(loss: str, scope: str, selection_logprobs: str):
@@ -54,7 +35,7 @@ def _update_worker(loss: str, scope: str, selection_logprobs: str):
                   ActorSettings(logprob_impl="fused", micro_batch_tokens=24,
                                 mini_batches_per_step=2, ppo_epochs=2, cov_scope=scope,
                                 global_selection_logprobs=selection_logprobs, seed=5))
-    mine = dp_share(_samples())
+    mine = dp_share(random_samples(0))
     actor.recompute(mine)
     metrics = actor.update(mine, step=1)
     return full_state_dict(chunks[0]), metrics

@@ -8,8 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from megatron_entropy.analysis import (fit_and_predict, fit_entropy_law, law_points, plot_run,
-                                       read_metrics)
+from megatron_entropy.analysis import (ceiling_interval, fit_and_predict, fit_entropy_law,
+                                       law_points, law_warning, plot_run, read_metrics)
 from megatron_entropy.cli import main
 
 
@@ -35,6 +35,53 @@ def test_fit_matches_polyfit_on_noisy_data():
     pred = slope * np.exp(h[keep]) + intercept
     r2 = 1 - ((r[keep] - pred) ** 2).sum() / ((r[keep] - r[keep].mean()) ** 2).sum()
     assert fit.r2 == pytest.approx(r2) and 0.5 < fit.r2 < 1 and fit.n == 78
+
+
+def test_fit_recovers_a_and_b_from_noisy_data_within_their_standard_errors():
+    rng = np.random.default_rng(3)
+    n, sigma = 200, 0.02
+    h = rng.uniform(0.05, 1.5, n)
+    r = -0.3 * np.exp(h) + 0.9 + rng.normal(0, sigma, n)
+    fit = fit_entropy_law(h, r)
+    # Ordinary least squares on x = exp(H): se(slope) = sigma / sqrt(Sxx),
+    # se(intercept) = sigma * sqrt(1/n + mean(x)^2 / Sxx). 4 se: fails with p < 1e-4.
+    x = np.exp(h)
+    sxx = ((x - x.mean()) ** 2).sum()
+    se_a = sigma / math.sqrt(sxx)
+    se_b = sigma * math.sqrt(1 / n + x.mean() ** 2 / sxx)
+    assert abs(fit.a - 0.3) < 4 * se_a and abs(fit.b - 0.9) < 4 * se_b
+    assert se_a < 0.01 and se_b < 0.01  # so the check above pins a and b down
+    assert fit.r2 > 0.9 and law_warning(fit, r) == ""
+    flat = fit_entropy_law(h, np.full(n, 0.4))
+    assert flat.r2 == 1.0 and "the law is undetermined" in law_warning(flat, np.full(n, 0.4))
+
+
+def test_ceiling_interval_covers_the_truth_at_about_its_nominal_rate():
+    """400 synthetic runs of 40 steps: the 95% percentile-bootstrap interval of b - a contains
+    the true ceiling (0.6) in 88-99% of them (binomial sd at 95%: 1.1 points; the percentile
+    bootstrap runs a few points under nominal at this n)."""
+    rng = np.random.default_rng(0)
+    covered, widths = 0, []
+    for i in range(400):
+        h = np.sort(rng.uniform(0.1, 1.5, 40))[::-1]
+        r = -0.3 * np.exp(h) + 0.9 + rng.normal(0, 0.02, 40)
+        ci = ceiling_interval(h, r, resamples=500, confidence=0.95, seed=i)
+        covered += ci.low <= 0.6 <= ci.high
+        widths.append(ci.high - ci.low)
+    assert 0.88 <= covered / 400 <= 0.99, covered / 400
+    assert 0 < np.median(widths) < 0.2
+
+
+def test_ceiling_interval_is_reproducible_and_rejects_what_it_cannot_resample():
+    h = np.linspace(1.0, 0.1, 12)
+    r = -0.2 * np.exp(h) + 0.7 + np.where(np.arange(12) % 2, 0.01, -0.01)
+    one, two = ceiling_interval(h, r, seed=7), ceiling_interval(h, r, seed=7)
+    assert one == two and one.low < fit_entropy_law(h, r).ceiling < one.high
+    assert ceiling_interval(h, r, seed=8) != one
+    with pytest.raises(ValueError, match="at least 3"):
+        ceiling_interval([0.1, 0.2], [0.3, 0.4])
+    with pytest.raises(ValueError, match="confidence"):
+        ceiling_interval(h, r, confidence=1.0)
 
 
 def test_fit_on_first_steps_predicts_the_rest():
@@ -142,13 +189,32 @@ def test_cli_fit_and_plot(tmp_path, capsys):
     assert out["a"] == pytest.approx(ref.a) and out["ceiling"] == pytest.approx(ref.ceiling)
     assert out["extrapolation"]["k"] == 12
     assert main(["fit", str(run), "--fit-points", "5"]) == 0
-    text = capsys.readouterr().out
-    assert "ceiling at entropy 0" in text and "fit on the first 5 steps" in text
+    captured = capsys.readouterr()
+    assert "ceiling at entropy 0" in captured.out and "fit on the first 5 steps" in captured.out
+    assert "bootstrap interval of the ceiling" in captured.out and captured.err == ""
 
     assert main(["plot", str(run), "--out", str(tmp_path / "pngs")]) == 0
     listed = capsys.readouterr().out.split()
     assert len(listed) == 5 and all((tmp_path / "pngs").joinpath(p.split("/")[-1]).is_file()
                                     for p in listed)
+
+    # A run the law does not describe: a warning, and the interval still printed.
+    noisy = tmp_path / "noisy"
+    noisy.mkdir()
+    rng = np.random.default_rng(1)
+    (noisy / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": s, "entropy/seq_mean": 1.0 - s / 40, "val/acc/mean": float(v)}) + "\n"
+        for s, v in enumerate(rng.uniform(0, 1, 30), start=1)))
+    assert main(["fit", str(noisy), "--seed", "3"]) == 0
+    captured = capsys.readouterr()
+    assert "warning" in captured.err and "does not describe this run" in captured.err
+    assert "95% bootstrap interval of the ceiling" in captured.out
+    assert main(["fit", str(noisy), "--seed", "3", "--json"]) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert main(["fit", str(noisy), "--seed", "3", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == first  # seeded: the same interval
+    assert first["r2"] < 0.5 and "does not describe" in first["warning"]
+    assert first["ceiling_interval"]["low"] < first["ceiling_interval"]["high"]
 
     (tmp_path / "flat").mkdir()
     (tmp_path / "flat" / "metrics.jsonl").write_text('{"step": 1, "reward/mean": 0.5}\n')

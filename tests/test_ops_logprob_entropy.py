@@ -1,6 +1,7 @@
 """Vocab-parallel log-prob/entropy equal torch's log_softmax on the unsharded logits, in float64,
-at TP = 1, 2, 4, for both the chunked (logits) and fused (hidden @ weight) paths; one collective in
-the forward and none in the backward; bad input gives one clear error."""
+at TP = 1, 2, 4, for both the chunked (logits) and fused (hidden @ weight) paths; fp32 and bf16
+logits near +-1e4 keep fp32 precision at TP = 1, 2, 3; one collective in the forward and none in
+the backward; bad input gives one clear error."""
 
 from __future__ import annotations
 
@@ -171,6 +172,29 @@ def test_low_precision_inputs_compute_in_float32(dtype):
     torch.testing.assert_close(fent, cent, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("only", ["logp", "entropy"])
+@pytest.mark.parametrize("path", ["chunked", "fused"])
+def test_gradient_of_one_output_alone(path, only):
+    # The other output takes no part in the loss: its upstream gradient is None, not zeros.
+    logits, targets, hidden, weight, up_logp, up_ent = _case(250)
+    h, w = hidden.clone().requires_grad_(), weight[:250].clone().requires_grad_()
+    x = (h.detach() @ w.detach().t() if path == "fused" else logits[:, :250]).requires_grad_()
+    zero = torch.zeros_like(up_logp)
+    up = (up_logp, zero) if only == "logp" else (zero, up_ent)
+    _, _, ref_grad = _reference(x.detach(), targets, 250, 0.7, *up)
+    if path == "chunked":
+        logp, ent = vocab_parallel_logprob_entropy(x, targets, temperature=0.7, chunk_tokens=CHUNK)
+    else:
+        logp, ent = fused_linear_logprob_entropy(h, w, targets, temperature=0.7,
+                                                 chunk_tokens=CHUNK)
+    ((logp * up_logp) if only == "logp" else (ent * up_ent)).sum().backward()
+    if path == "chunked":
+        torch.testing.assert_close(x.grad, ref_grad, rtol=1e-10, atol=1e-12)
+    else:
+        torch.testing.assert_close(h.grad, ref_grad @ w.detach(), rtol=1e-10, atol=1e-9)
+        torch.testing.assert_close(w.grad, ref_grad.t() @ h.detach(), rtol=1e-10, atol=1e-9)
+
+
 def test_no_grad_and_empty_inputs():
     logits, targets, *_ = _case(250)
     with torch.no_grad():
@@ -201,3 +225,140 @@ def test_bad_input_raises_one_clear_error():
         fused_linear_logprob_entropy(hidden, weight[:, :-1], targets)
     with pytest.raises(ValueError, match="share one float dtype"):
         fused_linear_logprob_entropy(hidden, weight.float(), targets)
+
+
+# ----------------------------------------------------------------------------- common offsets
+# Rows of logits near +1e4 and -1e4 (and near 0), where half an fp32 step is 5e-4: the op must
+# still give log-probs and gradients to fp32 precision, at TP = 1, 2, 3, with a vocabulary of 251
+# (prime: divisible by no TP size) padded to 264, so that the last shard holds padding.
+V_OFF, V_PAD_OFF, H_OFF = 251, 264, 16
+T_OFF = 24
+EPS32 = torch.finfo(torch.float32).eps / 2   # fp32 unit roundoff, 2^-24
+U_BF16 = torch.finfo(torch.bfloat16).eps / 2  # bf16 unit roundoff, 2^-8
+# fp32 work: a few roundings per value plus sums over <= 264 columns (vectorised, so their error
+# grows far slower than their length): 1e-6 is ~17 units of roundoff relative to the scale.
+RTOL32 = 1e-6
+
+
+def _offset_case(path: str, dtype: torch.dtype, seed: int = 1) -> dict:
+    """The op's inputs in ``dtype`` (exactly representable, so float64 sees the same numbers)
+    and, in float64, the logits they imply."""
+    g = torch.Generator().manual_seed(seed)
+    offsets = torch.tensor([1e4, -1e4, 0.0], dtype=torch.float64).repeat(T_OFF // 3)
+    targets = torch.randint(0, V_OFF, (T_OFF,), generator=g)
+    # First and last column of every shard at TP = 2 (132 columns) and TP = 3 (88 columns).
+    targets[:8] = torch.tensor([0, 87, 88, 131, 132, 175, 176, V_OFF - 1])
+    up_logp = torch.randn(T_OFF, generator=g, dtype=torch.float64)
+    up_ent = torch.randn(T_OFF, generator=g, dtype=torch.float64)
+    case = dict(targets=targets, up_logp=up_logp, up_ent=up_ent)
+    if path == "chunked":
+        logits = (torch.randn(T_OFF, V_PAD_OFF, generator=g, dtype=torch.float64) * 3
+                  + offsets[:, None]).to(dtype)
+        logits[::2, V_OFF:] = float("nan")  # padding: never read
+        logits[1::2, V_OFF:] = 1e30
+        case.update(logits=logits, z=logits[:, :V_OFF].double())
+        return case
+    # Small integers times multiples of 1/32, offset by +-100 * 100: every partial sum of the
+    # GEMM is exact in fp32, in any order, so the op's logits are those of float64 rounded once
+    # to the input dtype (bf16 steps are 64 at 1e4: ties there, so log S > 0 in those rows).
+    hidden = torch.randint(-4, 5, (T_OFF, H_OFF), generator=g).double()
+    hidden[:, 0] = offsets / 100
+    weight = torch.randint(-16, 17, (V_PAD_OFF, H_OFF), generator=g).double() / 32
+    weight[:, 0] = 100.0
+    weight[V_OFF:] = float("nan")
+    hidden, weight = hidden.to(dtype), weight.to(dtype)
+    z = (hidden.double() @ weight[:V_OFF].double().t()).to(dtype).double()
+    case.update(hidden=hidden, weight=weight, z=z)
+    return case
+
+
+def _offset_worker(path: str, dtype: torch.dtype, temperature: float):
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    case = _offset_case(path, dtype)
+    cols = slice(rank * V_PAD_OFF // world, (rank + 1) * V_PAD_OFF // world)
+    kw = dict(vocab_size=V_OFF, group=dist.group.WORLD if world > 1 else None,
+              temperature=temperature, chunk_tokens=CHUNK)
+    up_logp, up_ent = case["up_logp"].float(), case["up_ent"].float()
+    if path == "chunked":
+        leaves = [case["logits"][:, cols].clone().requires_grad_()]
+        logp, ent = vocab_parallel_logprob_entropy(leaves[0], case["targets"], **kw)
+    else:
+        leaves = [case["hidden"].clone().requires_grad_(),
+                  case["weight"][cols].clone().requires_grad_()]
+        logp, ent = fused_linear_logprob_entropy(*leaves, case["targets"], **kw)
+    (logp * up_logp + ent * up_ent).sum().backward()
+    return logp.detach(), ent.detach(), [leaf.grad for leaf in leaves]
+
+
+def _bf16_half_ulp(x: torch.Tensor) -> torch.Tensor:
+    """Half the bf16 spacing at each value of the bf16 tensor x: the most that rounding to
+    nearest moved the value it was rounded from (0 where x is 0)."""
+    _, exponent = torch.frexp(x.double())
+    return torch.where(x == 0, 0.0, torch.ldexp(torch.ones_like(x, dtype=torch.float64),
+                                                 exponent - 9))
+
+
+def _assert_within(ours: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor | float,
+                   what: str) -> None:
+    assert torch.isfinite(ours).all(), f"{what}: not finite (padding read?)"
+    err = (ours.double() - ref).abs()
+    over = err > bound
+    assert not over.any(), (f"{what}: {int(over.sum())} of {err.numel()} elements exceed the "
+                            f"bound; max abs err {float(err.max()):.3e}, max |ref| "
+                            f"{float(ref.abs().max()):.3e}")
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("path", ["chunked", "fused"])
+@pytest.mark.parametrize("tp", [1, 2, 3])
+def test_common_offset_keeps_fp32_precision(tp, path, dtype, temperature):
+    case = _offset_case(path, dtype)
+    ref_logp, ref_ent, ref_gz = _reference(case["z"], case["targets"], V_OFF, temperature,
+                                           case["up_logp"], case["up_ent"])
+    outs = run_distributed(_offset_worker, tp, path, dtype, temperature)
+    for logp, ent, _ in outs:
+        assert torch.equal(logp, outs[0][0]) and torch.equal(ent, outs[0][1])
+    # Log-probs and entropies are float32 whatever the input: 1e-6 relative (absolute below 1).
+    torch.testing.assert_close(outs[0][0].double(), ref_logp, rtol=RTOL32, atol=RTOL32)
+    torch.testing.assert_close(outs[0][1].double(), ref_ent, rtol=RTOL32, atol=RTOL32)
+
+    def output_rounding(parts: list[torch.Tensor]) -> torch.Tensor | float:
+        # A bf16 gradient is the float32 one rounded to nearest once per returned tensor (for
+        # the hidden grad, one per rank: the test adds the ranks' parts in float64).
+        return sum(_bf16_half_ulp(g) for g in parts) if dtype == torch.bfloat16 else 0.0
+
+    if path == "chunked":
+        grad = torch.cat([g for _, _, (g,) in outs], dim=1)
+        assert torch.equal(grad[:, V_OFF:], torch.zeros_like(grad[:, V_OFF:]))
+        grad = grad[:, :V_OFF]
+        bound = RTOL32 * ref_gz.abs().max() + output_rounding([grad])
+        _assert_within(grad, ref_gz, bound, "grad logits")
+        return
+
+    # The premise of the reference: this machine's GEMM gives exactly those logits.
+    assert torch.equal((case["hidden"] @ case["weight"][:V_OFF].t()).double(), case["z"])
+    hidden, weight = case["hidden"].double(), case["weight"][:V_OFF].double()
+    grads_h = [g[0] for _, _, g in outs]
+    grad_h = sum(g.double() for g in grads_h)
+    grad_w = torch.cat([g[1] for _, _, g in outs], dim=0)
+    assert torch.isfinite(grad_w[:V_OFF]).all()
+    assert torch.equal(grad_w[V_OFF:], torch.zeros_like(grad_w[V_OFF:]))
+    # Through the GEMMs gz @ W and gz^T @ X: the logits' gradient gz carries RTOL32 of its scale
+    # (checked on the chunked path); each GEMM adds at most n * EPS32 of the sum of its terms'
+    # magnitudes (n = its length, any summation order; doubled for second-order terms); in bf16,
+    # gz is rounded to bf16 before each GEMM (U_BF16 of those terms), the weight grad's per-chunk
+    # parts are rounded to bf16 before their float32 sum (U_BF16 again), and each result is
+    # rounded once more on return.
+    gz_err = RTOL32 * ref_gz.abs().max()
+    u_in = U_BF16 if dtype == torch.bfloat16 else 0.0
+    for what, ours, ref, terms, spread, n, roundings, parts in [
+            ("grad hidden", grad_h, ref_gz @ weight, ref_gz.abs() @ weight.abs(),
+             weight.abs().sum(0, keepdim=True), V_OFF, 1, grads_h),
+            ("grad weight", grad_w[:V_OFF], ref_gz.t() @ hidden, ref_gz.abs().t() @ hidden.abs(),
+             hidden.abs().sum(0, keepdim=True), T_OFF, 2, [grad_w[:V_OFF]])]:
+        rounding = roundings * u_in * (1 + u_in) + 2 * n * EPS32
+        bound = rounding * terms + 2 * gz_err * spread + output_rounding(parts)
+        _assert_within(ours, ref, bound, what)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Callable
 
 BASE = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
@@ -53,3 +54,30 @@ def write_config(family: str, out_dir: Path, **overrides) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.json").write_text(json.dumps(tiny_hf_config(family, **overrides)))
     return out_dir
+
+
+def random_samples(seed: int, groups: int = 4, per_group: int = 2,
+                   prompt_len: tuple[int, int] = (4, 9), response_len: tuple[int, int] = (6, 12),
+                   adv_scale: float = 2.0, source: Callable[[int], str] = lambda group: "s",
+                   vocab_size: int = 1000) -> list:
+    """Rollout samples for actor tests: random token ids in [3, vocab_size), lengths drawn from
+    [low, high), a random advantage each; the first sample of a group has reward 1."""
+    import torch
+
+    from megatron_entropy.trainer.batch import Sample
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for group in range(groups):
+        for j in range(per_group):
+            prompt = torch.randint(3, vocab_size, (int(torch.randint(*prompt_len, (1,),
+                                                                     generator=g)),),
+                                   generator=g).tolist()
+            resp = torch.randint(3, vocab_size, (int(torch.randint(*response_len, (1,),
+                                                                   generator=g)),),
+                                 generator=g).tolist()
+            out.append(Sample(prompt_ids=prompt, response_ids=resp,
+                              engine_logprobs=[0.0] * len(resp), reward=1.0 if j == 0 else 0.0,
+                              group=group, source=source(group), finish_reason="stop",
+                              advantage=float(torch.randn(1, generator=g)) * adv_scale))
+    return out

@@ -3,6 +3,7 @@
 It is linear in x = exp(H), so a and b come from ordinary least squares; at H = 0 the law predicts
 the ceiling R = b - a. ``fit_and_predict`` fits on the first k points and reports how well that fit
 predicts the rest (the paper's claim that the end of training is predictable from its start).
+``ceiling_interval`` gives a seeded bootstrap interval of the ceiling.
 """
 
 from __future__ import annotations
@@ -11,6 +12,9 @@ from dataclasses import asdict, dataclass
 from typing import Sequence
 
 import numpy as np
+
+# Below this R^2 the law explains less than half of the variance: it does not describe the run.
+R2_WARNING = 0.5
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,62 @@ def fit_entropy_law(entropy: Sequence[float], reward: Sequence[float]) -> Entrop
     total = float(((r - r.mean()) ** 2).sum())
     r2 = 1.0 - float((resid ** 2).sum()) / total if total > 0 else 1.0
     return EntropyLawFit(a=float(a), b=float(b), r2=r2, n=len(h))
+
+
+def law_warning(fit: EntropyLawFit, reward: Sequence[float]) -> str:
+    """A warning when the law does not describe the points it was fitted to, else ''."""
+    r = np.asarray(reward, dtype=np.float64)
+    r = r[np.isfinite(r)]
+    if r.size and np.ptp(r) == 0:
+        return ("the performance is the same at every step: the law is undetermined (its R^2 of "
+                "1 says nothing)")
+    if fit.r2 >= R2_WARNING:
+        return ""
+    return (f"R^2 = {fit.r2:.3f} < {R2_WARNING}: the entropy law does not describe this run; "
+            "a, b and the ceiling b - a say little about it")
+
+
+@dataclass(frozen=True)
+class CeilingInterval:
+    low: float
+    high: float
+    confidence: float
+    resamples: int  # resamples with a determined slope (others are dropped)
+    seed: int
+
+    def to_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+def ceiling_interval(entropy: Sequence[float], reward: Sequence[float], resamples: int = 1000,
+                     confidence: float = 0.95, seed: int = 0) -> CeilingInterval:
+    """Percentile bootstrap interval of the ceiling b - a: the (H, R) pairs are resampled with
+    replacement ``resamples`` times from ``np.random.default_rng(seed)`` (reproducible), the law
+    refitted on each; resamples whose entropies are all equal have no slope and are dropped.
+    Pairs are treated as exchangeable, which steps of one run are only approximately."""
+    h, r = _clean(entropy, reward)
+    if len(h) < 3:
+        raise ValueError(f"need at least 3 (entropy, reward) points for an interval, got {len(h)}")
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence}")
+    if resamples < 1:
+        raise ValueError(f"resamples must be >= 1, got {resamples}")
+    x = np.exp(h)
+    idx = np.random.default_rng(seed).integers(0, len(h), size=(resamples, len(h)))
+    xs, rs = x[idx], r[idx]
+    dx = xs - xs.mean(axis=1, keepdims=True)
+    sxx = (dx * dx).sum(axis=1)
+    ok = sxx > 1e-12 * (x * x).sum()  # all-equal draws leave only rounding in sxx
+    if not ok.any():
+        raise ValueError("every resample has equal entropies: the ceiling is undetermined")
+    slope = (dx[ok] * (rs[ok] - rs[ok].mean(axis=1, keepdims=True))).sum(axis=1) / sxx[ok]
+    # R = slope * x + intercept with slope = -a, so the ceiling (x = exp(0) = 1) is
+    # intercept + slope = mean R + slope * (1 - mean x).
+    ceilings = rs[ok].mean(axis=1) + slope * (1.0 - xs[ok].mean(axis=1))
+    tail = (1.0 - confidence) / 2 * 100
+    low, high = np.percentile(ceilings, [tail, 100 - tail])
+    return CeilingInterval(low=float(low), high=float(high), confidence=confidence,
+                           resamples=int(ok.sum()), seed=seed)
 
 
 @dataclass(frozen=True)

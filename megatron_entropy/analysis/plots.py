@@ -56,6 +56,20 @@ def _keys(records: Sequence[dict]) -> set[str]:
     return {k for r in records for k in r}
 
 
+def paired_series(records: Sequence[dict], x_key: str, y_key: str
+                  ) -> tuple[list[float], list[float], list[float]]:
+    """(steps, x values, y values) of the records with a finite number under both keys."""
+    steps, xs, ys = [], [], []
+    for i, r in enumerate(records):
+        x, y = r.get(x_key), r.get(y_key)
+        if all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+               for v in (x, y)):
+            steps.append(r.get("step", i))
+            xs.append(float(x))
+            ys.append(float(y))
+    return steps, xs, ys
+
+
 def law_points(records: Sequence[dict], entropy_key: Optional[str] = None,
                performance_key: Optional[str] = None,
                min_points: int = 3) -> tuple[list[float], list[float], str, str]:
@@ -67,13 +81,11 @@ def law_points(records: Sequence[dict], entropy_key: Optional[str] = None,
     best: tuple[list[float], list[float], str, str] = ([], [], "", "")
     for rk in r_opts:
         for hk in h_opts:
-            pairs = [(r[hk], r[rk]) for r in records
-                     if all(isinstance(r.get(k), (int, float)) and math.isfinite(r[k])
-                            for k in (hk, rk))]
-            if len(pairs) >= min_points:
-                return [float(h) for h, _ in pairs], [float(v) for _, v in pairs], hk, rk
-            if len(pairs) > len(best[0]):
-                best = ([float(h) for h, _ in pairs], [float(v) for _, v in pairs], hk, rk)
+            _, h, r = paired_series(records, hk, rk)
+            if len(h) >= min_points:
+                return h, r, hk, rk
+            if len(h) > len(best[0]):
+                best = (h, r, hk, rk)
     return best
 
 

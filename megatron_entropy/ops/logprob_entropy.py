@@ -2,20 +2,27 @@
 
 Under tensor parallelism each rank holds the logits of one vocab shard, columns
 ``[rank * V_local, (rank + 1) * V_local)`` of the padded vocabulary. Per token, a rank reduces its
-shard to four numbers (tempered logits z = logits / temperature):
+shard of raw logits x to four numbers (tau = 1 / temperature, d_j = (x_j - m_r) tau):
 
-    m_r = max_j z_j                      s_r = sum_j exp(z_j - m_r)
-    u_r = sum_j exp(z_j - m_r)(z_j - m_r)   t_r = z_target if the target is in the shard, else 0
+    m_r = max_j x_j                      s_r = sum_j exp(d_j)
+    u_r = sum_j exp(d_j) d_j             t_r = x_target if the target is in the shard, else 0
 
-and those merge exactly by log-sum-exp (M = max_r m_r, w_r = s_r exp(m_r - M), S = sum_r w_r):
+and those merge exactly by log-sum-exp (M = max_r m_r, c_r = (m_r - M) tau, w_r = exp(c_r),
+S = sum_r s_r w_r, so that log Z = M tau + log S):
 
-    log Z = M + log S        log p(target) = sum_r t_r - log Z
-    H = log Z - E_p[z] = log S - sum_r exp(m_r - M) (u_r + s_r (m_r - M)) / S
+    log p(target) = (sum_r t_r - M) tau - log S
+    H = log S - q,   q = E_p[(x - M) tau] = sum_r w_r (u_r + s_r c_r) / S
 
-Every term of H is relative to a maximum, so large logits lose no precision to cancellation. So
-the forward needs ONE collective, an all-gather of the packed [T, 4] statistics, and the backward
-none: d log p / dz = onehot - p and dH/dz = -p (log p + H) only need this rank's logits and the
-per-token log Z and H saved from the forward.
+The maximum M and the log-sum log S are never added into one number: at |x| ~ 1e4 half an fp32
+step is 5e-4, so ``x_t - (M + log S)`` would lose that much, and ``x / temperature`` would round
+as much again before the maximum is taken. Every difference is formed as (x - max) first, exact or
+nearly so for logits near the maximum, then scaled, so a large common offset costs no precision.
+So the forward needs ONE collective, an all-gather of the packed [T, 4] statistics, and the
+backward none: with p_j = exp((x_j - M) tau) / S,
+
+    d log p / dx_j = tau (onehot_j - p_j)      dH / dx_j = -tau p_j ((x_j - M) tau - q)
+
+only need this rank's logits and the per-token M, S and q saved from the forward.
 
 Both functions work token-chunk by token-chunk so that no [T, V_local] temporary beyond one chunk
 is alive; the fused variant computes each chunk's logits from the final hidden states and the
@@ -101,33 +108,33 @@ def _shard_stats(z: Tensor, local_targets: Tensor, owned: Tensor, inv_t: float,
         out[:, 0] = -float("inf")
         return
     d, e = bufs.load(z)
-    if inv_t != 1.0:
-        d.mul_(inv_t)
     m = d.amax(dim=1, keepdim=True)
     picked = d.gather(1, local_targets.clamp(0, z.shape[1] - 1).unsqueeze(1)).squeeze(1)
     out[:, 3] = torch.where(owned, picked, 0.0)
-    d.sub_(m)
+    d.sub_(m)  # before the temperature: x - m is exact near the maximum, x / temperature is not
+    if inv_t != 1.0:
+        d.mul_(inv_t)
     torch.exp(d, out=e)
     out[:, 0] = m.squeeze(1)
     out[:, 1] = e.sum(dim=1)
     out[:, 2] = e.mul_(d).sum(dim=1)
 
 
-def _merge_stats(stats: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """[world, T, 4] per-rank statistics -> (log p(target), entropy, log Z), each [T].
+def _merge_stats(stats: Tensor, inv_t: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """[world, T, 4] per-rank statistics -> (log p(target), entropy, M, S, q), each [T].
 
     The same arithmetic in the same rank order on every rank, so all ranks get identical bits.
     """
     m, s, u, t = stats.unbind(dim=-1)
     big_m = m.amax(dim=0)
-    shift = m - big_m
+    shift = (m - big_m) * inv_t
     w = torch.exp(shift)  # 0 for a padding-only shard (m = -inf)
     shift = torch.where(w > 0, shift, 0.0)
     total = (s * w).sum(dim=0)
     log_total = torch.log(total)
-    entropy = log_total - (w * (u + s * shift)).sum(dim=0) / total
-    log_z = big_m + log_total
-    return t.sum(dim=0) - log_z, entropy, log_z
+    mean_shifted = (w * (u + s * shift)).sum(dim=0) / total
+    logp = (t.sum(dim=0) - big_m) * inv_t - log_total
+    return logp, log_total - mean_shifted, big_m, total, mean_shifted
 
 
 def _gather_stats(local: Tensor, group: Optional[dist.ProcessGroup], world: int) -> Tensor:
@@ -152,30 +159,46 @@ def _check_outputs(logp: Tensor, entropy: Tensor, targets: Tensor,
                          "are not finite")
 
 
-def _grad_chunk(z: Tensor, log_z: Tensor, entropy: Tensor, g_logp: Optional[Tensor],
-                g_ent: Optional[Tensor], local_targets: Tensor, owned: Tensor, inv_t: float,
-                bufs: _ChunkBuffers) -> Tensor:
-    """d loss / d raw logits of one chunk [c, n_real], in the compute dtype (a buffer view).
+def _row_factors(total: Tensor, mean_shifted: Tensor, g_logp: Optional[Tensor],
+                 g_ent: Optional[Tensor], owned: Tensor, inv_t: float
+                 ) -> tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
+    """Per-token factors (alpha, beta, at_target) of the logits' gradient, each [T] or None.
 
-    With log p_j = z_j - log Z:  d/dz_j = g_logp (onehot_j - p_j) - g_ent p_j (log p_j + H).
+    With d_j = (x_j - M) tau, e_j = exp(d_j) = S p_j and q = ``mean_shifted``:
+        d loss / dx_j = e_j (alpha + beta d_j) + at_target onehot_j,
+        alpha = -tau (g_logp - g_ent q) / S,  beta = -tau g_ent / S,  at_target = tau g_logp
+    (at_target 0 where another rank owns the target), so p = e / S is never formed.
     """
-    lp, p = bufs.load(z)
+    scale = -inv_t / total
+    if g_ent is None:
+        return scale * g_logp, None, torch.where(owned, g_logp * inv_t, 0.0)
+    alpha = scale * (-g_ent * mean_shifted if g_logp is None else g_logp - g_ent * mean_shifted)
+    at_target = None if g_logp is None else torch.where(owned, g_logp * inv_t, 0.0)
+    return alpha, scale * g_ent, at_target
+
+
+def _grad_chunk(z: Tensor, big_m: Tensor, alpha: Tensor, beta: Optional[Tensor],
+                at_target: Optional[Tensor], local_targets: Tensor, inv_t: float,
+                bufs: _ChunkBuffers) -> Tensor:
+    """d loss / d raw logits of one chunk [c, n_real], in the compute dtype (a buffer view),
+    from the chunk's rows of ``_row_factors``."""
+    d, e = bufs.load(z)
+    d.sub_(big_m.unsqueeze(1))
     if inv_t != 1.0:
-        lp.mul_(inv_t)
-    lp.sub_(log_z.unsqueeze(1))
-    torch.exp(lp, out=p)
-    if g_ent is not None:
-        # -p (g_logp + g_ent (log p + H)) = p (-g_ent log p - (g_logp + g_ent H))
-        offset = g_ent * entropy if g_logp is None else g_logp + g_ent * entropy
-        grad = lp.mul_(-g_ent.unsqueeze(1)).sub_(offset.unsqueeze(1)).mul_(p)
+        d.mul_(inv_t)
+    torch.exp(d, out=e)
+    if beta is not None:
+        grad = d.mul_(beta.unsqueeze(1)).add_(alpha.unsqueeze(1)).mul_(e)
     else:
-        grad = p.mul_(-g_logp.unsqueeze(1))
-    if g_logp is not None:  # + g_logp at the target column, on the rank that owns it
+        grad = e.mul_(alpha.unsqueeze(1))
+    if at_target is not None:
         cols = local_targets.clamp(0, grad.shape[1] - 1).unsqueeze(1)
-        grad.scatter_add_(1, cols, torch.where(owned, g_logp, 0).unsqueeze(1).to(grad.dtype))
-    if inv_t != 1.0:
-        grad.mul_(inv_t)
+        grad.scatter_add_(1, cols, at_target.unsqueeze(1).to(grad.dtype))
     return grad
+
+
+def _rows(x: Optional[Tensor], sl: slice) -> Optional[Tensor]:
+    return None if x is None else x[sl]
 
 
 def _buffers(rows: int, n_real: int, cdtype: torch.dtype, device: torch.device
@@ -207,30 +230,30 @@ class _VocabParallelLogprobEntropy(torch.autograd.Function):
         if num_tokens == 0:  # every TP rank holds the same (no) tokens: nothing to exchange
             empty = stats.new_empty(0)
             return empty, empty.clone()
-        logp, entropy, log_z = _merge_stats(_gather_stats(stats, group, world))
+        logp, entropy, *row_stats = _merge_stats(_gather_stats(stats, group, world), inv_t)
         _check_outputs(logp, entropy, targets, vocab, "logits")
 
-        ctx.save_for_backward(logits, local_targets, owned, log_z, entropy)
+        ctx.save_for_backward(logits, local_targets, owned, *row_stats)
         ctx.n_real, ctx.inv_t, ctx.chunk_tokens, ctx.cdtype = n_real, inv_t, chunk_tokens, cdtype
         ctx.set_materialize_grads(False)
         return logp, entropy
 
     @staticmethod
     def backward(ctx, g_logp: Optional[Tensor], g_ent: Optional[Tensor]):
-        logits, local_targets, owned, log_z, entropy = ctx.saved_tensors
+        logits, local_targets, owned, big_m, total, mean_shifted = ctx.saved_tensors
         grad = torch.empty_like(logits)
         grad[:, ctx.n_real:] = 0  # padding columns
         if g_logp is None and g_ent is None:
             grad.zero_()
             return grad, None, None, None, None, None
         n_real, step = ctx.n_real, ctx.chunk_tokens
+        factors = _row_factors(total, mean_shifted, g_logp, g_ent, owned, ctx.inv_t)
         bufs = _buffers(min(step, logits.shape[0]), n_real, ctx.cdtype, logits.device)
         for c0 in range(0, logits.shape[0] if bufs is not None else 0, step):
             sl = slice(c0, min(c0 + step, logits.shape[0]))
             grad[sl, :n_real].copy_(_grad_chunk(
-                logits[sl, :n_real], log_z[sl], entropy[sl],
-                None if g_logp is None else g_logp[sl], None if g_ent is None else g_ent[sl],
-                local_targets[sl], owned[sl], ctx.inv_t, bufs))
+                logits[sl, :n_real], big_m[sl], *(_rows(f, sl) for f in factors),
+                local_targets[sl], ctx.inv_t, bufs))
         return grad, None, None, None, None, None
 
 
@@ -263,17 +286,17 @@ class _FusedLinearLogprobEntropy(torch.autograd.Function):
         if num_tokens == 0:
             empty = stats.new_empty(0)
             return empty, empty.clone()
-        logp, entropy, log_z = _merge_stats(_gather_stats(stats, group, world))
+        logp, entropy, *row_stats = _merge_stats(_gather_stats(stats, group, world), inv_t)
         _check_outputs(logp, entropy, targets, vocab, "logits (hidden @ weight.T)")
 
-        ctx.save_for_backward(hidden, weight, local_targets, owned, log_z, entropy)
+        ctx.save_for_backward(hidden, weight, local_targets, owned, *row_stats)
         ctx.n_real, ctx.inv_t, ctx.chunk_tokens, ctx.cdtype = n_real, inv_t, chunk_tokens, cdtype
         ctx.set_materialize_grads(False)
         return logp, entropy
 
     @staticmethod
     def backward(ctx, g_logp: Optional[Tensor], g_ent: Optional[Tensor]):
-        hidden, weight, local_targets, owned, log_z, entropy = ctx.saved_tensors
+        hidden, weight, local_targets, owned, big_m, total, mean_shifted = ctx.saved_tensors
         n_real, step = ctx.n_real, ctx.chunk_tokens
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.zeros_like(hidden) if need_h else None
@@ -289,6 +312,7 @@ class _FusedLinearLogprobEntropy(torch.autograd.Function):
                 torch.zeros(w.shape, dtype=ctx.cdtype, device=w.device)
             if acc_w.dtype != weight.dtype:
                 w_part = torch.empty_like(w)  # one chunk's weight grad, before fp32 accumulation
+        factors = _row_factors(total, mean_shifted, g_logp, g_ent, owned, ctx.inv_t)
         rows = min(step, hidden.shape[0])
         bufs = _buffers(rows, n_real, ctx.cdtype, hidden.device)
         z_buf = hidden.new_empty(rows, n_real)
@@ -297,10 +321,8 @@ class _FusedLinearLogprobEntropy(torch.autograd.Function):
             sl = slice(c0, c1)
             h = hidden[sl]
             z = torch.mm(h, w.t(), out=z_buf[:c1 - c0])
-            gz = _grad_chunk(z, log_z[sl], entropy[sl],
-                             None if g_logp is None else g_logp[sl],
-                             None if g_ent is None else g_ent[sl],
-                             local_targets[sl], owned[sl], ctx.inv_t, bufs)
+            gz = _grad_chunk(z, big_m[sl], *(_rows(f, sl) for f in factors), local_targets[sl],
+                             ctx.inv_t, bufs)
             if gz.dtype != hidden.dtype:
                 gz = z.copy_(gz)  # the logits' buffer is free again: reuse it for the grad
             if need_h:

@@ -72,4 +72,6 @@ def detect_launch_env(env: Optional[Mapping[str, str]] = None) -> LaunchEnv:
         port = int(env.get("MASTER_PORT") or _slurm_port(env))
         return LaunchEnv(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]),
                          int(env.get("SLURM_LOCALID", 0)), master, port, "slurm")
-    return LaunchEnv(0, 1, 0, "127.0.0.1", int(env.get("MASTER_PORT", 29500)), "single")
+    # Port 0: the one-process store binds a free port itself, so single-process runs on one
+    # machine (a study's, other users') never collide on a fixed port.
+    return LaunchEnv(0, 1, 0, "127.0.0.1", int(env.get("MASTER_PORT", 0)), "single")

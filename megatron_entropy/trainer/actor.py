@@ -5,6 +5,7 @@ Data flow inside one RL step (per rank; every rank of a DP replica holds the sam
   recompute(samples)             forward-only: old log-probs + entropies (+ reference log-probs)
   update(samples)                ppo_epochs x mini-batches: [global Cov selection] -> micro-batches
                                  through forward_backward_func -> Megatron optimizer step
+  entropy_change(samples)        optional: forward-only again after the updates -> entropy/delta
 Log-prob/entropy come from the vocab-parallel ops (logits path) or the fused output-layer op
 (hidden-states path), at the rollout temperature, for response tokens only.
 """
@@ -18,6 +19,7 @@ import torch
 
 from megatron_entropy.algorithms.policy_loss import (PolicyLossSettings, policy_loss,
                                                      reduce_metrics)
+from megatron_entropy.analysis.entropy_change import entropy_change_metrics
 from megatron_entropy.models.arch import ModelArch
 from megatron_entropy.ops.logprob_entropy import (fused_linear_logprob_entropy,
                                                   vocab_parallel_logprob_entropy)
@@ -223,6 +225,16 @@ class Actor:
                 all_metrics.extend(o["m"] for o in outs)
                 opt_stats.append(optimizer_step(self.optimizer, self.scheduler, self.model))
         return self._summarize(all_metrics, opt_stats)
+
+    def entropy_change(self, samples: list[Sample]) -> dict[str, float]:
+        """After ``update``: the step's response tokens scored again with the updated weights
+        (forward only, the recompute's path) against the recompute's entropies, on every rank:
+        entropy/delta, cov/step and per source (``analysis.entropy_change`` for definitions)."""
+        after = [ent for _, ent in self.compute_logprobs(samples)]
+        return entropy_change_metrics([s.entropy for s in samples], after,
+                                      [s.old_logprobs for s in samples],
+                                      [s.advantage for s in samples], [s.source for s in samples],
+                                      self.ps.get_data_parallel_group())
 
     def _summarize(self, metrics: list[dict], opt_stats: list[dict]) -> dict[str, float]:
         out = None

@@ -4,6 +4,7 @@
         rollout      prompts -> engine (DP leaders) -> rewards -> dynamic sampling -> advantages
         recompute    old log-probs, entropies (and reference log-probs) with the Megatron actor
         update       ppo_epochs x mini-batches of Clip-Cov / KL-Cov / PPO-clip
+        [entropy change: the step's tokens scored again after the update]
         sync         Megatron weights -> HF names -> rollout engine
         log, validate, checkpoint
 """
@@ -330,6 +331,9 @@ class Trainer:
                 with timer("update"):
                     actor_metrics = self.actor.update(mine, step)
                 metrics.update({_LOSS_METRIC_NAMES.get(k, k): v for k, v in actor_metrics.items()})
+                if cfg.analysis.entropy_change:
+                    with timer("entropy_change"):
+                        metrics.update(self.actor.entropy_change(mine))
                 with timer("sync"):
                     metrics.update(self.sync_weights(version=step))
             else:

@@ -1,0 +1,366 @@
+"""``megatron-entropy study CONFIG``: the paper's comparison at toy scale, one training run at a
+time, then a report with the counterpart of each of the paper's figures.
+
+The run matrix comes from the config's ``study`` section (config.StudyConfig):
+
+- every arm of ``study.losses`` (a name and its overrides) at every seed of ``study.seeds``;
+- the entropy bonus (``study.entropy_bonus``: arm ``base`` with ``key`` at each value) and the
+  threshold sweep (``study.threshold_sweep``), each at the first ``study.sweep_seeds`` seeds.
+
+A seed sets every key of ``study.seed_keys``. Each run is a normal ``train`` run of CONFIG with,
+in this order: the ``study.quick`` overrides (with ``--quick``), the command line's overrides,
+the arm's, the swept value, the seed, then the study's own (its folder ``OUT/runs/NAME``,
+``analysis.entropy_change=true`` for the dH-vs-Cov figure, ``trainer.resume=auto``, no progress
+bar). Two entries that resolve to the same settings (a sweep value equal to its arm's own) are
+one run. Every run's config is resolved and checked before the first one starts.
+
+Resumable: ``OUT/runs/NAME/study_run.json`` records a run's settings and attempts. A finished
+run is not run again; an interrupted one is started again and resumes from its last checkpoint
+through the trainer's own resume (so it loses at most ``trainer.save_interval`` steps); a run
+folder made with other settings is an error naming the keys that differ. One study at a time
+holds ``OUT/study.lock``; the lock is shared with the running ``train`` process, so a study
+started again while a killed study's run is still finishing its step waits for it. A run whose
+study dies gets SIGTERM (Linux), checkpoints at the end of its step and exits.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from megatron_entropy.config import Config, ConfigError, StudyConfig, load_config
+from megatron_entropy.trainer.checkpoint import CheckpointManager
+from megatron_entropy.trainer.loop import PREEMPTED_EXIT_CODE
+
+RUN_STATE_FILE = "study_run.json"
+RUN_LOG_FILE = "train.log"
+
+
+class StudyError(RuntimeError):
+    """A study that cannot go on (a run failed, a run folder holds another run's settings)."""
+
+
+@dataclass
+class StudyRun:
+    name: str
+    seed: int
+    overrides: list[str]  # after CONFIG on the train command line
+    own: list[str]  # the part that makes this run: the arm's, the swept value, the seed
+    config: Config  # resolved
+    # What the run stands for: ("loss", arm name) and/or ("entropy_bonus" | "threshold_sweep",
+    # value); one run may serve several (deduplicated).
+    roles: list[tuple[str, Any]] = field(default_factory=list)
+
+    @property
+    def run_dir(self) -> Path:
+        return self.config.run_dir
+
+    @property
+    def fingerprint(self) -> str:
+        return hashlib.sha256(json.dumps(settings_of(self.config), sort_keys=True,
+                                         default=str).encode()).hexdigest()
+
+    def arm(self) -> Optional[str]:
+        return next((value for role, value in self.roles if role == "loss"), None)
+
+
+@dataclass
+class StudyPlan:
+    config_path: str
+    out: Path
+    quick: bool
+    study: StudyConfig
+    runs: list[StudyRun]
+    arms: list[str]  # the study.losses names in the comparison (after --losses)
+    seeds: list[int]
+
+
+def settings_of(cfg: Config) -> dict:
+    """The settings that decide a run's numbers: all but where it logs and the study section."""
+    d = cfg.to_dict()
+    d.pop("study")
+    d.pop("logging")
+    return d
+
+
+def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def config_value(cfg: Config, key: str) -> Any:
+    """The value of a dotted key in a resolved config."""
+    return _flat(cfg.to_dict())[key]
+
+
+def _default_out(cfg: Config, quick: bool) -> Path:
+    return Path(cfg.logging.runs_dir) / f"{cfg.logging.name}_study{'_quick' if quick else ''}"
+
+
+def plan_study(config_path: str, overrides: list[str], out: Optional[str] = None,
+               quick: bool = False, losses: Optional[list[str]] = None,
+               seeds: Optional[list[int]] = None) -> StudyPlan:
+    """Every run of the study, resolved and checked (ConfigError names the run and the key)."""
+    first = load_config(config_path, overrides)
+    base = [*(first.study.quick if quick else []), *overrides]
+    resolved = load_config(config_path, base)
+    st = resolved.study
+    out_dir = Path(out) if out else _default_out(resolved, quick)
+    out_dir = out_dir.resolve()
+    arms = {arm.name: arm for arm in st.losses}
+    chosen = losses if losses is not None else list(arms)
+    unknown = [name for name in chosen if name not in arms]
+    if unknown:
+        raise ConfigError(f"--losses: {', '.join(unknown)} not in study.losses "
+                          f"({', '.join(arms) or 'empty'})")
+    seeds = seeds if seeds is not None else list(st.seeds)
+    if not seeds:
+        raise ConfigError("study.seeds is empty: the study has no run")
+
+    entries: list[tuple[str, list[str], int, tuple[str, Any]]] = []
+    for name in chosen:
+        for seed in seeds:
+            entries.append((f"{name}-seed{seed}", arms[name].overrides, seed, ("loss", name)))
+    for part in ("entropy_bonus", "threshold_sweep"):
+        sweep = getattr(st, part)
+        leaf = sweep.key.rsplit(".", 1)[-1]
+        for value in sweep.values:
+            for seed in seeds[:st.sweep_seeds]:
+                entries.append((f"{sweep.base}-{leaf}{value:g}-seed{seed}",
+                                [*arms[sweep.base].overrides, f"{sweep.key}={value!r}"], seed,
+                                (part, value)))
+
+    runs: list[StudyRun] = []
+    by_settings: dict[str, StudyRun] = {}
+    for name, arm_overrides, seed, role in entries:
+        own = [*arm_overrides, *(f"{k}={seed}" for k in st.seed_keys)]
+        run_overrides = [*base, *own,
+                         f"logging.runs_dir={out_dir / 'runs'}", f"logging.name={name}",
+                         "logging.progress_bar=false", "analysis.entropy_change=true",
+                         "trainer.resume=auto"]
+        try:
+            cfg = load_config(config_path, run_overrides)
+        except ConfigError as e:
+            raise ConfigError(f"study run {name}: {e}") from None
+        run = StudyRun(name, seed, run_overrides, own, cfg, [role])
+        same = by_settings.get(run.fingerprint)
+        if same is not None:
+            same.roles.append(role)
+            continue
+        by_settings[run.fingerprint] = run
+        runs.append(run)
+    if not runs:
+        raise ConfigError("the study has no run: study.losses (or --losses) and the sweeps' "
+                          "values are all empty")
+    return StudyPlan(config_path, out_dir, quick, st, runs, chosen, seeds)
+
+
+# ------------------------------------------------------------------------------ run records
+
+
+def read_run_state(run: StudyRun) -> Optional[dict]:
+    path = run.run_dir / RUN_STATE_FILE
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise StudyError(f"{path} is not valid JSON ({e}); remove it to run {run.name} again "
+                         "from its checkpoints") from None
+
+
+def _write_state(run: StudyRun, state: dict) -> None:
+    path = run.run_dir / RUN_STATE_FILE
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(state, indent=1, default=str))
+    os.replace(tmp, path)
+
+
+def _differences(old: dict, new: dict) -> str:
+    a, b = _flat(old), _flat(new)
+    keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+    shown = ", ".join(f"{k} ({a.get(k)!r} -> {b.get(k)!r})" for k in keys[:5])
+    return shown + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
+
+
+def _check_same_run(run: StudyRun, state: dict) -> None:
+    if state.get("fingerprint") == run.fingerprint:
+        return
+    diff = _differences(state.get("settings", {}), json.loads(json.dumps(
+        settings_of(run.config), default=str)))
+    raise StudyError(f"{run.run_dir} holds a run made with other settings: {diff or 'unknown'}; "
+                     "remove that folder (or choose another --out) to run it with these")
+
+
+def run_wall_seconds(state: Optional[dict]) -> float:
+    """Wall time of a run's recorded attempts (an attempt killed with its study is not)."""
+    return sum(a.get("wall_s") or 0.0 for a in (state or {}).get("attempts", []))
+
+
+def checkpoint_step(run_dir: Path) -> int:
+    """The step of the checkpoint the trainer would resume from (0: none)."""
+    latest = CheckpointManager(run_dir).latest()
+    return int(json.loads((latest / "trainer_state.json").read_text())["step"]) if latest else 0
+
+
+def last_step(run_dir: Path) -> int:
+    from megatron_entropy.analysis.plots import read_metrics
+
+    try:
+        records = read_metrics(run_dir)
+    except FileNotFoundError:
+        return 0
+    return max((int(r.get("step", 0)) for r in records), default=0)
+
+
+# ------------------------------------------------------------------------------ running
+
+
+def _die_with_parent() -> None:
+    """In the child: SIGTERM when the study dies, so a run never outlives it (Linux only)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+class _Interrupt:
+    """SIGTERM, SIGINT or SIGUSR1 to the study: the running train run is asked to checkpoint at
+    the end of its step (SIGTERM, which its ranks handle), and the study stops after it."""
+
+    def __init__(self) -> None:
+        self.raised = False
+        self.child: Optional[subprocess.Popen] = None
+        self._previous = {sig: signal.signal(sig, self._handle)
+                          for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
+
+    def _handle(self, signum, frame) -> None:
+        self.raised = True
+        if self.child is not None and self.child.poll() is None:
+            self.child.send_signal(signal.SIGTERM)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def _lock(out: Path, echo: Callable[[str], None]) -> int:
+    fd = os.open(out / "study.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 64, 0).decode(errors="replace").strip()
+        echo(f"{out} is held by another study (pid {holder or '?'}), or by a run a killed study "
+             "started that is finishing its step; waiting for it")
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    return fd
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except FileNotFoundError:
+        return ""
+
+
+def _summary_line(run: StudyRun) -> str:
+    from megatron_entropy.analysis.plots import read_metrics, series
+
+    records = read_metrics(run.run_dir)
+    parts = []
+    for key, short in (("entropy/seq_mean", "H"), ("val/acc/mean", "val")):
+        _, values = series(records, key)
+        if values:
+            parts.append(f"{short} {values[0]:.3f} -> {values[-1]:.3f}")
+    return f" ({', '.join(parts)})" if parts else ""
+
+
+def _train(run: StudyRun, config_path: str, lock_fd: int, interrupt: _Interrupt
+           ) -> tuple[int, float]:
+    cmd = [sys.executable, "-m", "megatron_entropy.cli", "train", config_path, *run.overrides]
+    start = time.perf_counter()
+    with open(run.run_dir / RUN_LOG_FILE, "a") as log:
+        log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(cmd)}\n")
+        log.flush()
+        # The lock's descriptor goes with the run: the lock is free only when both have ended.
+        child = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, pass_fds=(lock_fd,),
+                                 preexec_fn=_die_with_parent)
+        interrupt.child = child
+        try:
+            code = child.wait()
+        finally:
+            interrupt.child = None
+    return code, time.perf_counter() - start
+
+
+def execute(plan: StudyPlan, echo: Callable[[str], None] = print) -> int:
+    """Run every run of the plan that has not finished, then write the report. Returns 0, or
+    75 when interrupted (run the same command again to go on)."""
+    from megatron_entropy.analysis.study_report import write_report
+
+    plan.out.mkdir(parents=True, exist_ok=True)
+    lock_fd = _lock(plan.out, echo)
+    interrupt = _Interrupt()
+    try:
+        total = len(plan.runs)
+        for i, run in enumerate(plan.runs, start=1):
+            head = f"[{i}/{total}] {run.name}"
+            state = read_run_state(run)
+            if state is not None:
+                _check_same_run(run, state)
+                if state.get("finished"):
+                    echo(f"{head}: finished earlier ({run_wall_seconds(state):.0f} s), "
+                         "not re-run")
+                    continue
+            run.run_dir.mkdir(parents=True, exist_ok=True)
+            state = state or {"name": run.name, "fingerprint": run.fingerprint,
+                              "settings": settings_of(run.config), "overrides": run.overrides,
+                              "attempts": [], "finished": False}
+            done = checkpoint_step(run.run_dir)
+            if done:
+                echo(f"{head}: resuming from the checkpoint of step {done} "
+                     f"(log: {run.run_dir / RUN_LOG_FILE})")
+            else:
+                echo(f"{head}: training (log: {run.run_dir / RUN_LOG_FILE})")
+            state["attempts"].append({"started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                                      "from_step": done, "wall_s": None, "exit_code": None})
+            _write_state(run, state)
+            code, wall = _train(run, plan.config_path, lock_fd, interrupt)
+            state["attempts"][-1].update(wall_s=round(wall, 3), exit_code=code)
+            steps = run.config.trainer.steps
+            if code == 0 and last_step(run.run_dir) >= steps:
+                state["finished"] = True
+            _write_state(run, state)
+            if interrupt.raised or code == PREEMPTED_EXIT_CODE:
+                echo(f"{head}: interrupted after {wall:.0f} s at step {last_step(run.run_dir)}; "
+                     "run the same command again to resume")
+                return PREEMPTED_EXIT_CODE
+            if not state["finished"]:
+                raise StudyError(
+                    f"run {run.name} failed (exit code {code}, at step "
+                    f"{last_step(run.run_dir)} of {steps}); its log: "
+                    f"{run.run_dir / RUN_LOG_FILE}\n{_tail(run.run_dir / RUN_LOG_FILE)}")
+            echo(f"{head}: done in {wall:.0f} s{_summary_line(run)}")
+        report = write_report(plan)
+        echo(f"report: {report}")
+        return 0
+    finally:
+        interrupt.restore()
+        os.close(lock_fd)

@@ -1,0 +1,177 @@
+"""The study's figures, each the toy-scale counterpart of one of the paper's (see
+``study_report.FIGURE_TITLES``). Curves over seeds are the mean at each step with a band from
+the minimum to the maximum over seeds. A figure with nothing to draw is not written."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from megatron_entropy.analysis.plots import series
+from megatron_entropy.analysis.study import StudyPlan
+from megatron_entropy.analysis.study_report import (COV, DELTA, ENTROPY, VAL, RunResult,
+                                                    delta_vs_cov)
+
+
+def _aligned(records: Sequence[Sequence[dict]], key: str
+             ) -> tuple[list[float], np.ndarray, np.ndarray, np.ndarray]:
+    """(steps, mean, min, max) over the runs that have ``key`` at each step."""
+    per_step: dict[float, list[float]] = {}
+    for rec in records:
+        for step, value in zip(*series(rec, key)):
+            per_step.setdefault(step, []).append(value)
+    steps = sorted(per_step)
+    vals = [per_step[s] for s in steps]
+    return (steps, np.array([np.mean(v) for v in vals]), np.array([min(v) for v in vals]),
+            np.array([max(v) for v in vals]))
+
+
+def _band(ax, records: Sequence[Sequence[dict]], key: str, label: str, color,
+          marker: bool = False) -> bool:
+    steps, mean, lo, hi = _aligned(records, key)
+    if not steps:
+        return False
+    ax.plot(steps, mean, color=color, label=f"{label} ({len(records)} seeds)"
+            if len(records) > 1 else label, marker="o" if marker else None, markersize=3)
+    if len(records) > 1:
+        ax.fill_between(steps, lo, hi, color=color, alpha=0.2, lw=0)
+    return True
+
+
+def _finish(ax, ylabel: str, title: str) -> None:
+    ax.set_xlabel("step")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+
+
+def plot_study(plan: StudyPlan, results: Sequence[RunResult], summary: dict, out: Path
+               ) -> dict[str, Path]:
+    """Write the study's PNGs into ``out``; returns figure name -> file, in report order."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = plt.get_cmap("tab10")
+    by_name = {r.run.name: r for r in results}
+    arms = summary["arms"]
+    arm_records = {a: [by_name[n].records for n in arm["runs"]] for a, arm in arms.items()}
+    written: dict[str, Path] = {}
+
+    def save(fig, name: str, drawn: bool) -> None:
+        if drawn:
+            fig.tight_layout()
+            fig.savefig(out / f"{name}.png", dpi=110)
+            written[name] = out / f"{name}.png"
+        plt.close(fig)
+
+    def arm_bands(key: str, name: str, ylabel: str, title: str, marker: bool = False) -> None:
+        fig, ax = plt.subplots(figsize=(7, 4.2))
+        drawn = [_band(ax, recs, key, a, colors(i), marker)
+                 for i, (a, recs) in enumerate(arm_records.items())]
+        if any(drawn):
+            _finish(ax, ylabel, title)
+        save(fig, name, any(drawn))
+
+    arm_bands(ENTROPY, "entropy", "entropy (nats / token)",
+              "policy entropy, mean of per-sequence means; band: min-max over seeds")
+    arm_bands(VAL, "val_accuracy", "validation accuracy", "validation accuracy", marker=True)
+
+    # The law per arm: all seeds' points, the fit, its ceiling and interval.
+    fig, ax = plt.subplots(figsize=(7, 4.8))
+    laws = {a: arm["law"] for a, arm in arms.items() if arm["law"]}
+    top = max((max(law["h"]) for law in laws.values()), default=1.0)
+    grid = np.linspace(0.0, top * 1.05, 200)
+    for i, (a, law) in enumerate(laws.items()):
+        fit, ci = law["fit"], law["interval"]
+        if fit is None:
+            ax.scatter(law["h"], law["r"], s=12, color=colors(i),
+                       label=f"{a}: law not fitted ({law['undetermined']})")
+            continue
+        ax.scatter(law["h"], law["r"], s=12, color=colors(i), alpha=0.7)
+        interval = f" [{ci['low']:.2f}, {ci['high']:.2f}]" if ci else ""
+        ax.plot(grid, -fit["a"] * np.exp(grid) + fit["b"], color=colors(i),
+                label=f"{a}: a={fit['a']:.3g} b={fit['b']:.3g} R²={fit['r2']:.2f} "
+                      f"ceiling {fit['ceiling']:.2f}{interval}")
+    if laws:
+        ax.set_xlabel("entropy (entropy/seq_mean)")
+        ax.set_ylabel(summary["performance_key"])
+        ax.set_title("R = -a exp(H) + b per loss (ceiling b - a at H = 0, 95% bootstrap "
+                     "interval)", fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    save(fig, "entropy_law", bool(laws))
+
+    # Early prediction: each run's own early fit against its later points.
+    with_early = {a: [summary["runs"][n]["early"] for n in arm["runs"]
+                      if summary["runs"][n]["early"] is not None] for a, arm in arms.items()}
+    with_early = {a: e for a, e in with_early.items() if e}
+    fig, axes = plt.subplots(1, max(len(with_early), 1), figsize=(4.2 * max(len(with_early), 1),
+                                                                  3.8), squeeze=False)
+    for ax, (a, runs) in zip(axes[0], with_early.items()):
+        for j, e in enumerate(runs):
+            if e["predicted"] is None:
+                ax.plot(e["steps"], e["actual"], "o", color=colors(j), markersize=3,
+                        label=f"seed {e['seed']}: not fitted ({e['undetermined']})")
+                continue
+            ax.plot(e["steps"], e["actual"], "o", color=colors(j), markersize=3)
+            ax.plot(e["steps"], e["predicted"], "--", color=colors(j),
+                    label=f"seed {e['seed']}: final error {e['final_error']:+.3f}")
+        ax.axvline(runs[0]["cut_step"], color="gray", lw=1)
+        _finish(ax, summary["performance_key"],
+                f"{a}: law fitted on steps <= {runs[0]['cut_step']:.0f}\n"
+                "dots: measured, dashed: predicted from entropy")
+    save(fig, "early_prediction", bool(with_early))
+
+    # Cov and dH over steps, then dH against Cov.
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+    d1 = [_band(ax1, recs, COV, a, colors(i)) for i, (a, recs) in enumerate(arm_records.items())]
+    d2 = [_band(ax2, recs, DELTA, a, colors(i)) for i, (a, recs) in enumerate(arm_records.items())]
+    if any(d1):
+        _finish(ax1, "cov/step", "Cov(logp, A) over the step's tokens")
+    if any(d2):
+        _finish(ax2, "entropy/delta", "exact entropy change of the step (H_after - H_before)")
+    save(fig, "covariance", any(d1) or any(d2))
+
+    fig, ax = plt.subplots(figsize=(6, 4.8))
+    drawn = False
+    for i, a in enumerate(arm_records):
+        dc = delta_vs_cov([by_name[n] for n in arms[a]["runs"]])
+        if not dc["n"]:
+            continue
+        corr = dc["corr_delta_minus_cov"]
+        ax.scatter(dc["cov"], dc["delta"], s=12, color=colors(i),
+                   label=f"{a}: corr(dH, -Cov) = {'n/a' if corr is None else f'{corr:.2f}'}")
+        drawn = True
+    if drawn:
+        ax.axhline(0, color="gray", lw=0.8)
+        ax.axvline(0, color="gray", lw=0.8)
+        ax.set_xlabel("cov/step")
+        ax.set_ylabel("entropy/delta")
+        ax.set_title("per step: entropy change against Cov (the paper: dH ~ -eta Cov)",
+                     fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    save(fig, "delta_vs_cov", drawn)
+
+    # The sweeps: entropy and validation accuracy per value.
+    for part in ("entropy_bonus", "threshold_sweep"):
+        sweep = summary["sweeps"].get(part)
+        if not sweep:
+            continue
+        leaf = sweep["key"].rsplit(".", 1)[-1]
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+        drawn = False
+        for i, (value, d) in enumerate(sweep["values"].items()):
+            recs = [by_name[n].records for n in d["runs"]]
+            drawn |= _band(ax1, recs, ENTROPY, f"{leaf}={value:g}", colors(i))
+            _band(ax2, recs, VAL, f"{leaf}={value:g}", colors(i), marker=True)
+        if drawn:
+            _finish(ax1, "entropy (nats / token)", f"{sweep['base']}: entropy by {leaf}")
+            _finish(ax2, "validation accuracy", f"{sweep['base']}: validation by {leaf}")
+        save(fig, part, drawn)
+    return written

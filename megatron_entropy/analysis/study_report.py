@@ -1,0 +1,407 @@
+"""The numbers of a finished study and its report: ``OUT/report.md``, ``OUT/summary.json`` and
+the figures (``study_plots``).
+
+Definitions (also stated in the report):
+- a run's start / end value of a metric: the mean over its first / last ``study.window`` steps
+  (entropy = ``entropy/seq_mean``, the paper's mean of per-sequence means; reward =
+  ``reward/mean``; response length = ``response/length_mean``);
+- a run's initial / final validation accuracy: its first / last ``val/acc/mean`` point;
+- an arm's value: the mean over its seeds, with the spread (standard deviation, min, max);
+- the entropy law of an arm: R = -a exp(H) + b fitted by least squares to the validation points
+  of all its seeds together (R = ``val/acc/mean`` at a step, H = that step's
+  ``entropy/seq_mean``; training accuracy when no run validates), with a seeded bootstrap
+  interval of the ceiling b - a; per-seed fits are listed too;
+- early prediction (a run): the law fitted to its points at steps <= ``early_fraction`` x steps
+  predicts its later validation accuracy from their entropy; the error at the last point is the
+  one the target judges (mean of |error| over seeds);
+- dH against Cov: the Pearson correlation of ``entropy/delta`` with ``-cov/step`` over every
+  step of every seed of the arm.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from megatron_entropy.analysis.entropy_law import (ceiling_interval, fit_and_predict,
+                                                   fit_entropy_law)
+from megatron_entropy.analysis.plots import paired_series, read_metrics, series
+from megatron_entropy.analysis.study import (StudyPlan, StudyRun, config_value, read_run_state,
+                                             run_wall_seconds)
+
+ENTROPY = "entropy/seq_mean"
+VAL = "val/acc/mean"
+TRAIN_ACC = "acc/mean"
+REWARD = "reward/mean"
+LENGTH = "response/length_mean"
+DELTA = "entropy/delta"
+COV = "cov/step"
+COV_LOSSES = ("clip_cov", "kl_cov")
+MIN_SEEDS = 3  # the issue's targets compare means over at least 3 seeds
+
+
+@dataclass
+class RunResult:
+    run: StudyRun
+    records: list[dict]
+    wall_s: float
+
+    @property
+    def steps(self) -> int:
+        return self.run.config.trainer.steps
+
+
+def load_results(plan: StudyPlan) -> list[RunResult]:
+    return [RunResult(run, read_metrics(run.run_dir), run_wall_seconds(read_run_state(run)))
+            for run in plan.runs]
+
+
+def _window(records: Sequence[dict], key: str, window: int, last: bool) -> Optional[float]:
+    _, values = series(records, key)
+    if not values:
+        return None
+    part = values[-window:] if last else values[:window]
+    return sum(part) / len(part)
+
+
+def _first_last(records: Sequence[dict], key: str) -> tuple[Optional[float], Optional[float]]:
+    _, values = series(records, key)
+    return (values[0], values[-1]) if values else (None, None)
+
+
+def performance_key(results: Sequence[RunResult]) -> str:
+    """Validation accuracy when the runs validate during training, else training accuracy."""
+    has_val = any(len(paired_series(r.records, ENTROPY, VAL)[0]) >= 2 for r in results)
+    return VAL if has_val else TRAIN_ACC
+
+
+def _law_undetermined(h: Sequence[float], r: Sequence[float], min_points: int = 3) -> str:
+    """Why the law cannot be fitted to these points, or '' when it can."""
+    if len(h) < min_points:
+        return f"{len(h)} point(s)"
+    if np.ptp(np.exp(h)) == 0:
+        return "entropy did not vary"
+    if np.ptp(r) == 0:
+        return "performance did not vary"
+    return ""
+
+
+def run_numbers(result: RunResult, window: int, early_fraction: float, perf: str) -> dict:
+    rec = result.records
+    out: dict[str, Any] = {"name": result.run.name, "seed": result.run.seed,
+                           "wall_s": result.wall_s, "steps": result.steps}
+    for key, name in ((ENTROPY, "entropy"), (REWARD, "reward"), (LENGTH, "length")):
+        out[f"{name}_start"] = _window(rec, key, window, last=False)
+        out[f"{name}_end"] = _window(rec, key, window, last=True)
+    out["val_start"], out["val_end"] = _first_last(rec, VAL)
+    steps, h, r = paired_series(rec, ENTROPY, perf)
+    out["law_r2"] = None if _law_undetermined(h, r) else fit_entropy_law(h, r).r2
+    cut = early_fraction * result.steps
+    k = sum(s <= cut for s in steps)
+    out["early"] = None
+    if k and len(h) > k:  # points on both sides of the cut
+        why = _law_undetermined(h[:k], r[:k], min_points=2)
+        e = None if why else fit_and_predict(h, r, k)
+        out["early"] = {"seed": result.run.seed, "k": k, "cut_step": cut, "undetermined": why,
+                        "final_error": e.final_error if e else None, "mae": e.mae if e else None,
+                        "steps": steps, "actual": r,
+                        "predicted": e.fit.predict(h).tolist() if e else None}
+    return out
+
+
+def spread(values: Sequence[Optional[float]]) -> Optional[dict]:
+    vals = [v for v in values if v is not None and math.isfinite(v)]
+    if not vals:
+        return None
+    arr = np.asarray(vals)
+    return {"mean": float(arr.mean()), "std": float(arr.std(ddof=1)) if len(arr) > 1 else 0.0,
+            "min": float(arr.min()), "max": float(arr.max()), "n": len(vals)}
+
+
+def pooled_law(results: Sequence[RunResult], perf: str, resamples: int, seed: int
+               ) -> Optional[dict]:
+    """The law fitted to every seed's points together: {h, r, fit, interval, undetermined}."""
+    h, r = [], []
+    for res in results:
+        _, hh, rr = paired_series(res.records, ENTROPY, perf)
+        h += hh
+        r += rr
+    if not h:
+        return None
+    out: dict[str, Any] = {"h": h, "r": r, "fit": None, "interval": None,
+                           "undetermined": _law_undetermined(h, r)}
+    if not out["undetermined"]:
+        out["fit"] = fit_entropy_law(h, r).to_dict()
+        if resamples:
+            try:
+                out["interval"] = ceiling_interval(h, r, resamples, 0.95, seed).to_dict()
+            except ValueError:
+                pass
+    return out
+
+
+def correlation(x: Sequence[float], y: Sequence[float]) -> Optional[float]:
+    if len(x) < 3 or np.std(x) == 0 or np.std(y) == 0:
+        return None
+    return float(np.corrcoef(x, y)[0, 1])
+
+
+def delta_vs_cov(results: Sequence[RunResult]) -> dict:
+    cov, delta = [], []
+    for res in results:
+        _, c, d = paired_series(res.records, COV, DELTA)
+        cov += c
+        delta += d
+    return {"cov": cov, "delta": delta,
+            "corr_delta_minus_cov": correlation(delta, [-c for c in cov]), "n": len(cov)}
+
+
+def _members(results: Sequence[RunResult], role: str, value: Any = None) -> list[RunResult]:
+    return [r for r in results
+            if any(ro == role and (value is None or v == value) for ro, v in r.run.roles)]
+
+
+def _sweep_groups(results: Sequence[RunResult], base: str, key: str, part: str,
+                  seeds: Sequence[int]) -> dict[float, list[RunResult]]:
+    """The sweep's runs and its base arm's runs at the sweep seeds, by the key's value."""
+    groups: dict[float, list[RunResult]] = {}
+    for res in results:
+        in_sweep = any(role == part for role, _ in res.run.roles)
+        is_base = res.run.arm() == base and res.run.seed in seeds
+        if in_sweep or is_base:
+            groups.setdefault(float(config_value(res.run.config, key)), []).append(res)
+    return dict(sorted(groups.items()))
+
+
+def summarize(plan: StudyPlan, results: Sequence[RunResult]) -> dict:
+    st = plan.study
+    perf = performance_key(results)
+    per_run = {r.run.name: run_numbers(r, st.window, st.early_fraction, perf) for r in results}
+    arms: dict[str, dict] = {}
+    for arm in plan.arms:
+        members = [r for r in results if r.run.arm() == arm]
+        if not members:
+            continue
+        nums = [per_run[r.run.name] for r in members]
+        early = [n["early"]["final_error"] for n in nums
+                 if n["early"] is not None and n["early"]["final_error"] is not None]
+        arms[arm] = {
+            "loss": members[0].run.config.algorithm.loss,
+            "runs": [r.run.name for r in members], "seeds": [r.run.seed for r in members],
+            **{f: spread([n[f] for n in nums]) for f in (
+                "entropy_start", "entropy_end", "reward_start", "reward_end", "length_start",
+                "length_end", "val_start", "val_end")},
+            "law": pooled_law(members, perf, st.bootstrap, st.bootstrap_seed),
+            "law_r2_per_seed": [n["law_r2"] for n in nums],
+            "early_abs_final_error": spread([abs(e) for e in early]),
+            "early_final_errors": early,
+            "delta_vs_cov": delta_vs_cov(members),
+        }
+    sweeps = {}
+    sweep_seeds = plan.seeds[:st.sweep_seeds]
+    for part in ("entropy_bonus", "threshold_sweep"):
+        sw = getattr(st, part)
+        if not sw.values:
+            continue
+        groups = _sweep_groups(results, sw.base, sw.key, part, sweep_seeds)
+        sweeps[part] = {"base": sw.base, "key": sw.key, "values": {
+            value: {"runs": [r.run.name for r in members],
+                    "entropy_end": spread([per_run[r.run.name]["entropy_end"] for r in members]),
+                    "val_end": spread([per_run[r.run.name]["val_end"] for r in members])}
+            for value, members in groups.items()}}
+    summary = {"config": plan.config_path, "out": str(plan.out), "quick": plan.quick,
+               "window": st.window, "early_fraction": st.early_fraction,
+               "performance_key": perf, "baseline": st.baseline, "arms": arms,
+               "sweeps": sweeps, "runs": per_run,
+               "wall_s": sum(r.wall_s for r in results), "n_runs": len(results)}
+    summary["targets"] = targets(summary, plan)
+    return summary
+
+
+# ------------------------------------------------------------------------------ targets
+
+
+def _status(ok: Optional[bool]) -> str:
+    return "not measured" if ok is None else ("hit" if ok else "missed")
+
+
+def _mean(d: Optional[dict]) -> Optional[float]:
+    return None if d is None else d["mean"]
+
+
+def _fmt(v: Optional[float], digits: int = 3) -> str:
+    return "n/a" if v is None else f"{v:.{digits}f}"
+
+
+def targets(summary: dict, plan: StudyPlan) -> list[dict]:
+    """Each target of issue 11: what it asks, the measured value, hit / missed / not judged."""
+    st, arms = plan.study, summary["arms"]
+    base_name = st.baseline
+    base = arms.get(base_name)
+    rows: list[dict] = []
+
+    def add(target: str, measured: str, ok: Optional[bool], note: str = "") -> None:
+        status = _status(ok)
+        if note:
+            status = f"{status} ({note})" if ok is not None else note
+        rows.append({"target": target, "measured": measured, "status": status,
+                     "hit": ok})
+
+    if base is None:
+        add(f"{base_name} (the baseline) in the study", "not run", None)
+    else:
+        h0, h1 = _mean(base["entropy_start"]), _mean(base["entropy_end"])
+        r0, r1 = _mean(base["reward_start"]), _mean(base["reward_end"])
+        ok = None if None in (h0, h1, r0, r1) else (h1 <= h0 / 3 and r1 > r0)
+        ratio = f" = {h1 / h0:.2f}x" if h0 and h1 is not None else ""
+        add(f"{base_name}: final entropy <= 1/3 of its start while reward rises",
+            f"entropy {_fmt(h0)} -> {_fmt(h1)}{ratio}, reward {_fmt(r0)} -> {_fmt(r1)}", ok)
+        l0, l1 = _mean(base["length_start"]), _mean(base["length_end"])
+        ok = None if not l0 or l1 is None else 0.5 <= l1 / l0 <= 1.5
+        add(f"{base_name}: response length within +-50% of its start",
+            f"{_fmt(l0, 1)} -> {_fmt(l1, 1)} tokens", ok)
+        law = base["law"] or {"fit": None, "undetermined": "no points"}
+        per_seed = ", ".join(_fmt(v) for v in base["law_r2_per_seed"])
+        fit = law["fit"]
+        add(f"{base_name}: the entropy law fits with R^2 >= 0.9",
+            f"not fitted: {law['undetermined']}" if fit is None else
+            f"R^2 = {fit['r2']:.3f} (all seeds' points; per seed: {per_seed})",
+            None if fit is None else fit["r2"] >= 0.9)
+        early = base["early_abs_final_error"]
+        whys = sorted({(summary["runs"][n]["early"] or {}).get("undetermined")
+                       or "no points after the first steps" for n in base["runs"]})
+        add(f"{base_name}: the law fitted on the first {st.early_fraction:.0%} of the steps "
+            "predicts the final validation accuracy within 3 points",
+            f"not fitted: {'; '.join(whys)}" if early is None else
+            f"|error| {early['mean']:.3f} (mean over {early['n']} seed(s))",
+            None if early is None else early["mean"] <= 0.03)
+        corr = base["delta_vs_cov"]["corr_delta_minus_cov"]
+        add(f"{base_name}: correlation of per-step entropy/delta with -cov/step >= 0.7",
+            "n/a" if corr is None else f"{corr:.3f} over {base['delta_vs_cov']['n']} steps",
+            None if corr is None else corr >= 0.7)
+    for name, arm in arms.items():
+        if name == base_name or arm["loss"] not in COV_LOSSES or base is None:
+            continue
+        n = min(len(arm["seeds"]), len(base["seeds"]))
+        few = f"not judged: {n} seed(s), the target needs >= {MIN_SEEDS}" \
+            if n < MIN_SEEDS else ""
+        for field, what, rule in (("entropy_end", "final entropy >= 2x", lambda a, b: a >= 2 * b),
+                                  ("val_end", "final validation accuracy >=",
+                                   lambda a, b: a >= b)):
+            a, b = arm[field], base[field]
+            ok = None if a is None or b is None else rule(a["mean"], b["mean"])
+            measured = "n/a" if a is None or b is None else (
+                f"{a['mean']:.3f} (sd {a['std']:.3f}, {a['min']:.3f}-{a['max']:.3f}) vs "
+                f"{b['mean']:.3f} (sd {b['std']:.3f}, {b['min']:.3f}-{b['max']:.3f})")
+            add(f"{name}: {what} {base_name}'s, mean over >= {MIN_SEEDS} seeds", measured,
+                None if few else ok, few)
+    sweep = summary["sweeps"].get("threshold_sweep")
+    if sweep:
+        ends = [(v, _mean(d["entropy_end"])) for v, d in sweep["values"].items()]
+        known = [e for _, e in ends if e is not None]
+        ok = None if len(known) < 2 or len(known) < len(ends) else all(
+            x < y for x, y in zip(known, known[1:]))
+        add(f"threshold sweep: final entropy increases with {sweep['key']}",
+            ", ".join(f"{v:g}: {_fmt(e)}" for v, e in ends), ok)
+    minutes = summary["wall_s"] / 60
+    add(f"the study finishes in <= {st.time_budget_minutes:g} minutes",
+        f"{minutes:.1f} minutes for {summary['n_runs']} runs (recorded attempts)",
+        None if plan.quick else minutes <= st.time_budget_minutes,
+        "not judged: --quick" if plan.quick else "")
+    return rows
+
+
+# ------------------------------------------------------------------------------ report
+
+
+def _spread_cell(d: Optional[dict]) -> str:
+    if d is None:
+        return "n/a"
+    return f"{d['mean']:.3f} ± {d['std']:.3f}" if d["n"] > 1 else f"{d['mean']:.3f}"
+
+
+def render_report(summary: dict, figures: dict[str, Path]) -> str:
+    arms = summary["arms"]
+    lines = [
+        "# Entropy study", "",
+        f"Config `{summary['config']}`{' with --quick (toy length)' if summary['quick'] else ''}"
+        f"; {summary['n_runs']} runs, {summary['wall_s'] / 60:.1f} minutes of recorded run "
+        "time. Made by `megatron-entropy study`; each run's metrics are in `runs/NAME/`.", "",
+        f"Start / end: mean over a run's first / last {summary['window']} steps; entropy is the "
+        "mean of per-sequence mean token entropies (`entropy/seq_mean`); initial / final "
+        "validation accuracy: a run's first / last validation point; ± is the standard "
+        "deviation over seeds. The law uses "
+        f"`{summary['performance_key']}` against `entropy/seq_mean` at the same steps.", "",
+        "## Targets", "", "| target | measured | status |", "| --- | --- | --- |"]
+    lines += [f"| {t['target']} | {t['measured']} | {t['status']} |" for t in summary["targets"]]
+    lines += ["", "## Losses", "",
+              "| arm | loss | seeds | entropy start | entropy end | reward start | reward end | "
+              "val start | val end | R^2 | ceiling b - a [95% interval] | early |error| | "
+              "corr(dH, -Cov) |", "|" + " --- |" * 13]
+    for name, arm in arms.items():
+        fit = (arm["law"] or {}).get("fit")
+        ceiling = "n/a"
+        if fit is not None:
+            ci = arm["law"]["interval"]
+            ceiling = f"{fit['ceiling']:.3f}" + (
+                f" [{ci['low']:.3f}, {ci['high']:.3f}]" if ci else "")
+        corr = arm["delta_vs_cov"]["corr_delta_minus_cov"]
+        cells = [name, arm["loss"], str(len(arm["seeds"])),
+                 *(_spread_cell(arm[f]) for f in ("entropy_start", "entropy_end", "reward_start",
+                                                  "reward_end", "val_start", "val_end")),
+                 "n/a" if fit is None else f"{fit['r2']:.3f}", ceiling,
+                 _spread_cell(arm["early_abs_final_error"]), _fmt(corr)]
+        lines.append("| " + " | ".join(cells) + " |")
+    for part, title in (("entropy_bonus", "Entropy bonus"), ("threshold_sweep",
+                                                              "Threshold sweep")):
+        sweep = summary["sweeps"].get(part)
+        if not sweep:
+            continue
+        lines += ["", f"## {title}: {sweep['base']} with `{sweep['key']}`", "",
+                  "| value | runs | entropy end | val end |", "| --- | --- | --- | --- |"]
+        for value, d in sweep["values"].items():
+            lines.append(f"| {value:g} | {', '.join(d['runs'])} | "
+                         f"{_spread_cell(d['entropy_end'])} | {_spread_cell(d['val_end'])} |")
+    lines += ["", "## Figures", ""]
+    for name, path in figures.items():
+        lines += [f"### {FIGURE_TITLES[name]}", "", f"![{name}]({path.name})", ""]
+    missing = [n for n in FIGURE_TITLES if n not in figures]
+    if missing:
+        lines += [f"Not drawn (no data in these runs): {', '.join(missing)}.", ""]
+    lines += ["## Runs", "", "| run | seed | steps | wall s | entropy start -> end | "
+              "val start -> end |", "| --- | --- | --- | --- | --- | --- |"]
+    for name, n in summary["runs"].items():
+        lines.append(f"| {name} | {n['seed']} | {n['steps']} | {n['wall_s']:.0f} | "
+                     f"{_fmt(n['entropy_start'])} -> {_fmt(n['entropy_end'])} | "
+                     f"{_fmt(n['val_start'])} -> {_fmt(n['val_end'])} |")
+    return "\n".join(lines) + "\n"
+
+
+FIGURE_TITLES = {
+    "entropy": "Entropy against step per loss (paper Figs. 1, 8)",
+    "val_accuracy": "Validation accuracy against step per loss",
+    "entropy_law": "Performance against entropy with the fitted law (Figs. 1, 2)",
+    "early_prediction": "Early prediction: the law fitted on the first steps predicts the rest "
+                        "(Fig. 3)",
+    "covariance": "Cov and the exact entropy change against step (Fig. 5)",
+    "delta_vs_cov": "Entropy change against Cov per step (Fig. 5)",
+    "entropy_bonus": "The entropy bonus at several coefficients (Fig. 6)",
+    "threshold_sweep": "Threshold sweep (Fig. 7)",
+}
+
+
+def write_report(plan: StudyPlan) -> Path:
+    from megatron_entropy.analysis.study_plots import plot_study
+
+    results = load_results(plan)
+    summary = summarize(plan, results)
+    figures = plot_study(plan, results, summary, plan.out)
+    (plan.out / "summary.json").write_text(json.dumps(summary, indent=1, default=float))
+    report = plan.out / "report.md"
+    report.write_text(render_report(summary, figures))
+    return report
