@@ -150,13 +150,15 @@ class ArithmeticConfig:
 @dataclass
 class SumsConfig:
     """The study task: sums of several numbers, whose worked solutions may add the terms in any
-    order and two or three numbers a line (megatron_entropy/data/sums.py)."""
+    order and two to four numbers a line (megatron_entropy/data/sums.py)."""
 
     num_train: int = _f(20000, ge=1)
     num_val: int = _f(128, ge=1)
     min_terms: int = _f(3, ge=2)
-    max_terms: int = _f(4, ge=2)
-    max_operand: int = _f(50, ge=1)
+    max_terms: int = _f(5, ge=2)
+    max_operand: int = _f(20, ge=1)
+    subtract_prob: float = _f(0.0, ge=0, le=1, help="chance that a term after the first is "
+                                                   "subtracted")
     seed: int = 0
 
 

@@ -3,6 +3,8 @@ how a run's config selects it."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import random
 import re
 from collections import Counter
@@ -15,40 +17,48 @@ from megatron_entropy.data import (generate_sum_problems, load_prompt_dataset, l
                                    sums_rows, train_val_sum_problems, worked_solution)
 from megatron_entropy.rewards import math_rewards
 
-QUICKSTART = Path(__file__).resolve().parents[1] / "examples" / "quickstart_model"
-LINE = re.compile(r"(\d+(?:\+\d+)+)=(\d+)")  # "7+15+4=26"
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+QUICKSTART = EXAMPLES / "quickstart_model"
+STUDY_MODEL = EXAMPLES / "study_model"
+LINE = re.compile(r"(-?\d+(?:[+-]\d+)+)=(-?\d+)")  # "7+15-4=18"
+LAST_LINE = re.compile(r"(-?\d+(?:[+-]\d+)+)=\\boxed\{(-?\d+)\}")  # "-3+9=\boxed{6}"
 
 
-def parse_solution(text: str) -> tuple[list[list[int]], list[int], str]:
-    """Numbers added on each line, each line's result, and the boxed answer."""
-    *lines, boxed = text.split("\n")
+def parse_solution(text: str) -> tuple[list[list[int]], list[int]]:
+    """Numbers added on each line and each line's result (the last one boxed)."""
+    lines = text.split("\n")
     added, results = [], []
-    for line in lines:
-        m = LINE.fullmatch(line)
-        assert m, f"not a line of a worked solution: {line!r}"
-        added.append([int(x) for x in m.group(1).split("+")])
+    for i, line in enumerate(lines):
+        m = (LAST_LINE if i == len(lines) - 1 else LINE).fullmatch(line)
+        assert m, f"not line {i} of a worked solution: {line!r}"
+        added.append([int(x) for x in re.findall(r"-?\d+", m.group(1).replace("+", " "))])
         results.append(int(m.group(2)))
-    return added, results, boxed
+    return added, results
 
 
-def test_problems_have_the_sum_as_answer():
-    problems = generate_sum_problems(300, 3, 5, 50, seed=1)
+@pytest.mark.parametrize("subtract_prob", [0.0, 0.3])
+def test_problems_have_the_sum_as_answer(subtract_prob):
+    problems = generate_sum_problems(300, 3, 5, 50, seed=1, subtract_prob=subtract_prob)
     assert {len(p.terms) for p in problems} == {3, 4, 5}
     assert len({p.question for p in problems}) == 300
     for p in problems:
         expr = re.fullmatch(r"What is (.*)\?", p.question).group(1)
         assert int(p.answer) == eval(expr) == sum(p.terms)
-        assert all(1 <= t <= 50 for t in p.terms)
+        assert p.terms[0] > 0 and all(1 <= abs(t) <= 50 for t in p.terms)
         assert p.source == f"sums_{len(p.terms)}terms"
+    later = [t for p in problems for t in p.terms[1:]]
+    negative = sum(t < 0 for t in later)
+    # Each later term is subtracted with probability subtract_prob: within 5 standard deviations.
+    assert abs(negative - subtract_prob * len(later)) <= 5 * (
+        len(later) * subtract_prob * (1 - subtract_prob)) ** 0.5
 
 
 @pytest.mark.parametrize("more_prob, max_numbers", [(0.0, 4), (0.5, 4), (1.0, 3), (1.0, 4)])
 def test_every_worked_solution_is_correct_and_uses_each_term_once(more_prob, max_numbers):
     rng = random.Random(0)
-    for p in generate_sum_problems(200, 2, 6, 99, seed=2):
-        added, results, boxed = parse_solution(worked_solution(p.terms, rng, more_prob,
-                                                               max_numbers))
-        assert boxed == f"\\boxed{{{p.answer}}}" and results[-1] == sum(p.terms)
+    for p in generate_sum_problems(200, 2, 6, 99, seed=2, subtract_prob=0.3):
+        added, results = parse_solution(worked_solution(p.terms, rng, more_prob, max_numbers))
+        assert results[-1] == sum(p.terms)
         new_terms = added[0] + [x for line in added[1:] for x in line[1:]]
         assert Counter(new_terms) == Counter(p.terms)
         for i, (numbers, result) in enumerate(zip(added, results)):
@@ -71,7 +81,7 @@ def test_solutions_fork_over_orders_and_line_lengths():
     firsts, widths = Counter(), Counter()
     n = 4000
     for _ in range(n):
-        added, _, _ = parse_solution(worked_solution(terms, rng, 0.5, 4))
+        added, _ = parse_solution(worked_solution(terms, rng, 0.5, 4))
         firsts[tuple(added[0][:2])] += 1
         widths[len(added[0])] += 1
     assert set(firsts) == {(a, b) for a in terms for b in terms if a != b}
@@ -99,11 +109,13 @@ def test_bad_sizes_are_errors():
         generate_sum_problems(1, 1, 3, 10, seed=0)
     with pytest.raises(ValueError, match="max_operand"):
         generate_sum_problems(1, 2, 3, 0, seed=0)
+    with pytest.raises(ValueError, match="subtract_prob must be in"):
+        generate_sum_problems(1, 2, 3, 9, seed=0, subtract_prob=1.5)
     with pytest.raises(ValueError, match="cannot draw 10 distinct problems"):
         generate_sum_problems(10, 2, 2, 2, seed=0)  # only 4 exist
-    with pytest.raises(ConfigError, match=r"data.sums.min_terms \(5\) must be <= "
-                                          r"data.sums.max_terms \(4\)"):
-        load_config(data={"data": {"task": "sums", "sums": {"min_terms": 5}}})
+    with pytest.raises(ConfigError, match=r"data.sums.min_terms \(6\) must be <= "
+                                          r"data.sums.max_terms \(5\)"):
+        load_config(data={"data": {"task": "sums", "sums": {"min_terms": 6}}})
     with pytest.raises(ConfigError, match="data.task: 'sum' is not allowed.*did you mean 'sums'"):
         load_config(data={"data": {"task": "sum"}})
 
@@ -124,3 +136,17 @@ def test_config_selects_the_task_and_answers_check_as_math():
     # The default stays the arithmetic task.
     arith = load_prompt_dataset(DataConfig(), tokenizer, max_prompt_tokens=128, split="val")
     assert arith.sources[0].startswith("arithmetic_")
+
+
+def test_the_study_model_held_out_the_default_validation_set():
+    """examples/study_model never saw the problems a default data.sums run validates on: its
+    training summary names the held-out questions by digest, and the default validation set is a
+    prefix of them."""
+    summary = json.loads((STUDY_MODEL / "training_summary.json").read_text())
+    cfg = SumsConfig()
+    _, held_out = train_val_sum_problems(0, summary["held_out"], cfg.min_terms, cfg.max_terms,
+                                         cfg.max_operand, cfg.seed, cfg.subtract_prob)
+    digest = hashlib.sha256("\n".join(p.question for p in held_out).encode()).hexdigest()
+    assert digest == summary["held_out_sha256"]
+    assert cfg.num_val <= summary["held_out"]
+    assert [r.answer for r in sums_rows(cfg, "val")] == [p.answer for p in held_out[:cfg.num_val]]

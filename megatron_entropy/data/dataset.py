@@ -141,7 +141,7 @@ def arithmetic_rows(cfg: "ArithmeticConfig", split: Literal["train", "val"]) -> 
 
 def sums_rows(cfg: "SumsConfig", split: Literal["train", "val"]) -> list[PromptRow]:
     train, val = train_val_sum_problems(cfg.num_train, cfg.num_val, cfg.min_terms, cfg.max_terms,
-                                        cfg.max_operand, cfg.seed)
+                                        cfg.max_operand, cfg.seed, cfg.subtract_prob)
     problems = train if split == "train" else val
     return [PromptRow(prompt=p.question, answer=p.answer, source=p.source,
                       where=f"sums {split} problem {i}") for i, p in enumerate(problems)]

@@ -2,12 +2,12 @@
 
 A problem is a sum of ``min_terms``..``max_terms`` positive integers, e.g. ``What is 23 + 7 + 15 +
 4?``; its answer is the total. Its worked solutions are many: the terms may be added in any order,
-and each line adds two to four numbers (a later line starts from the running total), e.g.
+and each line adds two to four numbers (a later line starts from the running total; the last
+line's result is the boxed answer), e.g.
 
-    15+4=19            7+23+4+15=49        23+15=38
-    19+23+7=49         \\boxed{49}          38+4=42
-    \\boxed{49}                             42+7=49
-                                           \\boxed{49}
+    15+4=19                7+23+4+15=\\boxed{49}    23+15=38
+    19+23+7=\\boxed{49}                             38+4=42
+                                                  42+7=\\boxed{49}
 
 All of them are equally valid, so a model trained on them has forking tokens: which term comes
 next, and whether a line ends (``=``) or takes one more number (``+``). They are not equally
@@ -23,13 +23,18 @@ import random
 from dataclasses import dataclass
 
 
+def _signed(x: int) -> str:
+    return f"+{x}" if x >= 0 else str(x)
+
+
 @dataclass(frozen=True)
 class SumProblem:
-    terms: tuple[int, ...]
+    terms: tuple[int, ...]  # signed; the first is positive
 
     @property
     def question(self) -> str:
-        return "What is " + " + ".join(str(t) for t in self.terms) + "?"
+        rest = "".join(f" {'-' if t < 0 else '+'} {abs(t)}" for t in self.terms[1:])
+        return f"What is {self.terms[0]}{rest}?"
 
     @property
     def answer(self) -> str:
@@ -57,25 +62,33 @@ def worked_solution(terms: tuple[int, ...], rng: random.Random, more_prob: float
         while order and len(numbers) < max_numbers and rng.random() < more_prob:
             numbers.append(order.pop(0))
         total = sum(numbers)
-        lines.append("+".join(str(x) for x in numbers) + f"={total}")
-    return "\n".join(lines) + f"\n\\boxed{{{total}}}"
+        result = f"\\boxed{{{total}}}" if not order else str(total)
+        lines.append(str(numbers[0]) + "".join(_signed(x) for x in numbers[1:]) + f"={result}")
+    return "\n".join(lines)
 
 
-def make_problem(rng: random.Random, min_terms: int, max_terms: int,
-                 max_operand: int) -> SumProblem:
+def make_problem(rng: random.Random, min_terms: int, max_terms: int, max_operand: int,
+                 subtract_prob: float = 0.0) -> SumProblem:
     n = rng.randint(min_terms, max_terms)
-    return SumProblem(tuple(rng.randint(1, max_operand) for _ in range(n)))
+    terms = [rng.randint(1, max_operand) for _ in range(n)]
+    if subtract_prob > 0:  # no draws otherwise: the stream of plain sums stays what it was
+        terms[1:] = [-t if rng.random() < subtract_prob else t for t in terms[1:]]
+    return SumProblem(tuple(terms))
 
 
 def generate_sum_problems(num: int, min_terms: int, max_terms: int, max_operand: int, seed: int,
-                          exclude: frozenset[str] = frozenset()) -> list[SumProblem]:
-    """``num`` distinct problems from a generator seeded by ``seed``; questions in ``exclude``
-    are skipped (so that a validation set stays out of the training set)."""
+                          exclude: frozenset[str] = frozenset(),
+                          subtract_prob: float = 0.0) -> list[SumProblem]:
+    """``num`` distinct problems from a generator seeded by ``seed``, each term after the first
+    subtracted with probability ``subtract_prob``; questions in ``exclude`` are skipped (so that a
+    validation set stays out of the training set)."""
     if not 2 <= min_terms <= max_terms:
         raise ValueError(f"need 2 <= min_terms <= max_terms, got min_terms={min_terms}, "
                          f"max_terms={max_terms}")
     if max_operand < 1:
         raise ValueError(f"max_operand must be >= 1, got {max_operand}")
+    if not 0.0 <= subtract_prob <= 1.0:
+        raise ValueError(f"subtract_prob must be in [0, 1], got {subtract_prob}")
     rng = random.Random(seed)
     out: list[SumProblem] = []
     seen = set(exclude)
@@ -86,7 +99,7 @@ def generate_sum_problems(num: int, min_terms: int, max_terms: int, max_operand:
             raise ValueError(f"cannot draw {num} distinct problems outside the {len(exclude)} "
                              f"excluded ones with max_terms={max_terms}, "
                              f"max_operand={max_operand}")
-        p = make_problem(rng, min_terms, max_terms, max_operand)
+        p = make_problem(rng, min_terms, max_terms, max_operand, subtract_prob)
         if p.question not in seen:
             seen.add(p.question)
             out.append(p)
@@ -94,10 +107,12 @@ def generate_sum_problems(num: int, min_terms: int, max_terms: int, max_operand:
 
 
 def train_val_sum_problems(num_train: int, num_val: int, min_terms: int, max_terms: int,
-                           max_operand: int, seed: int
+                           max_operand: int, seed: int, subtract_prob: float = 0.0
                            ) -> tuple[list[SumProblem], list[SumProblem]]:
     """Disjoint train and validation problems; both depend only on the arguments."""
-    val = generate_sum_problems(num_val, min_terms, max_terms, max_operand, seed=2 * seed + 1)
+    val = generate_sum_problems(num_val, min_terms, max_terms, max_operand, seed=2 * seed + 1,
+                                subtract_prob=subtract_prob)
     train = generate_sum_problems(num_train, min_terms, max_terms, max_operand, seed=2 * seed,
-                                  exclude=frozenset(p.question for p in val))
+                                  exclude=frozenset(p.question for p in val),
+                                  subtract_prob=subtract_prob)
     return train, val
