@@ -155,8 +155,25 @@ class ArithmeticConfig:
 
 
 @dataclass
+class SumsConfig:
+    """The study task: sums of several numbers, whose worked solutions may add the terms in any
+    order and two to four numbers a line (megatron_entropy/data/sums.py)."""
+
+    num_train: int = _f(20000, ge=1)
+    num_val: int = _f(128, ge=1)
+    min_terms: int = _f(3, ge=2)
+    max_terms: int = _f(5, ge=2)
+    max_operand: int = _f(20, ge=1)
+    subtract_prob: float = _f(0.0, ge=0, le=1, help="chance that a term after the first is "
+                                                   "subtracted")
+    seed: int = 0
+
+
+@dataclass
 class DataConfig:
     train_files: list[str] = _f(default_factory=list, help="jsonl/parquet; empty = synthetic task")
+    task: Literal["arithmetic", "sums"] = _f(
+        "arithmetic", help="the synthetic task without train_files: data.arithmetic or data.sums")
     val_files: list[str] = _f(default_factory=list)
     prompt_key: str = "prompt"
     answer_key: str = "answer"
@@ -172,6 +189,7 @@ class DataConfig:
     dynamic_sampling: bool = _f(True, help="drop groups whose rewards are all equal and refill")
     max_refill_rounds: int = _f(3, ge=0)
     arithmetic: ArithmeticConfig = _f(default_factory=ArithmeticConfig)
+    sums: SumsConfig = _f(default_factory=SumsConfig)
 
 
 @dataclass
@@ -483,6 +501,10 @@ def validate(cfg: Config) -> None:
     if ar.min_ops > ar.max_ops:
         raise ConfigError(f"data.arithmetic.min_ops ({ar.min_ops}) must be <= "
                           f"data.arithmetic.max_ops ({ar.max_ops})")
+    su = cfg.data.sums
+    if su.min_terms > su.max_terms:
+        raise ConfigError(f"data.sums.min_terms ({su.min_terms}) must be <= "
+                          f"data.sums.max_terms ({su.max_terms})")
     if cfg.trainer.min_lr > cfg.trainer.lr:
         raise ConfigError(f"trainer.min_lr ({cfg.trainer.min_lr}) must be <= trainer.lr "
                           f"({cfg.trainer.lr})")

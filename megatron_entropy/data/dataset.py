@@ -15,9 +15,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Literal, Sequence, Union
 
 from megatron_entropy.data.arithmetic import train_val_problems
+from megatron_entropy.data.sums import train_val_sum_problems
 
 if TYPE_CHECKING:
-    from megatron_entropy.config import ArithmeticConfig, DataConfig
+    from megatron_entropy.config import ArithmeticConfig, DataConfig, SumsConfig
 
 # The instruction appended to every question in the paper's training data (verl / PRIME format).
 DEFAULT_PROMPT_SUFFIX = "Let's think step by step and output the final answer within \\boxed{}."
@@ -138,6 +139,14 @@ def arithmetic_rows(cfg: "ArithmeticConfig", split: Literal["train", "val"]) -> 
                       where=f"arithmetic {split} problem {i}") for i, p in enumerate(problems)]
 
 
+def sums_rows(cfg: "SumsConfig", split: Literal["train", "val"]) -> list[PromptRow]:
+    train, val = train_val_sum_problems(cfg.num_train, cfg.num_val, cfg.min_terms, cfg.max_terms,
+                                        cfg.max_operand, cfg.seed, cfg.subtract_prob)
+    problems = train if split == "train" else val
+    return [PromptRow(prompt=p.question, answer=p.answer, source=p.source,
+                      where=f"sums {split} problem {i}") for i, p in enumerate(problems)]
+
+
 # ------------------------------------------------------------------------------------- rendering
 
 
@@ -224,7 +233,7 @@ def load_tokenizer(hf_dir: Union[str, Path]) -> Any:
 def load_prompt_dataset(data: "DataConfig", tokenizer: Any, max_prompt_tokens: int,
                         split: Literal["train", "val"]) -> PromptDataset:
     """The train or validation prompts of a run. No ``data.train_files`` means the synthetic
-    arithmetic task (both splits); real training files without ``data.val_files`` mean no
+    task ``data.task`` (both splits); real training files without ``data.val_files`` mean no
     validation set (an empty dataset)."""
     files = data.train_files if split == "train" else data.val_files
     if files:
@@ -238,6 +247,8 @@ def load_prompt_dataset(data: "DataConfig", tokenizer: Any, max_prompt_tokens: i
                 raise
     elif split == "val" and data.train_files:
         return PromptDataset([])
+    elif data.task == "sums":
+        rows = sums_rows(data.sums, split)
     else:
         rows = arithmetic_rows(data.arithmetic, split)
     return PromptDataset.from_rows(rows, tokenizer, max_prompt_tokens=max_prompt_tokens,
