@@ -41,8 +41,9 @@ status=0
 tests() {  # tests MARKERS [pytest args]: one pytest run; "no test selected" (5) is no failure
   local markers=$1 rc=0
   shift
-  part "python -m pytest -q tests -m '$markers' $*" python -m pytest -q tests -m "$markers" "$@" \
-    || rc=$?
+  # --durations: the slowest tests in every log, to keep the suite's time in view
+  part "python -m pytest -q tests -m '$markers' $*" python -m pytest -q --durations=15 tests \
+    -m "$markers" "$@" || rc=$?
   if [ "$rc" -ne 0 ] && [ "$rc" -ne 5 ]; then status=$rc; fi
 }
 
