@@ -24,6 +24,9 @@ HARMLESS_WARNINGS = (
     (UserWarning, r"Apex is not installed"),
     (UserWarning, r"full scope is deprecated"),
     (FutureWarning, r"`torch\.distributed\.all_gather_into_tensor` is deprecated"),
+    # On every resume, from torch.distributed.checkpoint as megatron-core calls it.
+    (FutureWarning, r"`load_state_dict` is deprecated"),
+    (FutureWarning, r"Please use DTensor instead and we are deprecating ShardedTensor"),
 )
 # A GPU hint (CUDA_DEVICE_MAX_CONNECTIONS), only noise where there is no GPU.
 CPU_ONLY_HARMLESS_WARNINGS = (

@@ -232,7 +232,10 @@ def test_killed_run_resumes_bit_identical(tmp_path):
     resumed = _cli(cfg_path, "logging.name=victim", "--nproc", "2", log=tmp_path / "resumed.log")
     assert resumed.wait(timeout=300) == 0, (tmp_path / "resumed.log").read_text()[-3000:]
     assert ref.wait(timeout=300) == 0, (tmp_path / "ref.log").read_text()[-3000:]
-    assert "resumed from" in (tmp_path / "resumed.log").read_text()
+    resumed_log = (tmp_path / "resumed.log").read_text()
+    assert "resumed from" in resumed_log
+    # torch.distributed.checkpoint's deprecations, three per rank on every resume: hidden.
+    assert "FutureWarning" not in resumed_log, resumed_log[-3000:]
     got, want = _metrics(tmp_path, "victim"), _metrics(tmp_path, "ref")
     assert [r["step"] for r in got] == [1, 2, 3, 4]  # each step once
     assert killed_at < 4
