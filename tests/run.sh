@@ -16,12 +16,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 total=$SECONDS
 
-part() {  # part NAME COMMAND...: run one part, say how long it took
-  local name=$1 start=$SECONDS
+part() {  # part NAME COMMAND...: run one part, say how long it took; its exit code
+  local name=$1 start=$SECONDS rc=0
   shift
   echo "== $name"
-  "$@"
+  "$@" || rc=$?  # kept, not lost to the echo below (set -e is off under a caller's ||)
   echo "== $name: $((SECONDS - start)) s"
+  return "$rc"
 }
 
 vllm_log=$(mktemp)

@@ -39,3 +39,49 @@ def test_a_skip_fails_with_its_reason_when_every_test_is_required(tmp_path):
     assert "1 failed, 1 passed, 1 xfailed, 1 error" in strict.stdout, strict.stdout
     assert "may not be skipped, but it was: Skipped: needs the moon" in strict.stdout
     assert "may not be skipped, but it was: Skipped: no cheese" in strict.stdout
+
+
+def _stub_checkout(tmp: Path, pytest_exit: dict[str, int], setup_exit: int = 0) -> Path:
+    """tests/run.sh in a copy of the checkout whose installers and python are stubs: pip and the
+    setup scripts succeed (or the setups exit ``setup_exit``); pytest exits ``pytest_exit[m]``
+    for ``-m m``."""
+    (tmp / "tests").mkdir()
+    (tmp / "tests" / "run.sh").write_text((TESTS / "run.sh").read_text())
+    (tmp / ".ci").mkdir()
+    for name in ("setup-vllm.sh", "setup-slurm.sh", "setup-smollm2.sh"):
+        (tmp / ".ci" / name).write_text(f"exit {setup_exit if name == 'setup-slurm.sh' else 0}\n")
+    bin_dir = tmp / "bin"
+    bin_dir.mkdir()
+    cases = "".join(f'    *"-m {m} "*) exit {rc} ;;\n' for m, rc in pytest_exit.items())
+    python = bin_dir / "python"
+    python.write_text('#!/bin/bash\nargs="$* "\ncase "$args" in\n'
+                      '    *"-m pip "*) exit 0 ;;\n' + cases + "esac\nexit 0\n")
+    python.chmod(0o755)
+    return bin_dir
+
+
+def _run_sh(tmp: Path, bin_dir: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    return subprocess.run(["bash", str(tmp / "tests" / "run.sh")], capture_output=True,
+                          text=True, env=env, timeout=60)
+
+
+def test_run_sh_exits_with_the_failing_pytest_runs_code(tmp_path):
+    bin_dir = _stub_checkout(tmp_path, {"not vllm": 1, "vllm": 0})
+    done = _run_sh(tmp_path, bin_dir)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "exit code 1" in done.stdout.splitlines()[-1], done.stdout
+    # The vLLM tests still ran after the first part failed.
+    assert "python -m pytest -q tests -m 'vllm'" in done.stdout
+
+
+def test_run_sh_passes_when_both_pytest_runs_pass_and_stops_on_a_failed_install(tmp_path):
+    ok = tmp_path / "ok"
+    ok.mkdir()
+    done = _run_sh(ok, _stub_checkout(ok, {"not vllm": 0, "vllm": 0}))
+    assert done.returncode == 0 and "exit code 0" in done.stdout, done.stdout + done.stderr
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    done = _run_sh(broken, _stub_checkout(broken, {"not vllm": 0, "vllm": 0}, setup_exit=3))
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert "python -m pytest" not in done.stdout  # no test run after a failed install
