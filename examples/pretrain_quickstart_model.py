@@ -20,6 +20,7 @@ import json
 import math
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -136,6 +137,61 @@ def make_portable(out_dir: Path) -> None:
     model_cfg_path.write_text(json.dumps(model_cfg, indent=2) + "\n")
 
 
+def tokenizer_and_model(train, args):
+    """A tokenizer fitted on the first 5000 training texts, the model, the pad id and the encoded
+    examples (each item of ``train`` has .question and .solution)."""
+    # The text between the template's special tokens, so that "user\n" etc. merge too.
+    corpus = [f"user\n{p.question} {DEFAULT_PROMPT_SUFFIX}" for p in train[:5000]]
+    corpus += [f"\nassistant\n{p.solution}" for p in train[:5000]]
+    tokenizer = build_tokenizer(corpus, args.vocab)
+    eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    pad_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    model = build_model(len(tokenizer), args, eos_id, pad_id)
+    return tokenizer, model, pad_id, encode_examples(train, tokenizer)
+
+
+def train_on_examples(model, examples, pad_id: int, args, rng: random.Random, started: float,
+                      evaluate: Callable[[int], float]) -> tuple[int, float]:
+    """Supervised training in shuffled batches (AdamW, warm-up then cosine to 10%), evaluated
+    every ``args.eval_every`` steps; stops at ``args.max_steps`` or once ``evaluate(step)``
+    reaches ``args.target_acc``. Returns the steps taken and the last accuracy."""
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.01)
+
+    def lr_at(step: int) -> float:
+        if step < args.warmup:
+            return args.lr * (step + 1) / args.warmup
+        frac = (step - args.warmup) / max(1, args.max_steps - args.warmup)
+        return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
+
+    order: list[int] = []
+    acc, step = 0.0, 0
+    model.train()
+    while step < args.max_steps:
+        if len(order) < args.batch_size:
+            order = list(range(len(examples)))
+            rng.shuffle(order)
+        batch = [examples[order.pop()] for _ in range(args.batch_size)]
+        ids, labels = make_batch(batch, pad_id)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step)
+        loss = model(input_ids=ids, labels=labels).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        if step % 50 == 0:
+            print(f"step {step} loss {loss.item():.4f} lr {lr_at(step):.2e} "
+                  f"{time.time() - started:.0f}s", flush=True)
+        if step % args.eval_every == 0:
+            model.eval()
+            acc = evaluate(step)
+            model.train()
+            if acc >= args.target_acc:
+                break
+    return step, acc
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "quickstart_model")
@@ -172,60 +228,26 @@ def main() -> None:
     train = generate_problems(args.num_train, arith.min_ops, arith.max_ops, arith.max_operand,
                               seed=args.seed, exclude=frozenset(p.question for p in held_out))
 
-    # The text between the template's special tokens, so that "user\n" etc. merge too.
-    corpus = [f"user\n{p.question} {DEFAULT_PROMPT_SUFFIX}" for p in train[:5000]]
-    corpus += [f"\nassistant\n{p.solution}" for p in train[:5000]]
-    tokenizer = build_tokenizer(corpus, args.vocab)
-    eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    pad_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    model = build_model(len(tokenizer), args, eos_id, pad_id)
+    tokenizer, model, pad_id, examples = tokenizer_and_model(train, args)
     n_params = sum(p.numel() for p in model.parameters())
-    examples = encode_examples(train, tokenizer)
     max_new = max(len(r) for _, r in examples) + 8
     print(f"tokenizer: {len(tokenizer)} tokens; model: {n_params / 1e6:.2f}M parameters; "
           f"{len(examples)} training problems; prompt ~{len(examples[0][0])} tokens", flush=True)
 
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.01)
+    history = []
 
-    def lr_at(step: int) -> float:
-        if step < args.warmup:
-            return args.lr * (step + 1) / args.warmup
-        frac = (step - args.warmup) / max(1, args.max_steps - args.warmup)
-        return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
+    def evaluate(step: int) -> float:
+        save(model, tokenizer, args.out)
+        rewards = rewards_of(args.out, val, tokenizer, max_new)
+        acc, rl_acc = sum(rewards) / len(rewards), sum(rewards[:len(rl_val)]) / len(rl_val)
+        history.append({"step": step, "val_acc": acc, "rl_val_acc": rl_acc,
+                        "seconds": round(time.time() - started, 1)})
+        print(f"step {step}: greedy accuracy {acc:.3f} on {len(val)} held-out problems, "
+              f"{rl_acc:.3f} on the RL validation set", flush=True)
+        return acc
 
-    rng = random.Random(args.seed)
-    order: list[int] = []
-    acc, step, history = 0.0, 0, []
-    model.train()
-    while step < args.max_steps:
-        if len(order) < args.batch_size:
-            order = list(range(len(examples)))
-            rng.shuffle(order)
-        batch = [examples[order.pop()] for _ in range(args.batch_size)]
-        ids, labels = make_batch(batch, pad_id)
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step)
-        loss = model(input_ids=ids, labels=labels).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        step += 1
-        if step % 50 == 0:
-            print(f"step {step} loss {loss.item():.4f} lr {lr_at(step):.2e} "
-                  f"{time.time() - started:.0f}s", flush=True)
-        if step % args.eval_every == 0:
-            model.eval()
-            save(model, tokenizer, args.out)
-            rewards = rewards_of(args.out, val, tokenizer, max_new)
-            acc, rl_acc = sum(rewards) / len(rewards), sum(rewards[:len(rl_val)]) / len(rl_val)
-            history.append({"step": step, "val_acc": acc, "rl_val_acc": rl_acc,
-                            "seconds": round(time.time() - started, 1)})
-            print(f"step {step}: greedy accuracy {acc:.3f} on {len(val)} held-out problems, "
-                  f"{rl_acc:.3f} on the RL validation set", flush=True)
-            model.train()
-            if acc >= args.target_acc:
-                break
+    step, acc = train_on_examples(model, examples, pad_id, args, random.Random(args.seed), started,
+                                  evaluate)
 
     seconds = time.time() - started
     # What RL starts from: accuracy of samples at temperature 1, per number of operations.

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import math
 import random
 import re
 import time
@@ -28,14 +27,14 @@ from pathlib import Path
 import torch
 
 from megatron_entropy.config import SumsConfig
-from megatron_entropy.data.dataset import DEFAULT_PROMPT_SUFFIX, load_tokenizer
+from megatron_entropy.data.dataset import load_tokenizer
 from megatron_entropy.data.sums import (generate_sum_problems, train_val_sum_problems,
                                         worked_solution)
 from megatron_entropy.rewards import math_rewards
 from megatron_entropy.rollout.base import SamplingParams
 from megatron_entropy.rollout.inprocess import InProcessEngine
-from pretrain_quickstart_model import (build_model, build_tokenizer, encode_examples, make_batch,
-                                       save)
+from pretrain_quickstart_model import (encode_examples, save, tokenizer_and_model,
+                                       train_on_examples)
 
 
 class Worked:
@@ -192,58 +191,26 @@ def main() -> None:
                                             exclude=frozenset(p.question for p in held_out),
                                             subtract_prob=args.subtract_prob)]
 
-    corpus = [f"user\n{w.question} {DEFAULT_PROMPT_SUFFIX}" for w in train[:5000]]
-    corpus += [f"\nassistant\n{w.solution}" for w in train[:5000]]
-    tokenizer = build_tokenizer(corpus, args.vocab)
-    eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    pad_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    model = build_model(len(tokenizer), args, eos_id, pad_id)
+    tokenizer, model, pad_id, examples = tokenizer_and_model(train, args)
     n_params = sum(p.numel() for p in model.parameters())
-    examples = encode_examples(train, tokenizer)
     max_new = max(len(r) for _, r in examples) + 8
     print(f"tokenizer: {len(tokenizer)} tokens; model: {n_params / 1e6:.2f}M parameters; "
           f"{len(examples)} training problems; responses up to {max_new - 8} tokens", flush=True)
 
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.01)
+    history = []
 
-    def lr_at(step: int) -> float:
-        if step < args.warmup:
-            return args.lr * (step + 1) / args.warmup
-        frac = (step - args.warmup) / max(1, args.max_steps - args.warmup)
-        return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
+    def evaluate(step: int) -> float:
+        save(model, tokenizer, args.out)
+        _, _, done = sample_responses(args.out, val, tokenizer, 1, 1.0, max_new)
+        rewards = math_rewards([g[0].text for g in done], [w.answer for w in val])
+        acc = sum(rewards) / len(rewards)
+        history.append({"step": step, "sampled_acc_t1": acc,
+                        "seconds": round(time.time() - started, 1)})
+        print(f"step {step}: accuracy of T=1 samples {acc:.3f} on {len(val)} held-out "
+              f"problems", flush=True)
+        return acc
 
-    order: list[int] = []
-    acc, step, history = 0.0, 0, []
-    model.train()
-    while step < args.max_steps:
-        if len(order) < args.batch_size:
-            order = list(range(len(examples)))
-            rng.shuffle(order)
-        ids, labels = make_batch([examples[order.pop()] for _ in range(args.batch_size)], pad_id)
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step)
-        loss = model(input_ids=ids, labels=labels).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        step += 1
-        if step % 50 == 0:
-            print(f"step {step} loss {loss.item():.4f} lr {lr_at(step):.2e} "
-                  f"{time.time() - started:.0f}s", flush=True)
-        if step % args.eval_every == 0:
-            model.eval()
-            save(model, tokenizer, args.out)
-            _, _, done = sample_responses(args.out, val, tokenizer, 1, 1.0, max_new)
-            rewards = math_rewards([g[0].text for g in done], [w.answer for w in val])
-            acc = sum(rewards) / len(rewards)
-            history.append({"step": step, "sampled_acc_t1": acc,
-                            "seconds": round(time.time() - started, 1)})
-            print(f"step {step}: accuracy of T=1 samples {acc:.3f} on {len(val)} held-out "
-                  f"problems", flush=True)
-            model.train()
-            if acc >= args.target_acc:
-                break
+    step, acc = train_on_examples(model, examples, pad_id, args, rng, started, evaluate)
 
     seconds = time.time() - started
     report = start_report(args.out, val, tokenizer, args.report_samples, max_new)
