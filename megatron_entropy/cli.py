@@ -56,9 +56,11 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from megatron_entropy.config import ConfigError
     from megatron_entropy.data import DatasetError
     from megatron_entropy.models.arch import UnsupportedModelError
+    from megatron_entropy.models.megatron_checkpoint import CheckpointError
     from megatron_entropy.runtime import ParallelLayoutError
 
-    return USER_ERRORS + (ConfigError, DatasetError, UnsupportedModelError, ParallelLayoutError)
+    return USER_ERRORS + (ConfigError, DatasetError, UnsupportedModelError, ParallelLayoutError,
+                          CheckpointError)
 
 
 # ------------------------------------------------------------------------------------ train

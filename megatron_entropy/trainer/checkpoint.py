@@ -9,17 +9,27 @@ Layout of ``<run_dir>/checkpoints/``::
         arch.json, hf/       the architecture and HF config/tokenizer (tools/ convert it back)
     latest                   name of the newest complete checkpoint
 
-A checkpoint is written under ``.step_XXXXXXXX.tmp`` and renamed when every rank has finished, and
-``latest`` is replaced atomically after that, so "latest" never points at a half-written folder. Only
-the newest ``keep_last`` are kept.
+A checkpoint is written under ``.step_XXXXXXXX.tmp``, verified (every data file as long as its
+metadata says, trainer_state.json readable) and renamed when every rank has finished, and ``latest``
+is replaced atomically after that, so "latest" never points at a half-written folder. Only the
+newest ``keep_last`` are kept. On resume a checkpoint damaged since (a file deleted or truncated) is
+skipped with a warning naming the file, for the newest intact one.
+
+dist_checkpointing writes each rank's files from processes it forks; those die with their rank
+(``_writers_die_with_rank``) instead of outliving a killed rank, deadlocked on their result queue.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
+import queue
 import random
 import shutil
+import signal
+import sys
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Optional
 
@@ -27,8 +37,83 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_entropy.models.megatron_checkpoint import write_checkpoint_metadata
+from megatron_entropy.models.megatron_checkpoint import (CheckpointError, check_checkpoint_files,
+                                                         write_checkpoint_metadata)
 from megatron_entropy.trainer import preemption
+
+TRAINER_STATE = "trainer_state.json"
+_COMMON_FILES = ("metadata.json", "common.pt")  # dist_checkpointing's, beside .metadata
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+# The pid of this process while it saves, else None: processes forked meanwhile are writers.
+_saving_pid: Optional[int] = None
+
+
+def _writer_after_fork() -> None:
+    """In a process forked during a save (a dist_checkpointing writer): die with the rank, and
+    answer signals by their default action rather than the trainer's record-only handler."""
+    global _saving_pid
+    parent, _saving_pid = _saving_pid, None
+    if parent is None:
+        return
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        if os.getppid() != parent:  # the rank died before prctl took effect
+            os._exit(1)
+    for sig in preemption.SIGNALS:
+        signal.signal(sig, signal.SIG_DFL)
+
+
+os.register_at_fork(after_in_child=_writer_after_fork)
+
+
+def _results_queue_in_process() -> None:
+    """dist_checkpointing passes the writers' results to the saving process through a queue
+    that it serves from a spawned Manager process, made for async saves (the results come from
+    another process). Our saves are synchronous: the results are put and taken in this process,
+    so a plain queue serves, and no Manager is left to outlive a killed rank (it does not notice
+    its parent's death, and keeps multiprocessing's resource tracker alive with it)."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", False) is None:
+        filesystem_async._results_queue = queue.Queue()
+
+
+@contextmanager
+def _writers_die_with_rank():
+    global _saving_pid
+    _results_queue_in_process()
+    _saving_pid = os.getpid()
+    try:
+        yield
+    finally:
+        _saving_pid = None
+
+
+def verify_checkpoint(path: Path) -> dict[str, Any]:
+    """The trainer state of checkpoint folder ``path`` after checking its files: every data file
+    as long as the metadata says, trainer_state.json readable. Raises CheckpointError naming the
+    bad file."""
+    state_file = path / TRAINER_STATE
+    if not state_file.is_file():
+        raise CheckpointError(f"{state_file} is missing")
+    try:
+        state = json.loads(state_file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{state_file} is unreadable ({e})") from None
+    if not isinstance(state, dict) or "step" not in state:
+        raise CheckpointError(f"{state_file} holds no training state")
+    for name in _COMMON_FILES:
+        if not (path / name).is_file():
+            raise CheckpointError(f"{path / name} is missing")
+    try:
+        check_checkpoint_files(path)
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a damaged .metadata fails inside torch's reader
+        raise CheckpointError(f"{path / '.metadata'} is unreadable ({type(e).__name__}: {e})") \
+            from None
+    return state
 
 
 def _unwrap(chunk):
@@ -78,13 +163,28 @@ class CheckpointManager:
         self.keep_last = keep_last
 
     def latest(self) -> Optional[Path]:
+        """The newest intact checkpoint: the one ``latest`` names, else (it was damaged since it
+        was written: a warning names the bad file) the newest older one that verifies. None when
+        there is no checkpoint; CheckpointError when none of them is intact."""
         pointer = self.root / "latest"
         if not pointer.is_file():
             return None
-        path = self.root / pointer.read_text().strip()
-        if not (path / "trainer_state.json").is_file():
-            raise RuntimeError(f"{pointer} names {path}, which is not a complete checkpoint")
-        return path
+        named = self.root / pointer.read_text().strip()
+        candidates = [named] + sorted((p for p in self.root.glob("step_*")
+                                       if p.is_dir() and p.name < named.name), reverse=True)
+        problems = []
+        for path in candidates:
+            try:
+                verify_checkpoint(path)
+            except CheckpointError as e:
+                problems.append(str(e))
+                if _rank() == 0:
+                    print(f"warning: checkpoint {path} is damaged, not resuming from it: {e}",
+                          file=sys.stderr, flush=True)
+                continue
+            return path
+        raise CheckpointError(f"no intact checkpoint in {self.root} to resume from: "
+                              + "; ".join(problems) + " (set trainer.resume=none to start over)")
 
     def save(self, step: int, model_chunks: list, optimizer, trainer_state: dict[str, Any],
              arch, hf_dir: str) -> Path:
@@ -104,15 +204,17 @@ class CheckpointManager:
         with_optimizer = _has_optimizer_state(optimizer)
         if with_optimizer:
             sharded["optimizer"] = optimizer.sharded_state_dict(model_sd)
-        with preemption.held():  # its writer processes and Manager must not die of a signal
+        # Its writer processes and Manager must not die of a signal, but must die with this rank.
+        with preemption.held(), _writers_die_with_rank():
             dist_checkpointing.save(sharded, str(tmp))
         torch.save(_rng_state(), tmp / f"rng_rank_{_rank():05d}.pt")
         _barrier()
         if _rank() == 0:
             write_checkpoint_metadata(tmp, arch, hf_dir)
             layout = _layout()
-            (tmp / "trainer_state.json").write_text(json.dumps(
+            (tmp / TRAINER_STATE).write_text(json.dumps(
                 {**trainer_state, "layout": layout, "optimizer_state": with_optimizer}, indent=1))
+            verify_checkpoint(tmp)
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)
@@ -135,10 +237,7 @@ class CheckpointManager:
         from megatron.core import dist_checkpointing
 
         path = Path(path)
-        state_file = path / "trainer_state.json"
-        if not state_file.is_file():
-            raise FileNotFoundError(f"{path} is not a training checkpoint (no trainer_state.json)")
-        state = json.loads(state_file.read_text())
+        state = verify_checkpoint(path)
         model = _unwrap(model_chunks[0])
         model_sd = model.sharded_state_dict()
         sharded: dict[str, Any] = {"model": model_sd}

@@ -218,10 +218,13 @@ class Trainer:
             return None
         if resume == "auto":
             return self.ckpt.latest()
+        from megatron_entropy.trainer.checkpoint import CheckpointError, verify_checkpoint
+
         path = Path(resume)
-        if not (path / "trainer_state.json").is_file():
-            raise FileNotFoundError(f"trainer.resume={resume!r} is not a checkpoint folder "
-                                    "(no trainer_state.json)")
+        try:
+            verify_checkpoint(path)
+        except CheckpointError as e:
+            raise CheckpointError(f"trainer.resume={resume!r}: {e}") from None
         return path
 
     def _load_initial_weights(self, model) -> None:

@@ -1,0 +1,171 @@
+"""Faults: nothing lost, nothing left behind. A rank killed inside a checkpoint write leaves no
+process behind and its run resumes; a damaged checkpoint is skipped for the newest intact one."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from harness import init_megatron, run_distributed
+from tiny_models import tiny_hf_config
+
+from megatron_entropy.models.arch import arch_from_hf_config
+from megatron_entropy.models.megatron_checkpoint import CheckpointError
+from megatron_entropy.trainer.checkpoint import CheckpointManager
+
+
+def _model_and_optimizer():
+    from megatron_entropy.trainer.model_setup import (OptimSettings, build_optimizer,
+                                                      build_trainable_model)
+
+    init_megatron()
+    arch = arch_from_hf_config(tiny_hf_config("qwen2"))
+    chunks = build_trainable_model(arch, 1, 1, "fp32", "local", 64)
+    optimizer, _ = build_optimizer(chunks, OptimSettings(lr=1e-2))
+    return arch, chunks, optimizer
+
+
+def _train_step(chunks, optimizer, step: int) -> None:
+    for p in chunks[0].parameters():
+        p.main_grad.normal_(generator=torch.Generator().manual_seed(step))
+    optimizer.step()
+
+
+def _save_steps(run_dir: str, steps: list[int]) -> None:
+    arch, chunks, optimizer = _model_and_optimizer()
+    manager = CheckpointManager(run_dir, keep_last=3)
+    for step in steps:
+        _train_step(chunks, optimizer, step)
+        manager.save(step, chunks, optimizer, {"step": step}, arch, "unused")
+
+
+def _victim(run_dir: str) -> None:
+    """Saves step 1, then dies (SIGKILL from the test) while step 2's writers write."""
+    os.setsid()  # its own session: every process it starts can be found by session id
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0,
+                                         world_size=1)
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    arch, chunks, optimizer = _model_and_optimizer()
+    manager = CheckpointManager(run_dir, keep_last=3)
+    _train_step(chunks, optimizer, 1)
+    manager.save(1, chunks, optimizer, {"step": 1}, arch, "unused")
+    write = FileSystemWriterAsync.write_preloaded_data
+
+    def stalled_write(*args, **kwargs):
+        (Path(run_dir) / f"writer_{os.getpid()}").touch()
+        time.sleep(300)
+        return write(*args, **kwargs)
+
+    FileSystemWriterAsync.write_preloaded_data = staticmethod(stalled_write)
+    _train_step(chunks, optimizer, 2)
+    manager.save(2, chunks, optimizer, {"step": 2}, arch, "unused")
+
+
+def _session_members(sid: int) -> list[int]:
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            # Fields after the command's closing parenthesis: state ppid pgrp session ...
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[3]) == sid and fields[0] != "Z":
+            members.append(int(entry.name))
+    return members
+
+
+def _resume_and_save(run_dir: str) -> int:
+    arch, chunks, optimizer = _model_and_optimizer()
+    manager = CheckpointManager(run_dir, keep_last=3)
+    state = manager.load(manager.latest(), chunks, optimizer)
+    _train_step(chunks, optimizer, state["step"] + 1)
+    manager.save(state["step"] + 1, chunks, optimizer, {"step": state["step"] + 1}, arch,
+                 "unused")
+    return state["step"]
+
+
+def test_rank_killed_inside_a_checkpoint_write_leaves_no_process_and_resumes(tmp_path):
+    victim = mp.get_context("fork").Process(target=_victim, args=(str(tmp_path),))
+    victim.start()
+    try:
+        deadline = time.monotonic() + 120
+        while not list(tmp_path.glob("writer_*")):
+            assert victim.is_alive(), "the victim died before its writers started"
+            assert time.monotonic() < deadline, "no checkpoint writer started"
+            time.sleep(0.1)
+        assert _session_members(victim.pid)  # the rank and its writers
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.join()
+        deadline = time.monotonic() + 10
+        while _session_members(victim.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        survivors = _session_members(victim.pid)
+        assert not survivors, [Path(f"/proc/{p}/cmdline").read_bytes() for p in survivors]
+    finally:
+        for pid in _session_members(victim.pid):
+            os.kill(pid, signal.SIGKILL)
+    # The rerun resumes from the last complete checkpoint and saves over the partial one.
+    assert run_distributed(_resume_and_save, 1, str(tmp_path)) == [1]
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names == ["latest", "step_00000001", "step_00000002"]
+
+
+def _damage(ckpt: Path, kind: str) -> Path:
+    """Damages one file of checkpoint folder ``ckpt``; returns that file."""
+    if kind in ("delete distcp", "truncate distcp"):
+        target = sorted(ckpt.glob("*.distcp"))[0]
+        if kind == "delete distcp":
+            target.unlink()
+        else:
+            with target.open("r+b") as f:
+                f.truncate(target.stat().st_size // 2)
+    else:
+        target = ckpt / {"delete .metadata": ".metadata",
+                         "delete trainer_state.json": "trainer_state.json",
+                         "truncate trainer_state.json": "trainer_state.json"}[kind]
+        if kind.startswith("delete"):
+            target.unlink()
+        else:
+            target.write_text(target.read_text()[:10])
+    return target
+
+
+DAMAGES = ("delete distcp", "truncate distcp", "delete .metadata", "delete trainer_state.json",
+           "truncate trainer_state.json")
+
+
+def test_damaged_newest_checkpoint_is_skipped_for_the_previous(tmp_path, capfd):
+    saved = tmp_path / "saved"
+    run_distributed(_save_steps, 1, str(saved), [1, 2])
+    for kind in DAMAGES:
+        run = tmp_path / kind.replace(" ", "_")
+        shutil.copytree(saved, run)
+        bad = _damage(run / "checkpoints" / "step_00000002", kind)
+        capfd.readouterr()
+        assert CheckpointManager(run).latest() == run / "checkpoints" / "step_00000001", kind
+        warnings = [line for line in capfd.readouterr().err.splitlines()
+                    if line.startswith("warning:")]
+        assert len(warnings) == 1 and bad.name in warnings[0], (kind, warnings)
+    # One real resume from a damaged newest checkpoint: the previous one loads.
+    assert run_distributed(_resume_and_save, 1, str(tmp_path / "delete_distcp")) == [1]
+
+
+def test_no_intact_checkpoint_is_one_clear_error(tmp_path):
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_00000001").mkdir(parents=True)
+    (run / "checkpoints" / "latest").write_text("step_00000001")
+    with pytest.raises(CheckpointError, match=r"no intact checkpoint .*trainer_state.json"):
+        CheckpointManager(run).latest()
+    assert CheckpointManager(tmp_path / "fresh").latest() is None
