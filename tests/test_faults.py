@@ -169,3 +169,31 @@ def test_no_intact_checkpoint_is_one_clear_error(tmp_path):
     with pytest.raises(CheckpointError, match=r"no intact checkpoint .*trainer_state.json"):
         CheckpointManager(run).latest()
     assert CheckpointManager(tmp_path / "fresh").latest() is None
+
+
+def _metrics_file(run: Path, steps: list[int], tail: str) -> Path:
+    run.mkdir(parents=True)
+    path = run / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "reward/mean": 0.5}) + "\n" for s in steps)
+                    + tail)
+    return path
+
+
+def test_torn_metrics_tail_is_dropped_with_a_warning(tmp_path, capsys):
+    from megatron_entropy.trainer.metrics import MetricsLogger
+
+    path = _metrics_file(tmp_path / "run", [0, 1, 2, 3], '{"step": 4, "rew')
+    MetricsLogger(tmp_path / "run", 5, True, progress_bar=False, start_step=2)
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [0, 1, 2]
+    err = capsys.readouterr().err
+    assert f"warning: {path}:5: dropped an incomplete line" in err
+
+
+def test_run_restarted_before_its_first_checkpoint_logs_step_0_once(tmp_path):
+    from megatron_entropy.trainer.metrics import MetricsLogger
+
+    path = _metrics_file(tmp_path / "run", [0, 1], "")
+    logger = MetricsLogger(tmp_path / "run", 5, True, progress_bar=False, start_step=0)
+    logger.log(0, {"val/acc/mean": 0.25})
+    logger.log(1, {"reward/mean": 0.5})
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [0, 1]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import sys
 import time
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -71,11 +72,28 @@ class MetricsLogger:
 
     def _truncate_after(self, step: int) -> None:
         # A resumed run replays steps after its checkpoint: drop their old lines so each step
-        # appears once.
+        # appears once. A run that starts at step 0 (no checkpoint yet) replays everything,
+        # the validation before training included. A line a kill or a full disk cut short is
+        # dropped with a warning.
         if not self.path.is_file():
             return
-        kept = [line for line in self.path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= step]
+        if step == 0:
+            self.path.write_text("")
+            return
+        kept = []
+        for number, line in enumerate(self.path.read_text(errors="replace").splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                record = None
+            if not isinstance(record, dict):
+                print(f"warning: {self.path}:{number}: dropped an incomplete line (the run was "
+                      "killed while writing it?)", file=sys.stderr, flush=True)
+                continue
+            if record.get("step", 0) <= step:
+                kept.append(line)
         self.path.write_text("".join(line + "\n" for line in kept))
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
