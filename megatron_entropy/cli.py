@@ -91,7 +91,7 @@ def _spawn_local(args: argparse.Namespace, nproc: int, run_dir: Path) -> int:
                "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": str(port), "OMP_NUM_THREADS": os.environ.get(
                    "OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))}
-        out = None if rank == 0 else open(run_dir / "logs" / f"rank_{rank}.log", "w")
+        out = None if rank == 0 else _open_rank_log(run_dir / "logs" / f"rank_{rank}.log")
         procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT
                                       if out else None))
 
@@ -120,9 +120,29 @@ def _spawn_local(args: argparse.Namespace, nproc: int, run_dir: Path) -> int:
         code = next((c for c in codes if c != 0), 0)
     if code not in (0, 75):
         bad = [r for r, c in enumerate(codes) if c != 0]
-        print(f"ranks {bad} exited with {[codes[r] for r in bad]}; logs of ranks > 0 are in "
-              f"{run_dir / 'logs'}", file=sys.stderr)
+        print(f"ranks {bad} exited with {', '.join(_exit_status(codes[r]) for r in bad)}; logs "
+              f"of ranks > 0 are in {run_dir / 'logs'}", file=sys.stderr)
+    if code < 0:  # killed by a signal: exit as a shell reports it (128 + signal number)
+        code = 128 - code
     return code
+
+
+def _exit_status(code: int) -> str:
+    if code < 0:
+        return f"killed by {signal.Signals(-code).name}"
+    return str(code)
+
+
+def _open_rank_log(path: Path):
+    """Rank logs are appended to, after a line that marks this start: a failed attempt's log
+    stays for the next start to read."""
+    import datetime
+
+    log = path.open("a")
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    log.write(f"===== megatron-entropy train started {stamp} =====\n")
+    log.flush()
+    return log
 
 
 def _run_train(args: argparse.Namespace) -> int:
@@ -137,6 +157,7 @@ def _run_train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     launch = detect_launch_env()
     tp, pp = cfg.parallel.tensor, cfg.parallel.pipeline
+    _model_arch(cfg).check_parallel(tp, pp)  # before any rank starts
     if launch.launcher == "single":
         nproc = args.nproc or tp * pp
         check_layout(nproc, tp, pp)
@@ -147,6 +168,22 @@ def _run_train(args: argparse.Namespace) -> int:
 
     train(cfg)
     return 0
+
+
+def _model_arch(cfg):
+    """The architecture the run will train, read from config files only (no weights)."""
+    from megatron_entropy.config import ConfigError
+    from megatron_entropy.models.arch import load_arch
+
+    m = cfg.model
+    if m.megatron_ckpt:
+        from megatron_entropy.models.megatron_checkpoint import read_arch
+
+        return read_arch(m.megatron_ckpt)
+    if not m.hf_path:
+        raise ConfigError("model.hf_path: set an HF model folder (or model.megatron_ckpt, a "
+                          "converted checkpoint)")
+    return load_arch(m.hf_path)
 
 
 # ------------------------------------------------------------------------------------ table
@@ -170,7 +207,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     commands = _commands()
     for name, (help_text, add_args, _) in commands.items():
         add_args(sub.add_parser(name, help=help_text, description=help_text))
-    args = parser.parse_args(argv)
+    # Options may come anywhere, also after the dotted overrides of ``train``.
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if not hasattr(args, "overrides") or any(a.startswith("-") for a in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides += extra
     try:
         return commands[args.command][2](args) or 0
     except _user_errors() as e:

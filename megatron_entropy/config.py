@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -476,9 +477,15 @@ def load_config(path: Optional[Union[str, Path]] = None, overrides: Optional[lis
         if not p.is_file():
             raise ConfigError(f"config file {str(p)!r} does not exist")
         try:
-            loaded = yaml.safe_load(p.read_text()) or {}
+            loaded = yaml.safe_load(p.read_text())
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file {str(p)!r} is not UTF-8 text ({e.reason} at byte "
+                              f"{e.start})") from None
+        if loaded is None:
+            raise ConfigError(f"config file {str(p)!r} is empty; start from "
+                              "examples/quickstart.yaml")
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {str(p)!r} must hold a mapping of sections")
         tree = _floats_in_yaml(loaded)
@@ -552,5 +559,18 @@ def _validate_study(st: StudyConfig) -> None:
         raise ConfigError(f"study.seeds: {st.seeds} repeats a seed")
 
 
-def dump_config(cfg: Config, path: Union[str, Path]) -> None:
-    Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+def save_run_config(cfg: Config, run_dir: Path) -> Path:
+    """``run_dir/config.yaml`` := ``cfg``, for a run that has started. A different config.yaml
+    already there (an earlier start of this run folder) is kept as ``config.<n>.yaml``, the next
+    free ``n`` from 1."""
+    path = run_dir / "config.yaml"
+    text = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+    if path.is_file() and path.read_text() != text:
+        n = 1
+        while (run_dir / f"config.{n}.yaml").exists():
+            n += 1
+        os.replace(path, run_dir / f"config.{n}.yaml")
+    tmp = run_dir / ".config.yaml.tmp"
+    tmp.write_text(text)
+    os.replace(tmp, path)
+    return path

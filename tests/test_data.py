@@ -12,7 +12,7 @@ import pytest
 
 from megatron_entropy.config import ArithmeticConfig, DataConfig
 from megatron_entropy.data import (DEFAULT_PROMPT_SUFFIX, DatasetError, GroupFilter, PromptDataset,
-                                   PromptSampler, arithmetic_rows, generate_problems,
+                                   PromptSampler, arithmetic_rows, data_notes, generate_problems,
                                    load_prompt_dataset, load_tokenizer, read_rows, render_prompt,
                                    train_val_problems)
 
@@ -191,6 +191,27 @@ def test_prompt_dataset_tokenises_and_handles_overlong(tokenizer, tmp_path):
                                            r"rollout.max_prompt_tokens"):
         PromptDataset.from_rows(rows, tokenizer, max_prompt_tokens=limit, overlong="error")
     assert full.sources == ["d", "toy"]
+    notes, metrics = data_notes(dropped, full, 8, limit)
+    assert notes == [f"data.overlong_prompts=drop: dropped 1 of 4 train prompts longer than "
+                     f"rollout.max_prompt_tokens={limit}",
+                     "data.prompts_per_step=8 is more than the 3 train prompts: each is drawn "
+                     "about 2.7 times a step"]
+    assert metrics == {"data/dropped_overlong": 1.0, "data/val_dropped_overlong": 0.0,
+                       "data/prompt_repeats_per_step": 8 / 3}
+    assert data_notes(full, full, 4, limit) == ([], {"data/dropped_overlong": 0.0,
+                                                     "data/val_dropped_overlong": 0.0,
+                                                     "data/prompt_repeats_per_step": 1.0})
+
+
+def test_bytes_that_are_not_utf8_name_file_and_line(tmp_path):
+    good = json.dumps({"prompt": "1+1?", "answer": "2"}).encode() + b"\n"
+    (tmp_path / "d.jsonl").write_bytes(good + b'{"prompt": "caf\xe9", "answer": "1"}\n')
+    with pytest.raises(DatasetError, match=r"d\.jsonl:2: not UTF-8 text \(invalid "
+                                           r"continuation byte at byte 16 of the line\)"):
+        read_rows(tmp_path / "d.jsonl")
+    (tmp_path / "d.json").write_bytes(b'[\n{"prompt": "caf\xe9", "answer": "1"}]')
+    with pytest.raises(DatasetError, match=r"d\.json:2: not UTF-8 text"):
+        read_rows(tmp_path / "d.json")
 
 
 def test_load_prompt_dataset_synthetic_and_files(tokenizer, tmp_path):

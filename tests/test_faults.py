@@ -197,3 +197,64 @@ def test_run_restarted_before_its_first_checkpoint_logs_step_0_once(tmp_path):
     logger.log(0, {"val/acc/mean": 0.25})
     logger.log(1, {"reward/mean": 0.5})
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [0, 1]
+
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _cli_config(tmp_path: Path, **sections) -> Path:
+    import yaml
+
+    cfg = {"model": {"hf_path": str(REPO / "examples" / "quickstart_model")},
+           "logging": {"runs_dir": str(tmp_path / "runs"), "name": "r", "progress_bar": False},
+           **sections}
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _one_error_line(capsys, cli_args: list[str]) -> str:
+    from megatron_entropy.cli import main
+
+    assert main(cli_args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    return err[0]
+
+
+def test_bad_starts_are_one_line_before_any_rank_starts(tmp_path, capsys):
+    config = _cli_config(tmp_path)
+    (tmp_path / "empty.yaml").write_text("# nothing yet\n")
+    assert "empty.yaml' is empty" in _one_error_line(capsys, ["train", str(tmp_path / "empty.yaml")])
+    assert "model.hf_path: set an HF model folder" in _one_error_line(
+        capsys, ["train", str(config), "model.hf_path="])
+    # Options anywhere: an override after --nproc is read (and its error reported).
+    assert "trainer.steps: expected an integer, got 'x'" in _one_error_line(
+        capsys, ["train", str(config), "--nproc", "2", "trainer.steps=x"])
+    # The model's heads, not only the process count, are checked before ranks start.
+    assert "parallel.tensor=3 does not divide the model's 4 attention heads" in _one_error_line(
+        capsys, ["train", str(config), "parallel.tensor=3"])
+    assert not (tmp_path / "runs").exists()  # no rank started, no run folder made
+
+
+def test_run_config_is_kept_per_start_and_rank_logs_are_appended(tmp_path):
+    from megatron_entropy.cli import _exit_status, _open_rank_log
+    from megatron_entropy.config import load_config, save_run_config
+
+    run = tmp_path / "run"
+    run.mkdir()
+    first, second = load_config(data={"trainer": {"lr": 1e-5}}), load_config(data={})
+    save_run_config(first, run)
+    save_run_config(first, run)  # the same config again: nothing to keep
+    save_run_config(second, run)
+    assert sorted(p.name for p in run.iterdir()) == ["config.1.yaml", "config.yaml"]
+    assert load_config(run / "config.1.yaml").trainer.lr == 1e-5
+    assert load_config(run / "config.yaml") == second
+    for attempt in ("first", "second"):
+        with _open_rank_log(run / "rank_1.log") as log:
+            log.write(f"{attempt} attempt failed\n")
+    lines = (run / "rank_1.log").read_text().splitlines()
+    assert [line.startswith("===== megatron-entropy train started") for line in lines] == \
+        [True, False, True, False]
+    assert lines[1::2] == ["first attempt failed", "second attempt failed"]
+    assert _exit_status(-9) == "killed by SIGKILL" and _exit_status(3) == "3"

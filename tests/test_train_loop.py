@@ -76,7 +76,8 @@ EXPECTED_KEYS = {"reward/mean", "acc/mean", "entropy/token_mean", "entropy/seq_m
                  "cov/mean", "cov/selected_mean", "loss/selected_frac", "loss/ppo_kl", "grad_norm",
                  "lr", "response/length_mean", "response/truncated_frac", "rollout/logprob_drift",
                  "perf/tokens_per_s", "time/rollout", "time/update", "time/sync",
-                 "weight_sync/seconds", "weight_sync/bytes", "weight_sync/tensors"}
+                 "weight_sync/seconds", "weight_sync/bytes", "weight_sync/tensors",
+                 "data/dropped_overlong", "data/prompt_repeats_per_step"}
 
 
 @pytest.mark.parametrize("tensor,pipeline", [(2, 1), (1, 2)])
@@ -255,9 +256,15 @@ def _expect_failure(cfg: dict, match: str) -> None:
 
 
 def test_missing_dataset_file_is_a_clear_error(model_dir, tmp_path):
+    earlier = tmp_path / "x" / "config.yaml"  # of an earlier run in this folder
+    earlier.parent.mkdir()
+    earlier.write_text("the earlier run's config\n")
     _expect_failure(_config(model_dir, tmp_path, "x", parallel={"tensor": 1},
                             data={"train_files": [str(tmp_path / "nope.jsonl")]}),
                     r"data.train_files: .*nope.jsonl")
+    # A start that failed is no run: the folder's config stays the earlier run's.
+    assert sorted(p.name for p in earlier.parent.iterdir()) == ["config.yaml"]
+    assert earlier.read_text() == "the earlier run's config\n"
 
 
 def test_row_without_answer_is_a_clear_error(model_dir, tmp_path):

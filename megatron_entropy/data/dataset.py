@@ -62,8 +62,13 @@ def _lookup(record: Any, dotted: str) -> Any:
 def _iter_records(path: Path) -> Iterator[tuple[str, Any]]:
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
-        with path.open(encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
+        with path.open("rb") as f:
+            for lineno, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise DatasetError(f"{path}:{lineno}: not UTF-8 text ({e.reason} at byte "
+                                       f"{e.start + 1} of the line)") from None
                 if not line.strip():
                     continue
                 try:
@@ -71,8 +76,14 @@ def _iter_records(path: Path) -> Iterator[tuple[str, Any]]:
                 except json.JSONDecodeError as e:
                     raise DatasetError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
     elif suffix == ".json":
+        data = path.read_bytes()
         try:
-            records = json.loads(path.read_text(encoding="utf-8"))
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            line = data.count(b"\n", 0, e.start) + 1
+            raise DatasetError(f"{path}:{line}: not UTF-8 text ({e.reason})") from None
+        try:
+            records = json.loads(text)
         except json.JSONDecodeError as e:
             raise DatasetError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
         if not isinstance(records, list):
@@ -255,3 +266,23 @@ def load_prompt_dataset(data: "DataConfig", tokenizer: Any, max_prompt_tokens: i
                                    apply_chat_template=data.apply_chat_template,
                                    prompt_suffix=data.prompt_suffix,
                                    overlong=data.overlong_prompts)
+
+
+def data_notes(train: PromptDataset, val: PromptDataset, prompts_per_step: int,
+               max_prompt_tokens: int) -> tuple[list[str], dict[str, float]]:
+    """What the data settings change without an error: warnings for the console, and the
+    metrics that record it (``data/dropped_overlong``, ``data/val_dropped_overlong``,
+    ``data/prompt_repeats_per_step``: how often one prompt is drawn in a step)."""
+    notes = []
+    for name, ds in (("train", train), ("validation", val)):
+        if ds.dropped_overlong:
+            notes.append(f"data.overlong_prompts=drop: dropped {ds.dropped_overlong} of "
+                         f"{ds.dropped_overlong + len(ds)} {name} prompts longer than "
+                         f"rollout.max_prompt_tokens={max_prompt_tokens}")
+    repeats = max(prompts_per_step / len(train), 1.0) if len(train) else 0.0
+    if repeats > 1:
+        notes.append(f"data.prompts_per_step={prompts_per_step} is more than the {len(train)} "
+                     f"train prompts: each is drawn about {repeats:.1f} times a step")
+    return notes, {"data/dropped_overlong": float(train.dropped_overlong),
+                   "data/val_dropped_overlong": float(val.dropped_overlong),
+                   "data/prompt_repeats_per_step": repeats}

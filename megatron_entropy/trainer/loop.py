@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron_entropy.config import Config, dump_config
+from megatron_entropy.config import Config, save_run_config
 from megatron_entropy.trainer import preemption
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: checkpointed on a signal, resume later
@@ -107,7 +107,8 @@ class Trainer:
         from megatron.core import parallel_state as ps
 
         from megatron_entropy.algorithms.policy_loss import PolicyLossSettings
-        from megatron_entropy.data import PromptSampler, load_prompt_dataset, load_tokenizer
+        from megatron_entropy.data import (PromptSampler, data_notes, load_prompt_dataset,
+                                           load_tokenizer)
         from megatron_entropy.models.arch import load_arch
         from megatron_entropy.models.megatron_checkpoint import read_arch
         from megatron_entropy.runtime import init_distributed, set_seed
@@ -126,7 +127,6 @@ class Trainer:
         self.rank0 = dist.get_rank() == 0
         if self.rank0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            dump_config(cfg, self.run_dir / "config.yaml")
 
         # The model: architecture, tokenizer and initial weights from an HF folder or a converted
         # Megatron checkpoint (whose hf/ folder holds config and tokenizer).
@@ -204,11 +204,18 @@ class Trainer:
                                     start_step=self.state.step)
         if resume_from is not None:
             self.logger.write(f"resumed from {resume_from} at step {self.state.step}")
+        notes, self.data_metrics = data_notes(self.train_data, self.val_data,
+                                              cfg.data.prompts_per_step,
+                                              cfg.rollout.max_prompt_tokens)
+        for note in notes:
+            self.logger.write(f"warning: {note}")
         # The engine loaded hf_path's weights; anything else (a checkpoint, a converted
         # Megatron checkpoint) is pushed to it before the first rollout.
         if resume_from is not None or m.megatron_ckpt:
             self.sync_weights(version=self.state.step)
         self.signals = _SignalFlag()
+        if self.rank0:  # the run has started: record its config (an earlier one is kept)
+            save_run_config(cfg, self.run_dir)
 
     # ------------------------------------------------------------------ setup helpers
 
@@ -348,6 +355,7 @@ class Trainer:
             metrics["time/step"] = time.perf_counter() - started
             metrics["perf/tokens_per_s"] = tokens / max(metrics["time/step"], 1e-9)
             metrics["data/epoch"] = float(self.sampler.epoch)
+            metrics.update(self.data_metrics)
             preempt = self.signals.any_rank()
             last = step == t.steps
             if preempt or last or (t.save_interval and step % t.save_interval == 0):
