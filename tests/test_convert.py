@@ -315,6 +315,43 @@ def test_hf_output_of_existing_folder_refused_and_overwritten(tiny_hf, converted
     assert (out / "metadata.json").is_file() and (out / "arch.json").is_file()
 
 
+def _interrupted_conversion(src: Path, out: Path) -> int:
+    """Worker: a conversion that gets SIGTERM while it writes; the tool's exit code."""
+    import signal
+
+    from megatron_entropy.models import megatron_checkpoint
+
+    convert = megatron_checkpoint.hf_to_megatron
+
+    def terminated(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return convert(*args, **kwargs)
+
+    megatron_checkpoint.hf_to_megatron = terminated
+    return megatron_checkpoint.run_conversion(
+        lambda: megatron_checkpoint.convert_hf_to_checkpoint(src, out), str)
+
+
+def test_interrupted_conversion_leaves_no_temporary_folder(tiny_hf, tmp_path, capfd):
+    from megatron_entropy.models.hf_io import temp_sibling
+
+    out = tmp_path / "mcore"
+    assert run_distributed(_interrupted_conversion, 1, tiny_hf["qwen2"][0], out) == [130]
+    assert "interrupted: the partial output was removed" in capfd.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+    # A writer killed outright (-9) cannot clean up: the next writer of that folder removes its
+    # temporary folder, and leaves a live writer's alone.
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    killed = tmp_path / f".mcore.tmp-{dead.pid}-x1"
+    live = tmp_path / f".mcore.tmp-{os.getpid()}-x2"
+    for folder in (killed, live):
+        folder.mkdir()
+        (folder / "common.pt").write_bytes(b"partial")
+    fresh = temp_sibling(out)
+    assert sorted(tmp_path.iterdir()) == sorted([live, fresh])
+
+
 # ------------------------------------------------------------------------------------------ CLI
 
 

@@ -225,7 +225,8 @@ def _one_error_line(capsys, cli_args: list[str]) -> str:
 def test_bad_starts_are_one_line_before_any_rank_starts(tmp_path, capsys):
     config = _cli_config(tmp_path)
     (tmp_path / "empty.yaml").write_text("# nothing yet\n")
-    assert "empty.yaml' is empty" in _one_error_line(capsys, ["train", str(tmp_path / "empty.yaml")])
+    empty = str(tmp_path / "empty.yaml")
+    assert "empty.yaml' is empty" in _one_error_line(capsys, ["train", empty])
     assert "model.hf_path: set an HF model folder" in _one_error_line(
         capsys, ["train", str(config), "model.hf_path="])
     # Options anywhere: an override after --nproc is read (and its error reported).

@@ -33,19 +33,16 @@ def main(argv: list[str] | None = None) -> int:
     # Conversion is CPU work; with GPUs hidden the model is described on the meta device only.
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from megatron_entropy.models.megatron_checkpoint import convert_hf_to_checkpoint
+    from megatron_entropy.models.megatron_checkpoint import (convert_hf_to_checkpoint,
+                                                             run_conversion)
 
-    try:
-        stats = convert_hf_to_checkpoint(args.hf_dir, args.out, dtype=args.dtype, tensor=args.tp,
+    return run_conversion(
+        lambda: convert_hf_to_checkpoint(args.hf_dir, args.out, dtype=args.dtype, tensor=args.tp,
                                          pipeline=args.pp, overwrite=args.overwrite,
-                                         progress=not args.quiet)
-    except (OSError, KeyError, ValueError) as e:
-        print(f"error: {e.args[0] if isinstance(e, KeyError) else e}", file=sys.stderr)
-        return 2
-    print(f"wrote {int(stats['tensors'])} tensors, {stats['bytes'] / 2**20:.1f} MiB in "
-          f"{stats['seconds']:.1f} s (peak RSS {stats['peak_rss_bytes'] / 2**30:.2f} GiB) "
-          f"to {args.out}")
-    return 0
+                                         progress=not args.quiet),
+        lambda stats: f"wrote {int(stats['tensors'])} tensors, {stats['bytes'] / 2**20:.1f} MiB "
+                      f"in {stats['seconds']:.1f} s (peak RSS "
+                      f"{stats['peak_rss_bytes'] / 2**30:.2f} GiB) to {args.out}")
 
 
 if __name__ == "__main__":  # dist_checkpointing starts a spawn Manager: keep this guard

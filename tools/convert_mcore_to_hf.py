@@ -47,19 +47,16 @@ def main(argv: list[str] | None = None) -> int:
 
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # conversion is CPU work
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from megatron_entropy.models.megatron_checkpoint import convert_checkpoint_to_hf
+    from megatron_entropy.models.megatron_checkpoint import (convert_checkpoint_to_hf,
+                                                             run_conversion)
 
-    try:
-        stats = convert_checkpoint_to_hf(args.ckpt, args.out, hf_config_from=args.hf_config_from,
+    return run_conversion(
+        lambda: convert_checkpoint_to_hf(args.ckpt, args.out, hf_config_from=args.hf_config_from,
                                          dtype=args.dtype, max_shard_bytes=args.max_shard_size,
-                                         overwrite=args.overwrite, progress=not args.quiet)
-    except (OSError, KeyError, ValueError) as e:
-        print(f"error: {e.args[0] if isinstance(e, KeyError) else e}", file=sys.stderr)
-        return 2
-    print(f"wrote {int(stats['tensors'])} tensors, {stats['bytes'] / 2**20:.1f} MiB in "
-          f"{int(stats['shards'])} shard(s), {stats['seconds']:.1f} s (peak RSS "
-          f"{stats['peak_rss_bytes'] / 2**30:.2f} GiB) to {args.out}")
-    return 0
+                                         overwrite=args.overwrite, progress=not args.quiet),
+        lambda stats: f"wrote {int(stats['tensors'])} tensors, {stats['bytes'] / 2**20:.1f} MiB "
+                      f"in {int(stats['shards'])} shard(s), {stats['seconds']:.1f} s (peak RSS "
+                      f"{stats['peak_rss_bytes'] / 2**30:.2f} GiB) to {args.out}")
 
 
 if __name__ == "__main__":  # dist_checkpointing starts a spawn Manager: keep this guard

@@ -13,7 +13,7 @@ from megatron_entropy.data.sums import (SumProblem, generate_sum_problems, train
                                         worked_solution)
 
 __all__ = ["ArithmeticProblem", "DEFAULT_PROMPT_SUFFIX", "DatasetError", "GroupFilter",
-           "PromptDataset", "PromptItem", "PromptRow", "PromptSampler", "arithmetic_rows", "data_notes",
-           "generate_problems", "has_reward_variance", "load_prompt_dataset", "load_tokenizer",
+           "PromptDataset", "PromptItem", "PromptRow", "PromptSampler", "arithmetic_rows",
+           "data_notes", "generate_problems", "has_reward_variance", "load_prompt_dataset", "load_tokenizer",
            "read_rows", "render_prompt", "SumProblem", "generate_sum_problems", "sums_rows",
            "train_val_problems", "train_val_sum_problems", "worked_solution"]

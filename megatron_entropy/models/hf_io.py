@@ -32,11 +32,33 @@ def copy_hf_metadata(src_dir: Union[str, Path], out_dir: Union[str, Path]) -> li
     return copied
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+def _remove_stale_temps(out_dir: Path) -> None:
+    """Temporary siblings of ``out_dir`` left by a writer on this machine that was killed (its
+    pid, in the name, is gone). A live writer's folder is left alone."""
+    for old in out_dir.parent.glob(f".{out_dir.name}.tmp-*"):
+        pid = old.name.removeprefix(f".{out_dir.name}.tmp-").split("-", 1)[0]
+        if pid.isdigit() and not _pid_alive(int(pid)):
+            shutil.rmtree(old, ignore_errors=True)
+
+
 def temp_sibling(out_dir: Path) -> Path:
     """An empty folder beside ``out_dir`` to write into and rename, with the permissions a plain
-    mkdir would give (mkdtemp's 0700 would outlive the rename)."""
+    mkdir would give (mkdtemp's 0700 would outlive the rename). Its name holds this process's
+    pid, so the next writer of ``out_dir`` removes it if this one was killed before cleaning up."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    _remove_stale_temps(out_dir)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-{os.getpid()}-",
+                                dir=out_dir.parent))
     umask = os.umask(0)
     os.umask(umask)
     tmp.chmod(0o777 & ~umask)

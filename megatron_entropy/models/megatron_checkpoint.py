@@ -25,6 +25,8 @@ import json
 import os
 import resource
 import shutil
+import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Union
@@ -221,6 +223,23 @@ def _progress(total: int, desc: str, enabled: bool):
     from tqdm import tqdm
 
     return tqdm(total=total, desc=desc, unit="tensor", disable=not enabled, dynamic_ncols=True)
+
+
+def run_conversion(convert: Callable[[], dict[str, float]],
+                   summary: Callable[[dict[str, float]], str]) -> int:
+    """A conversion tool's exit code: 0 and ``summary`` of the stats; 2 and one line for bad
+    input; 130 on Ctrl-C or SIGTERM, after the conversion removed its partial output."""
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # clean up as on Ctrl-C
+    try:
+        stats = convert()
+    except (OSError, KeyError, ValueError) as e:
+        print(f"error: {e.args[0] if isinstance(e, KeyError) else e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted: the partial output was removed", file=sys.stderr)
+        return 130
+    print(summary(stats))
+    return 0
 
 
 # ---------------------------------------------------------------------------------- HF -> mcore
