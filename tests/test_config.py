@@ -102,3 +102,32 @@ def test_seq_length_must_hold_a_full_sequence():
                                "rollout.max_new_tokens=500"])
     assert load_config(overrides=["model.seq_length=1100", "rollout.max_prompt_tokens=600",
                                   "rollout.max_new_tokens=500"]).model.seq_length == 1100
+
+
+def test_vllm_cpu_example_is_the_quickstart_with_working_cpu_server_flags():
+    """examples/quickstart_vllm_cpu.yaml, which the README names for vLLM on a CPU machine (and
+    tests/test_rollout_vllm.py runs against a real server): the quickstart but for the engine, and
+    the launched server gets the flags and environment that work there."""
+    from pathlib import Path
+
+    from megatron_entropy.rollout.servers import _parse_env
+    from megatron_entropy.rollout.vllm import server_argv
+
+    examples = Path(__file__).resolve().parents[1] / "examples"
+    cfg = load_config(examples / "quickstart_vllm_cpu.yaml")
+    quickstart = load_config(examples / "quickstart.yaml").to_dict()
+    got = cfg.to_dict()
+    assert got["rollout"].pop("engine") == "vllm" and quickstart["rollout"].pop("engine")
+    server = got["rollout"].pop("server")
+    quickstart["rollout"].pop("server")
+    assert got["logging"].pop("name") == "quickstart_vllm_cpu"
+    quickstart["logging"].pop("name")
+    assert got == quickstart
+    argv = server_argv(cfg.rollout.server, "MODEL", 30000)
+    assert argv[:3] == [".venv-vllm/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+    assert argv[argv.index("--max-model-len") + 1] == "256"
+    assert "--enforce-eager" in argv and argv[argv.index("--max-num-batched-tokens") + 1] == "8192"
+    assert _parse_env(server["extra_env"]) == {"VLLM_CPU_KVCACHE_SPACE": "1",
+                                               "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+                                               "HF_HUB_OFFLINE": "1"}
+    assert cfg.rollout.max_prompt_tokens + cfg.rollout.max_new_tokens <= 256
