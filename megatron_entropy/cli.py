@@ -157,7 +157,7 @@ def _run_train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     launch = detect_launch_env()
     tp, pp = cfg.parallel.tensor, cfg.parallel.pipeline
-    _model_arch(cfg).check_parallel(tp, pp)  # before any rank starts
+    _check_model(cfg)  # before any rank starts
     if launch.launcher == "single":
         nproc = args.nproc or tp * pp
         check_layout(nproc, tp, pp)
@@ -170,20 +170,30 @@ def _run_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _model_arch(cfg):
-    """The architecture the run will train, read from config files only (no weights)."""
+def _check_model(cfg) -> None:
+    """The model the run will train, checked from its files before any rank starts: its
+    architecture against parallel.tensor/pipeline and (HF weights) every tensor's name and shape
+    against config.json, from the safetensors headers only."""
     from megatron_entropy.config import ConfigError
     from megatron_entropy.models.arch import load_arch
+    from megatron_entropy.models.bridge import check_hf_checkpoint
+    from megatron_entropy.models.hf_io import hf_weight_files
+    from megatron_entropy.models.megatron_checkpoint import read_arch
 
     m = cfg.model
     if m.megatron_ckpt:
-        from megatron_entropy.models.megatron_checkpoint import read_arch
-
-        return read_arch(m.megatron_ckpt)
-    if not m.hf_path:
+        arch = read_arch(m.megatron_ckpt)
+    elif not m.hf_path:
         raise ConfigError("model.hf_path: set an HF model folder (or model.megatron_ckpt, a "
                           "converted checkpoint)")
-    return load_arch(m.hf_path)
+    else:
+        arch = load_arch(m.hf_path)
+        try:
+            check_hf_checkpoint(hf_weight_files(m.hf_path), arch, m.hf_path)
+        except (KeyError, ValueError) as e:
+            raise ConfigError(f"model.hf_path: {e.args[0] if isinstance(e, KeyError) else e}") \
+                from None
+    arch.check_parallel(cfg.parallel.tensor, cfg.parallel.pipeline)
 
 
 # ------------------------------------------------------------------------------------ table

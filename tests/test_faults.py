@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import re
 import shutil
 import signal
 import time
@@ -235,6 +236,20 @@ def test_bad_starts_are_one_line_before_any_rank_starts(tmp_path, capsys):
     # The model's heads, not only the process count, are checked before ranks start.
     assert "parallel.tensor=3 does not divide the model's 4 attention heads" in _one_error_line(
         capsys, ["train", str(config), "parallel.tensor=3"])
+    # Weights that do not fit config.json: truncated, or another vocabulary size.
+    truncated, revocab = tmp_path / "truncated", tmp_path / "revocab"
+    for model in (truncated, revocab):
+        shutil.copytree(REPO / "examples" / "quickstart_model", model)
+    weights = truncated / "model.safetensors"
+    os.truncate(weights, weights.stat().st_size // 2)
+    hf_config = json.loads((revocab / "config.json").read_text())
+    (revocab / "config.json").write_text(json.dumps({**hf_config,
+                                                     "vocab_size": hf_config["vocab_size"] + 64}))
+    assert f"model.hf_path: {weights} is not a complete safetensors file" in _one_error_line(
+        capsys, ["train", str(config), f"model.hf_path={truncated}"])
+    assert re.search(r"model.hf_path: model.embed_tokens.weight has shape \(\d+, \d+\), but "
+                     r"config.json implies", _one_error_line(
+                         capsys, ["train", str(config), f"model.hf_path={revocab}"]))
     assert not (tmp_path / "runs").exists()  # no rank started, no run folder made
 
 
