@@ -102,11 +102,11 @@ def _spawn_local(args: argparse.Namespace, nproc: int, run_dir: Path) -> int:
 
     for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, forward)
-    code = 0
+    code, first = 0, None
     while procs and any(p.poll() is None for p in procs):
         failed = [p for p in procs if p.poll() not in (None, 0)]
         if failed:
-            code = failed[0].returncode
+            code, first = failed[0].returncode, procs.index(failed[0])
             time.sleep(5)  # let the others fail on their own (their messages are clearer)
             for p in procs:
                 if p.poll() is None:
@@ -120,8 +120,10 @@ def _spawn_local(args: argparse.Namespace, nproc: int, run_dir: Path) -> int:
         code = next((c for c in codes if c != 0), 0)
     if code not in (0, 75):
         bad = [r for r, c in enumerate(codes) if c != 0]
-        print(f"ranks {bad} exited with {', '.join(_exit_status(codes[r]) for r in bad)}; logs "
-              f"of ranks > 0 are in {run_dir / 'logs'}", file=sys.stderr)
+        cause = f"rank {first} failed first ({_exit_status(codes[first])}); " \
+            if first is not None else ""
+        print(f"{cause}ranks {bad} exited with {', '.join(_exit_status(codes[r]) for r in bad)}; "
+              f"logs of ranks > 0 are in {run_dir / 'logs'}", file=sys.stderr)
     if code < 0:  # killed by a signal: exit as a shell reports it (128 + signal number)
         code = 128 - code
     return code
@@ -228,6 +230,23 @@ def main(argv: Optional[list[str]] = None) -> int:
     except _user_errors() as e:
         print(f"megatron-entropy {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:
+        if not _peer_lost(e):
+            raise
+        # Another rank died (killed, out of memory): its own log says why; this one's
+        # traceback of the broken collective would only hide that.
+        print(f"megatron-entropy {args.command}: rank {os.environ.get('RANK')} stopped: another "
+              f"rank of the job is gone ({str(e).splitlines()[0][:200]})", file=sys.stderr)
+        return 1
+
+
+# gloo's errors when the other end of a collective has gone away.
+PEER_LOST_MESSAGES = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+
+
+def _peer_lost(error: RuntimeError) -> bool:
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and any(
+        m in str(error) for m in PEER_LOST_MESSAGES)
 
 
 if __name__ == "__main__":

@@ -274,3 +274,25 @@ def test_run_config_is_kept_per_start_and_rank_logs_are_appended(tmp_path):
         [True, False, True, False]
     assert lines[1::2] == ["first attempt failed", "second attempt failed"]
     assert _exit_status(-9) == "killed by SIGKILL" and _exit_status(3) == "3"
+
+
+def test_rank_whose_peer_died_ends_with_one_line(monkeypatch, capsys):
+    from megatron_entropy import cli
+
+    gloo = ("[../gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:18145: Connection reset "
+            "by peer. This is typically caused by a remote worker hanging")
+
+    def broken_collective(args):
+        raise RuntimeError(gloo)
+
+    monkeypatch.setattr(cli, "_commands", lambda: {"train": ("", cli._add_train_args,
+                                                             broken_collective)})
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    assert cli.main(["train", "c.yaml"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"megatron-entropy train: rank 0 stopped: another rank of the job is gone "
+                   f"({gloo})"]
+    monkeypatch.setenv("WORLD_SIZE", "1")  # alone, the same error is no peer's death: raised
+    with pytest.raises(RuntimeError, match="Connection reset"):
+        cli.main(["train", "c.yaml"])
