@@ -65,6 +65,12 @@ class RolloutEngine(abc.ABC):
         other ``weight_sync/*``. Raises if any replica fails to take them: training must not go
         on against stale weights."""
 
+    def generate_on_each_replica(self, prompts: list[list[int]], sampling: SamplingParams
+                                 ) -> dict[str, list[list[Completion]]]:
+        """The same prompts generated on every replica that serves rollouts (each server of a
+        pool), by the replica's description: to check that each holds the right weights."""
+        return {f"{type(self).__name__} (in process)": self.generate(prompts, sampling)}
+
     def health(self) -> bool:
         return True
 
