@@ -206,14 +206,14 @@ class SGLangEngine(ServerEngine):
         except (KeyError, IndexError, TypeError, ValueError) as e:
             raise ServerError(f"{server.describe()}: unexpected /generate answer "
                               f"({type(e).__name__}: {e}): {str(response)[:500]}") from e
+        if reason == "abort":  # truncated, whatever else it holds: issued again
+            raise RequestAborted(f"{server.describe()} aborted the request after {len(ids)} "
+                                 f"tokens: {finish!r}")
         if logprob_ids != ids:
             raise ServerError(f"{server.describe()}: output_ids and output_token_logprobs "
                               f"disagree ({len(ids)} vs {len(logprob_ids)} tokens)")
         if reason not in FINISH_REASONS:
             raise ServerError(f"{server.describe()}: unknown finish_reason {finish!r}")
-        if reason == "abort":
-            raise RequestAborted(f"{server.describe()} aborted the request after {len(ids)} "
-                                 f"tokens: {finish!r}")
         served = meta.get("weight_version")
         if self.version is not None and served != str(self.version):
             raise ServerError(f"{server.describe()} answered with weight version {served!r}, "

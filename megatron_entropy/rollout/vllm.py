@@ -107,14 +107,14 @@ class VLLMEngine(ServerEngine):
         except (KeyError, IndexError, TypeError, ValueError) as e:
             raise ServerError(f"{server.describe()}: unexpected /v1/completions answer "
                               f"({type(e).__name__}: {e}): {str(response)[:500]}") from e
+        if reason == "abort":  # truncated: issued again, never trained on
+            raise RequestAborted(f"{server.describe()} aborted the request after {len(ids)} "
+                                 "tokens")
         if len(ids) != len(logprobs):
             raise ServerError(f"{server.describe()}: {len(ids)} token ids but {len(logprobs)} "
                               "log-probs in one completion")
         if reason not in FINISH_REASONS:
             raise ServerError(f"{server.describe()}: unknown finish_reason {reason!r}")
-        if reason == "abort":  # truncated: issued again, never trained on
-            raise RequestAborted(f"{server.describe()} aborted the request after {len(ids)} "
-                                 "tokens")
         return Completion(token_ids=ids, logprobs=logprobs, text=choice.get("text", ""),
                           finish_reason=reason,
                           meta={"server": server.index, "weight_version": self.version})
