@@ -53,7 +53,7 @@ def models(tmp_path_factory):
 def engine(models, tmp_path_factory):
     cfg = ServerConfig(
         launch=1, server_python=str(VENV_PYTHON), base_port=32500, max_model_len=256,
-        extra_args=["--enforce-eager"], max_concurrency=16, startup_timeout_s=300,
+        extra_args=["--enforce-eager"], max_concurrency=16, startup_timeout_s=600,
         request_timeout_s=120, health_check_interval_s=1.0, health_timeout_s=10,
         extra_env=["VLLM_CPU_KVCACHE_SPACE=1", "VLLM_CPU_OMP_THREADS_BIND=nobind",
                    "HF_HUB_OFFLINE=1"])

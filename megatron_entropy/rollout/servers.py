@@ -19,6 +19,7 @@ sample is never returned.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import concurrent.futures
 import contextlib
@@ -693,12 +694,11 @@ class ServerEngine(RolloutEngine):
 
     shared = True
     pool: ServerPool
-    _tokens: int = 0
-    _seconds: float = 0.0
 
+    @abc.abstractmethod
     def _generate(self, prompts: list[list[int]], sampling: SamplingParams,
                   targets: Optional[list[Server]]) -> list[list[Completion]]:
-        raise NotImplementedError
+        """``generate`` on ``targets``."""
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams
                  ) -> list[list[Completion]]:
@@ -708,8 +708,10 @@ class ServerEngine(RolloutEngine):
                                  ) -> dict[str, list[list[Completion]]]:
         self.pool.ensure_up()
         # Servers kept from requests until a sync gives them the current weights are skipped.
-        return {s.describe(): self._generate(prompts, sampling, [s])
-                for s in self.pool.servers if s.state == "up" and self.pool.serves_current(s)}
+        with self._not_counted():
+            return {s.describe(): self._generate(prompts, sampling, [s])
+                    for s in self.pool.servers
+                    if s.state == "up" and self.pool.serves_current(s)}
 
     def health(self) -> bool:
         try:
