@@ -95,7 +95,11 @@ class ServerConfig:
     weight_sync_backend: Literal["nccl", "gloo"] = _f(
         "nccl", help="process-group backend of weight_sync=distributed (gloo: CPU tests)")
     weight_sync_master_addr: Optional[str] = _f(
-        None, help="this node's address as the servers reach it (default: its hostname's)")
+        None, help="this node's address as the servers reach it (default: loopback when every "
+                   "server is on this node, else the interface routing to the first server)")
+    pause_mode: Literal["retract", "in_place", "abort"] = _f(
+        "retract", help="SGLang /pause_generation mode for weight syncs: retract and in_place "
+                        "keep other clients' in-flight requests, abort cuts them off")
 
 
 @dataclass
@@ -115,6 +119,14 @@ class RolloutConfig:
     val_n_samples: int = _f(4, ge=1, help="k of pass@1 averaged over k samples")
     val_temperature: float = _f(0.6, ge=0, help="0 = greedy")
     server: ServerConfig = _f(default_factory=ServerConfig)
+    weight_check: bool = _f(True, help="after every weight sync and at the first contact, score "
+                                       "a fixed probe on the engine and the actor; stop if they "
+                                       "disagree")
+    weight_check_prompts: int = _f(4, ge=1, help="probe: the first k training prompts")
+    weight_check_tokens: int = _f(8, ge=1, help="probe: tokens the engine generates per prompt")
+    weight_check_tolerance: Optional[float] = _f(
+        None, gt=0, help="probe: largest mean |engine - actor| log-prob (nats) accepted; null = "
+                         "derived from the engine's and the actor's dtypes")
 
 
 @dataclass

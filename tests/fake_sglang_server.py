@@ -5,8 +5,9 @@ checked against a reference, and it enforces SGLang's HTTP contract as its sourc
 (0.5.2 ... 0.5.23, `sglang/srt/entrypoints/http_server.py`, `managers/io_struct.py`,
 `api/v1/api_types.py`, `sampling/sampling_params.py`):
 - ``/generate``: exactly one of ``text``/``input_ids``; ``sampling_params`` keys outside SGLang's
-  SamplingParams are rejected with HTTP 400 "unknown field `k`, expected one of ..."
-  (``sampling_seed`` exists from 0.5.3 on); values are checked as ``SamplingParams.verify`` does;
+  SamplingParams are answered with HTTP 500 (as a real 0.5.15 server does: SamplingParams raises
+  ``TypeError: Unexpected keyword argument``; ``sampling_seed`` exists from 0.5.3 on); values are
+  checked as ``SamplingParams.verify`` does (HTTP 400);
   top-level keys SGLang does not know are ignored, as its GenerateRequest does. The answer is
   {text, output_ids, meta_info{id, finish_reason{type, matched|length|message}, prompt_tokens,
   completion_tokens, cached_tokens, weight_version, e2e_latency, output_token_logprobs
@@ -17,13 +18,24 @@ checked against a reference, and it enforces SGLang's HTTP contract as its sourc
   process group), ``/update_weights_from_distributed`` {names, dtypes, shapes, group_name, ...}
   (receives one ``broadcast(src=0)`` per tensor), ``/destroy_weights_update_group``; a missing
   required field is HTTP 422 as FastAPI answers it; a failed update is HTTP 400 {success: false}.
-- ``/pause_generation`` {mode} (new requests wait), ``/continue_generation``, ``/flush_cache``
-  (400 while requests run), ``/health``, ``/health_generate``, ``/get_model_info``,
-  ``/get_server_info``, ``/get_weight_version``.
+- ``/pause_generation`` {mode} (default ``abort``): new requests wait; in-flight ones are held
+  at their next token (``in_place``; ``retract`` also drops their KV cache, recomputed at
+  continue) or answered at once with finish reason ``abort`` and what they had (``abort``).
+  ``/continue_generation``; ``/flush_cache`` is 400 while requests run or wait (also paused
+  ones); ``/health``, ``/health_generate``, ``/get_model_info`` and ``/model_info`` (with the
+  weight version; ``/weight_version`` is 404, as on 0.5.15), ``/get_server_info``.
+- After a batched ``/generate`` (several prompts, or n > 1) SIGTERM no longer stops it (the real
+  server loops on "Remaining number of requests"): only SIGKILL does.
 Test knobs (not SGLang's): ``--token-delay-s`` slows decoding; ``--request-log`` appends every
 request body to a JSONL file; ``--busy-health-delay-s`` makes ``/health`` answer that late while a
 request runs and ``--warmup-s`` holds the first request that long before decoding (a busy server,
-and one warming up, that still make progress).
+and one warming up, that still make progress). Endpoints under ``/fake/`` set faults at run time:
+``/fake/corrupt_syncs`` {noise}: later weight updates answer success but add Gaussian noise of
+that std to every weight (a silently wrong sync); ``/fake/die_on_next_sync``: the next
+``/update_weights_from_disk`` kills the process mid-call (as SGLang's scheduler dying on it);
+``/fake/abort_next`` {count}: that many next requests come back aborted after one token
+(``--sync-noise`` sets the noise from the start); ``GET /fake/state``: requests running and
+waiting, tokens decoded.
 
 Run: python tests/fake_sglang_server.py --model-path DIR --host 127.0.0.1 --port P
 """
@@ -33,6 +45,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import signal
 import threading
 import time
 import uuid
@@ -55,6 +69,10 @@ PAUSE_MODES = ("abort", "retract", "in_place")
 
 class BadRequest(Exception):
     pass
+
+
+class UnknownSamplingKey(Exception):
+    """SGLang 0.5.15 turns this into HTTP 500 (a TypeError in SamplingParams)."""
 
 
 def version_tuple(text: str) -> tuple[int, ...]:
@@ -95,10 +113,20 @@ class FakeSGLang:
             SAMPLING_KEYS_NEW if version_tuple(args.version) >= (0, 5, 3) else ())
         self.groups: dict[str, Any] = {}
         self.compute = threading.Lock()  # one forward at a time; weight loads wait for it
-        self.unpaused = asyncio.Event()
+        self.unpaused = asyncio.Event()  # new requests wait on it
         self.unpaused.set()
+        self.decoding = threading.Event()  # in-flight requests wait on it
+        self.decoding.set()
+        self.pause_mode: Optional[str] = None
+        self.aborts = 0  # pauses in abort mode so far: a request started before one is cut off
         self.running = 0
+        self.waiting = 0
         self.warmed_up = False
+        self.sync_noise = args.sync_noise
+        self.decoded = 0  # tokens decoded since start
+        self.die_on_sync = False
+        self.abort_next = 0
+        self.batched = False
 
     # --------------------------------------------------------------------------- helpers
 
@@ -114,8 +142,7 @@ class FakeSGLang:
             raise BadRequest("sampling_params: invalid type, expected a map")
         for key in sp:
             if key not in self.sampling_keys:
-                listed = ", ".join(f"`{k}`" for k in self.sampling_keys)
-                raise BadRequest(f"unknown field `{key}`, expected one of {listed}")
+                raise UnknownSamplingKey(f"Unexpected keyword argument '{key}'")
 
         def typed(key: str, kinds: tuple, what: str) -> None:
             value = sp.get(key)
@@ -196,8 +223,19 @@ class FakeSGLang:
         finish: dict = {"type": "length", "length": max_new}
         past = None
         inputs = torch.tensor([prompt])
+        abort = self.abort_next > 0
+        self.abort_next -= abort
+        aborts_before = self.aborts
         with torch.no_grad():
             for _ in range(max_new):
+                if self.aborts != aborts_before:
+                    finish = {"type": "abort", "message": "Abort in running batch."}
+                    break
+                if not self.decoding.is_set():
+                    retract = self.pause_mode == "retract"
+                    self.decoding.wait()
+                    if retract and out_ids:  # its KV was dropped: recompute it
+                        past, inputs = None, torch.tensor([prompt + out_ids])
                 with self.compute:
                     o = self.model(input_ids=inputs, past_key_values=past, use_cache=True)
                 past = o.past_key_values
@@ -217,8 +255,12 @@ class FakeSGLang:
                         probs[order[cut]] = 0.0
                     token = int(torch.multinomial(probs / probs.sum(), 1, generator=generator))
                 out_ids.append(token)
+                self.decoded += 1
                 logprobs.append(float(lp[token]))
                 inputs = torch.tensor([[token]])
+                if abort:
+                    finish = {"type": "abort", "message": "Abort in running batch."}
+                    break
                 if self.args.token_delay_s:
                     time.sleep(self.args.token_delay_s)
                 if token in stops:
@@ -278,7 +320,16 @@ class FakeSGLang:
             p = self.check_sampling(body.get("sampling_params"))
         except BadRequest as e:
             return web.json_response({"error": {"message": str(e)}}, status=400)
-        await self.unpaused.wait()
+        except UnknownSamplingKey as e:
+            return web.json_response({"object": "error", "message": str(e), "code": 500},
+                                     status=500)
+        if len(batch) > 1 or p["n"] > 1:
+            self.stop_ignoring_sigterm()
+        self.waiting += 1
+        try:
+            await self.unpaused.wait()
+        finally:
+            self.waiting -= 1
         self.running += 1
         try:
             if not self.warmed_up:
@@ -295,6 +346,15 @@ class FakeSGLang:
 
     # ---------------------------------------------------------------------- weight updates
 
+    def stop_ignoring_sigterm(self) -> None:
+        """What a real server does after a batched request: SIGTERM leaves it looping."""
+        if self.batched:
+            return
+        self.batched = True
+        asyncio.get_running_loop().remove_signal_handler(signal.SIGTERM)
+        signal.signal(signal.SIGTERM, lambda *_: print("Remaining number of requests: 1",
+                                                       flush=True))
+
     def load_named(self, named: list[tuple[str, torch.Tensor]]) -> tuple[bool, str]:
         params = dict(self.model.named_parameters())
         for name, t in named:
@@ -306,6 +366,8 @@ class FakeSGLang:
         with self.compute, torch.no_grad():
             for name, t in named:
                 params[name].copy_(t.to(params[name].dtype))
+                if self.sync_noise:  # a silently wrong sync
+                    params[name].add_(torch.randn_like(params[name]) * self.sync_noise)
         return True, "Succeeded to update model weights."
 
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
@@ -316,6 +378,10 @@ class FakeSGLang:
             return bad
         from safetensors.torch import load_file
 
+        if self.die_on_sync:
+            print("AttributeError: 'Parameter' object has no attribute 'weight_loader'",
+                  flush=True)
+            os._exit(1)
         folder = Path(body["model_path"])
         files = sorted(folder.glob("*.safetensors"))
         if not files:
@@ -419,7 +485,11 @@ class FakeSGLang:
                                                   "loc": ["body", "mode"],
                                                   "msg": f"Input should be {PAUSE_MODES}"}]},
                                      status=422)
+        self.pause_mode = body.get("mode", "abort")
+        self.aborts += self.pause_mode == "abort"
         self.unpaused.clear()
+        if self.pause_mode != "abort":
+            self.decoding.clear()
         return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     async def continue_generation(self, request: web.Request) -> web.Response:
@@ -428,13 +498,16 @@ class FakeSGLang:
         bad = missing_fields(body, ())
         if bad is not None:
             return bad
+        self.pause_mode = None
         self.unpaused.set()
+        self.decoding.set()
         return web.json_response({"message": "Generation continued successfully.",
                                   "status": "ok"})
 
     async def flush_cache(self, request: web.Request) -> web.Response:
-        if self.running:
-            return web.Response(text="Cache not flushed: requests are running.\n", status=400)
+        if self.running or self.waiting:
+            return web.Response(text="Cache not flushed: requests are running or waiting.\n",
+                                status=400)
         return web.Response(text="Cache flushed.\nPlease check backend logs for more details. "
                                  "(When there are running or waiting requests, the operation "
                                  "will not be performed.)\n")
@@ -455,8 +528,22 @@ class FakeSGLang:
                                   "weight_version": self.weight_version,
                                   "version": self.version, "internal_states": [{}]})
 
-    async def weight_version_info(self, request: web.Request) -> web.Response:
-        return web.json_response({"weight_version": self.weight_version})
+    async def fake_knob(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        knob = request.match_info["knob"]
+        if knob == "corrupt_syncs":
+            self.sync_noise = float(body["noise"])
+        elif knob == "die_on_next_sync":
+            self.die_on_sync = True
+        elif knob == "abort_next":
+            self.abort_next = int(body["count"])
+        else:
+            return web.Response(status=404)
+        return web.json_response({"ok": True})
+
+    async def fake_state(self, request: web.Request) -> web.Response:
+        return web.json_response({"running": self.running, "waiting": self.waiting,
+                                  "decoded": self.decoded})
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=1024**3)
@@ -474,8 +561,10 @@ class FakeSGLang:
         app.router.add_get("/health", self.health)
         app.router.add_get("/health_generate", self.health)
         app.router.add_get("/get_model_info", self.model_info)
+        app.router.add_get("/model_info", self.model_info)
         app.router.add_get("/get_server_info", self.server_info)
-        app.router.add_get("/get_weight_version", self.weight_version_info)
+        app.router.add_get("/fake/state", self.fake_state)
+        app.router.add_post("/fake/{knob}", self.fake_knob)
         return app
 
 
@@ -490,6 +579,7 @@ def main() -> None:
     ap.add_argument("--busy-health-delay-s", type=float, default=0.0)
     ap.add_argument("--warmup-s", type=float, default=0.0)
     ap.add_argument("--request-log", default=None)
+    ap.add_argument("--sync-noise", type=float, default=0.0)
     args = ap.parse_args()
     torch.set_num_threads(1)
     server = FakeSGLang(args)

@@ -77,3 +77,44 @@ def reference_logprobs(model, prompt: list[int], completion: list[int],
                        temperature: float = 1.0) -> list[float]:
     """The log-probs of ``reference``."""
     return reference(model, prompt, completion, temperature)[0]
+
+
+def probe_served_weights(engine_kind: str, hf_dir: str, urls: list[str], run_dir: str,
+                         sabotage) -> tuple[dict, str]:
+    """Inside a worker (harness.run_distributed): a Megatron actor with ``hf_dir``'s weights runs
+    the trainer's weight check on the servers at ``urls`` (connected), then ``sabotage(engine)``
+    changes what they hold, and the check runs again. Returns (the first check's metrics, the
+    second's error message, "" if it passed)."""
+    from harness import init_megatron
+
+    from megatron_entropy.algorithms.policy_loss import PolicyLossSettings
+    from megatron_entropy.config import ServerConfig
+    from megatron_entropy.models.arch import load_arch
+    from megatron_entropy.models.bridge import load_hf_weights
+    from megatron_entropy.trainer.actor import Actor, ActorSettings
+    from megatron_entropy.trainer.model_setup import build_trainable_model
+    from megatron_entropy.trainer.weight_check import (WeightCheckError, check_engine_weights,
+                                                       probe_sampling, probe_tolerance)
+
+    init_megatron()
+    arch = load_arch(hf_dir)
+    model = build_trainable_model(arch, 1, 1, "fp32", "local", 256)
+    load_hf_weights(model[0], hf_dir, arch)
+    actor = Actor(arch, model, None, None, PolicyLossSettings(),
+                  ActorSettings(micro_batch_tokens=1024))
+    if engine_kind == "vllm":
+        from megatron_entropy.rollout.vllm import VLLMEngine as Engine
+    else:
+        from megatron_entropy.rollout.sglang import SGLangEngine as Engine
+    engine = Engine(ServerConfig(urls=urls, request_timeout_s=120), hf_dir, run_dir)
+    prompts = [[5, 6, 7, 8], [40, 41], [100, 7, 3, 9, 12], [9, 8]]
+    sampling = probe_sampling(1.0, 8)
+    tolerance = probe_tolerance("bf16", "fp32")
+    first = check_engine_weights(engine, actor, prompts, sampling, tolerance,
+                                 "at the first contact")
+    sabotage(engine)
+    try:
+        check_engine_weights(engine, actor, prompts, sampling, tolerance, "after a sync")
+    except WeightCheckError as e:
+        return first, str(e)
+    return first, ""

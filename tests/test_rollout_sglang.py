@@ -10,9 +10,11 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
+import urllib.error
 from pathlib import Path
 
 import pytest
@@ -20,8 +22,8 @@ import torch
 
 from megatron_entropy.config import ServerConfig
 from megatron_entropy.rollout.base import SamplingParams
-from megatron_entropy.rollout.servers import RequestRejected, ServerError, sample_seed
-from megatron_entropy.rollout.sglang import SGLangEngine, weight_buckets
+from megatron_entropy.rollout.servers import RequestRejected, ServerError, free_port, sample_seed
+from megatron_entropy.rollout.sglang import SGLangEngine, weight_buckets, weight_sync_address
 from serving_model import make_served_model, reference
 
 FAKE = str(Path(__file__).with_name("fake_sglang_server.py"))
@@ -41,14 +43,13 @@ def make_cfg(**kw) -> ServerConfig:
     base = dict(launch=1, base_port=32100, startup_timeout_s=120, request_timeout_s=60,
                 health_check_interval_s=0.5, health_timeout_s=3, max_retries=2,
                 max_concurrency=4, weight_sync_backend="gloo",
-                weight_sync_master_addr="127.0.0.1", launch_command=fake_command())
+                launch_command=fake_command())
     base.update(kw)
     return ServerConfig(**base)
 
 
 def post(url: str, body: dict) -> tuple[int, object]:
     """(HTTP status, decoded JSON body) of a POST."""
-    import urllib.error
     import urllib.request
 
     req = urllib.request.Request(url, data=json.dumps(body).encode(),
@@ -142,10 +143,18 @@ def test_greedy_and_invalid_request(engine, models):
 
 def test_fake_is_strict(engine):
     """The fake refuses what SGLang refuses, so passing tests mean valid requests."""
+    import urllib.request
+
     url = engine.pool.servers[0].url
+    # As a real 0.5.15 server: an unknown sampling key is a 500 (a TypeError inside SGLang)...
     status, body = post(url + "/generate", {"input_ids": [5, 6], "sampling_params": {
         "max_new_tokens": 2, "max_tokens": 2}})
-    assert status == 400 and "unknown field `max_tokens`" in body["error"]["message"]
+    assert status == 500 and "Unexpected keyword argument 'max_tokens'" in body["message"]
+    # ...and the weight version is in /model_info, /weight_version is 404.
+    with urllib.request.urlopen(url + "/model_info", timeout=30) as r:
+        assert "weight_version" in json.loads(r.read())
+    with pytest.raises(urllib.error.HTTPError, match="404"):
+        urllib.request.urlopen(url + "/weight_version", timeout=30)
     status, _ = post(url + "/generate", {"sampling_params": {"max_new_tokens": 2}})
     assert status == 400
     status, body = post(url + "/update_weights_from_disk", {"load_format": "auto"})
@@ -188,6 +197,49 @@ def test_disk_sync_follows_new_weights_and_checks_version(engine, models, tmp_pa
     monkeypatch.undo()
     engine.update_weights(iter(models["model_a"].state_dict().items()), version=3)
     assert_follows(engine, models["model_a"])
+
+
+def test_aborted_completions_are_issued_again(engine, models):
+    """A completion answered as aborted is truncated: it never comes back from generate (so no
+    training batch can hold one); its request is issued again and counted."""
+    for server in engine.pool.servers:
+        post(server.url + "/fake/abort_next", {"count": 2})  # of 6+ requests each
+    engine.metrics()
+    out = engine.generate(PROMPTS, SamplingParams(n=4, temperature=0.0, max_new_tokens=6))
+    assert engine.metrics()["rollout/aborted_reissued"] == 4
+    for prompt, row in zip(PROMPTS, out):
+        for c in row:
+            assert c.finish_reason == "length"
+            assert c.token_ids == greedy_reference(models["model_a"], prompt, 6)
+
+
+def test_weight_check_catches_a_silently_wrong_sync(engine, models, tmp_path):
+    """The trainer's weight check (a Megatron actor scoring the probe) against both servers:
+    it passes on the weights they hold, and after a sync they answer with success but apply
+    with noise (as SGLang's CPU build did), it fails with an error naming each server."""
+    from harness import run_distributed
+    from serving_model import probe_served_weights
+
+    urls = [s.url for s in engine.pool.servers]
+    state = {k: v.clone() for k, v in models["model_a"].state_dict().items()}
+
+    def wrong_sync(eng):
+        for url in urls:
+            post(url + "/fake/corrupt_syncs", {"noise": 0.05})
+        eng.update_weights(iter(state.items()), version=5)
+
+    try:
+        first, error = run_distributed(probe_served_weights, 1, "sglang", str(models["a"]), urls,
+                                       str(tmp_path), wrong_sync, timeout=300)[0]
+    finally:
+        for url in urls:
+            post(url + "/fake/corrupt_syncs", {"noise": 0.0})
+    print(f"probe on correct weights: {first}\n{error}")
+    assert first["weight_check/replicas"] == 2
+    assert first["weight_check/drift_mean"] <= 1e-4  # fp32 fake, fp32 actor
+    assert error.startswith("weight check after a sync: the rollout engine's log-probs disagree")
+    for url in urls:
+        assert f"({url}" in error
 
 
 def test_router_takes_generation_workers_take_updates(engine, models, tmp_path):
@@ -330,10 +382,6 @@ def test_a_slow_server_that_makes_progress_is_not_restarted(models, tmp_path, wa
 def test_connected_servers_drop_dead_and_old_versions(models, tmp_path):
     """Servers we did not launch: a dead one is dropped and its requests go elsewhere; an
     0.5.2 server gets no sampling_seed (it would reject the key)."""
-    import subprocess
-
-    from megatron_entropy.rollout.servers import free_port
-
     procs, urls = [], []
     log = tmp_path / "requests.jsonl"
     for k, version in enumerate(["0.5.2", "0.5.2"]):
@@ -372,3 +420,101 @@ def test_server_that_never_comes_up_names_its_log(models, tmp_path):
     cmd = [sys.executable, "-c", "import sys; print('model folder is broken'); sys.exit(3)"]
     with pytest.raises(ServerError, match=r"(?s)exited with code 3.*model folder is broken"):
         SGLangEngine(make_cfg(launch_command=cmd), str(models["a"]), str(tmp_path))
+
+
+def test_weight_sync_address():
+    """The weight-sync group's master: loopback for servers on this host; for a remote one the
+    address of the interface that routes there (not the hostname's, 127.0.1.1 on Debian)."""
+    import ipaddress
+
+    assert weight_sync_address(["http://127.0.0.1:30000", "http://localhost:30001"]) == \
+        "127.0.0.1"
+    try:
+        address = weight_sync_address(["http://127.0.0.1:30000", "http://192.0.2.77:30000"])
+    except ServerError as e:  # a host without any route off it
+        assert "rollout.server.weight_sync_master_addr" in str(e)
+    else:
+        assert not ipaddress.ip_address(address).is_loopback
+
+
+def fake_state(url: str) -> dict:
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/fake/state", timeout=30) as r:
+        return json.loads(r.read())
+
+
+def wait_decoding(url: str, tokens: int = 2) -> None:
+    """Until a request on the server has decoded ``tokens`` more tokens (it is in flight)."""
+    start = fake_state(url)["decoded"]
+    deadline = time.monotonic() + 120
+    while fake_state(url)["decoded"] < start + tokens:
+        assert time.monotonic() < deadline, "the request never started decoding"
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+def test_connected_server_pause_shutdown_death_and_refusal(models, tmp_path, caplog):
+    """One server we did not launch, decoding at 0.05 s a token, and another client's request
+    (80 tokens: in flight for 4 s, long enough for the sync to start on a busy machine):
+    - SGLang's default pause mode (abort) cuts it off; our sync pauses in retract mode, so the
+      request is held and finishes whole after the sync (the refused cache flush only warns);
+    - after a batched request SIGTERM does not stop the server (as a real one);
+    - the server dying under /update_weights_from_disk: the error is that call's (the failed
+      /continue_generation after it is a note), and says the server no longer answers;
+    - connecting again: "connection refused", said as such."""
+    port = free_port("127.0.0.1", 32400, set())
+    url = f"http://127.0.0.1:{port}"
+    cmd = [a.format(model=models["a"], host="127.0.0.1", port=port, weight_version="v0")
+           for a in fake_command(delay=0.05)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    try:
+        eng = SGLangEngine(make_cfg(launch=0, urls=[url]), str(models["a"]), str(tmp_path))
+        answers: dict = {}
+
+        def other_client(key: str) -> threading.Thread:
+            t = threading.Thread(target=lambda: answers.__setitem__(key, post(
+                url + "/generate", {"input_ids": [5, 6, 7], "sampling_params": {
+                    "max_new_tokens": 80, "temperature": 0.0, "ignore_eos": True}})))
+            t.start()
+            wait_decoding(url)
+            return t
+
+        t = other_client("abort")
+        post(url + "/pause_generation", {})
+        post(url + "/continue_generation", {})
+        t.join()
+        status, body = answers["abort"]
+        assert status == 200 and body["meta_info"]["finish_reason"]["type"] == "abort"
+        assert 2 <= len(body["output_ids"]) < 80
+
+        t = other_client("kept")
+        eng.update_weights(iter(models["model_b"].state_dict().items()), version=1)
+        t.join()
+        status, body = answers["kept"]
+        assert body["meta_info"]["finish_reason"]["type"] == "length"
+        assert len(body["output_ids"]) == 80
+        assert "prefix cache not flushed" in caplog.text
+        assert_follows(eng, models["model_b"])
+
+        post(url + "/generate", {"input_ids": [[5, 6], [7, 8]],
+                                 "sampling_params": {"max_new_tokens": 2}})
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(1.0)
+        assert proc.poll() is None
+
+        post(url + "/fake/die_on_next_sync", {})
+        with pytest.raises(ServerError) as failed:
+            eng.update_weights(iter(models["model_a"].state_dict().items()), version=2)
+        message = str(failed.value)
+        assert message.startswith("/update_weights_from_disk failed")
+        assert f"connection refused at {url}" in message and "/continue_generation" not in message
+        assert any("/continue_generation failed too" in n for n in failed.value.__notes__)
+        assert proc.wait(timeout=30) == 1
+
+        with pytest.raises(ServerError, match=f"connection refused at {url}: nothing listens"):
+            SGLangEngine(make_cfg(launch=0, urls=[url], startup_timeout_s=2), str(models["a"]),
+                         str(tmp_path))
+    finally:
+        proc.kill()
+        proc.wait()

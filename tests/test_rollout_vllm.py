@@ -3,7 +3,8 @@
 One server for the module (start-up ~30 s). Checks: completions and log-probs against an fp32
 transformers reference; after a weight sync the greedy output and the log-probs follow the new
 weights (drift <= 1e-2); the server killed by its PID mid-rollout is restarted from the newest
-weights and every sample comes back once.
+weights and every sample comes back once; the trainer's weight check catches a checkpoint
+reloaded behind the engine's back; RL steps log the weight check's drift and cost.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def models(tmp_path_factory):
 def engine(models, tmp_path_factory):
     cfg = ServerConfig(
         launch=1, server_python=str(VENV_PYTHON), base_port=32500, max_model_len=256,
-        extra_args=["--enforce-eager"], max_concurrency=16, startup_timeout_s=300,
+        extra_args=["--enforce-eager"], max_concurrency=16, startup_timeout_s=600,
         request_timeout_s=120, health_check_interval_s=1.0, health_timeout_s=10,
         extra_env=["VLLM_CPU_KVCACHE_SPACE=1", "VLLM_CPU_OMP_THREADS_BIND=nobind",
                    "HF_HUB_OFFLINE=1"])
@@ -141,6 +142,32 @@ def test_server_killed_mid_rollout_restarts_from_newest_weights(engine, models):
     assert greedy_drift(engine, models["model_b"]) <= 1e-2
 
 
+def test_weight_check_catches_weights_reloaded_behind_its_back(engine, models, tmp_path):
+    """The trainer's weight check (a Megatron actor scoring the probe) against the real server:
+    it passes on the weights the server holds (model b, bf16 serving vs the fp32 actor), and
+    after another checkpoint is loaded behind the engine's back with the server's own reload
+    endpoint, it fails with an error naming the server."""
+    from harness import run_distributed
+    from serving_model import probe_served_weights
+
+    def reload(eng, folder) -> None:
+        eng.pool.call_all("/collective_rpc", {"method": "reload_weights",
+                                              "kwargs": {"weights_path": str(folder)}})
+        eng.pool.call_all("/reset_prefix_cache")
+
+    try:
+        first, error = run_distributed(probe_served_weights, 1, "vllm", str(models["b"]),
+                                       [engine.pool.servers[0].url], str(tmp_path),
+                                       lambda eng: reload(eng, models["a"]), timeout=300)[0]
+    finally:
+        reload(engine, models["b"])
+    print(f"probe on correct weights: {first}\n{error}")
+    assert first["weight_check/replicas"] == 1 and first["weight_check/drift_mean"] <= 1e-2
+    assert error.startswith("weight check after a sync: the rollout engine's log-probs disagree")
+    assert f"server 0 ({engine.pool.servers[0].url}" in error
+    assert greedy_drift(engine, models["model_b"]) <= 1e-2  # restored for the next tests
+
+
 def test_rl_steps_with_vllm_engine(engine, models, tmp_path):
     """A few RL steps (real Megatron actor, gloo) rolling out on the module's vLLM server: the
     trainer connects to it by URL, syncs its weights after every step, and the server's
@@ -166,9 +193,12 @@ def test_rl_steps_with_vllm_engine(engine, models, tmp_path):
     for r in rows:
         print(f"step {r['step']}: drift {r['rollout/logprob_drift']:.2e} "
               f"(max {r['rollout/logprob_drift_max']:.2e}), "
-              f"{r['rollout/tokens_per_s']:.0f} tokens/s, sync {r['weight_sync/seconds']:.2f} s")
+              f"{r['rollout/tokens_per_s']:.0f} tokens/s, sync {r['weight_sync/seconds']:.2f} s, "
+              f"weight check {r['weight_check/seconds']:.2f} s of a {r['time/step']:.2f} s step "
+              f"(probe drift {r['weight_check/drift_mean']:.2e})")
         assert r["rollout/logprob_drift"] <= 1e-2
         assert r["rollout/tokens_per_s"] > 0 and r["weight_sync/seconds"] > 0
+        assert r["weight_check/drift_mean"] <= 1e-2 and r["weight_check/seconds"] > 0
 
 
 def test_quickstart_rl_steps_on_a_server_the_trainer_launches(tmp_path):
@@ -197,7 +227,10 @@ def test_quickstart_rl_steps_on_a_server_the_trainer_launches(tmp_path):
     assert (tmp_path / "qs_vllm" / "servers").is_dir()  # logs of the server it launched
     for r in rows:
         print(f"step {r['step']}: acc {r['acc/mean']:.2f}, drift {r['rollout/logprob_drift']:.2e}"
-              f" (max {r['rollout/logprob_drift_max']:.2e}), sync {r['weight_sync/seconds']:.2f} s")
+              f" (max {r['rollout/logprob_drift_max']:.2e}), sync {r['weight_sync/seconds']:.2f} s,"
+              f" weight check {r['weight_check/seconds']:.2f} s of a {r['time/step']:.2f} s step "
+              f"(probe drift {r['weight_check/drift_mean']:.2e})")
+        assert r["weight_check/drift_mean"] <= 1e-2
         assert 0 < r["acc/mean"] < 1
         assert r["rollout/logprob_drift"] <= 1e-2
         assert r["weight_sync/seconds"] > 0 and r["rollout/tokens_per_s"] > 0

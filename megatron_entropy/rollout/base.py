@@ -7,8 +7,9 @@ The trainer talks to it only from data-parallel leader ranks.
 from __future__ import annotations
 
 import abc
+import contextlib
 from dataclasses import dataclass, field
-from typing import Iterable, Literal, Optional
+from typing import Iterable, Iterator, Literal, Optional
 
 import torch
 
@@ -52,6 +53,9 @@ class RolloutEngine(abc.ABC):
     global rank 0; per-rank engines (in-process) are updated by every DP leader."""
 
     shared: bool = False
+    # Throughput counters that ``metrics`` reports (generated tokens, seconds generating).
+    _tokens: int = 0
+    _seconds: float = 0.0
 
     @abc.abstractmethod
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[list[Completion]]:
@@ -64,6 +68,22 @@ class RolloutEngine(abc.ABC):
         ``weight_sync/seconds`` (the engine's side of the sync), ``weight_sync/bytes`` and any
         other ``weight_sync/*``. Raises if any replica fails to take them: training must not go
         on against stale weights."""
+
+    def generate_on_each_replica(self, prompts: list[list[int]], sampling: SamplingParams
+                                 ) -> dict[str, list[list[Completion]]]:
+        """The same prompts generated on every replica that serves rollouts (each server of a
+        pool), by the replica's description: to check that each holds the right weights."""
+        with self._not_counted():
+            return {f"{type(self).__name__} (in process)": self.generate(prompts, sampling)}
+
+    @contextlib.contextmanager
+    def _not_counted(self) -> Iterator[None]:
+        """Generation (a check's) that the throughput metrics leave out."""
+        tokens, seconds = self._tokens, self._seconds
+        try:
+            yield
+        finally:
+            self._tokens, self._seconds = tokens, seconds
 
     def health(self) -> bool:
         return True

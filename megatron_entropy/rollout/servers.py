@@ -11,13 +11,18 @@ server that came up but has not completed a request yet is still warming up, on 
 slowly, and is governed by ``startup_timeout_s`` like its start, so that a slow fresh server is
 not killed and restarted over and over. Every request's result is stored once, by its index, so
 no sample is lost or duplicated. Retries and restarts are bounded (``max_retries``); the error
-then names the server and the tail of its log.
+then names the server and the tail of its log. A completion the server aborted (another client
+paused it with mode ``abort``, or an abort request) is truncated: the engine's parser raises
+``RequestAborted`` and the request is issued again (bounded by ``max_retries``), so an aborted
+sample is never returned.
 """
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import concurrent.futures
+import contextlib
 import hashlib
 import os
 import shlex
@@ -27,12 +32,12 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import aiohttp
 
 from megatron_entropy.config import ServerConfig
-from megatron_entropy.rollout.base import RolloutEngine
+from megatron_entropy.rollout.base import Completion, RolloutEngine, SamplingParams
 
 # A server's command for a port and a model folder (the latest weights); env added on launch.
 LaunchCommand = Callable[[int, str], list[str]]
@@ -45,6 +50,11 @@ class ServerError(RuntimeError):
 
 class RequestRejected(ServerError):
     """The server answered 4xx: the request itself is wrong, so it is not retried."""
+
+
+class RequestAborted(ServerError):
+    """The server answered a request as aborted (finish reason ``abort``): its output is
+    truncated and must not be used; the pool issues the request again."""
 
 
 class _ServerDied(Exception):
@@ -64,6 +74,7 @@ class Server:
     inflight: int = 0
     restarts: int = 0
     last_error: str = ""
+    probe_error: str = ""  # what the last failed health probe saw, in words
     # Liveness (time.monotonic()): when it last came up, its last sign of life (came up, answered
     # a probe, completed a request), and whether it has completed a request since it came up.
     up_at: float = 0.0
@@ -164,6 +175,7 @@ class ServerPool:
         # The version a freshly launched server holds: the engine moves it with disk syncs.
         self.launch_version: Optional[str] = None
         self.retries = 0
+        self.aborted = 0  # completions answered as aborted, and issued again
         self._cond: Optional[asyncio.Condition] = None
         self._tasks: set[asyncio.Future] = set()
 
@@ -260,21 +272,34 @@ class ServerPool:
 
     async def _probe(self, session: aiohttp.ClientSession, server: Server) -> str:
         """"up" (answered 200), "dead" (exited, nothing listens, or an error answer) or "silent"
-        (no answer within health_timeout_s: hung, or only busy)."""
+        (no answer within health_timeout_s: hung, or only busy). A failed probe leaves what it
+        saw in ``server.probe_error``."""
         if server.process is not None and server.process.poll() is not None:
+            server.probe_error = f"process exited with code {server.process.returncode}"
             return "dead"
+        url = server.url + self.health_path
         try:
-            async with session.get(server.url + self.health_path,
-                                   timeout=aiohttp.ClientTimeout(total=self.cfg.health_timeout_s)
-                                   ) as r:
-                healthy = r.status == 200
-        except (aiohttp.ClientConnectorError, ConnectionRefusedError):
+            async with session.get(url, timeout=aiohttp.ClientTimeout(
+                    total=self.cfg.health_timeout_s)) as r:
+                status, text = r.status, (await r.text())[:300]
+        except (aiohttp.ClientConnectorError, ConnectionRefusedError) as e:
+            cause = getattr(e, "os_error", e)
+            server.probe_error = (f"connection refused at {server.url}: nothing listens there"
+                                  if isinstance(cause, ConnectionRefusedError) else
+                                  f"cannot connect to {server.url}: {cause}")
             return "dead"
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+        except asyncio.TimeoutError:
+            server.probe_error = f"GET {url} unanswered for {self.cfg.health_timeout_s:g} s"
             return "silent"
-        if healthy:
-            server.alive_at = time.monotonic()
-        return "up" if healthy else "dead"
+        except (aiohttp.ClientError, OSError) as e:
+            server.probe_error = f"GET {url} failed: {type(e).__name__}: {e}"
+            return "silent"
+        if status != 200:
+            server.probe_error = f"GET {url} answered HTTP {status}: {text}"
+            return "dead"
+        server.alive_at = time.monotonic()
+        server.probe_error = ""
+        return "up"
 
     def _hung(self, server: Server) -> bool:
         """No sign of life for health_timeout_s; before its first completed request a server is
@@ -289,10 +314,10 @@ class ServerPool:
         if server.process is not None and server.process.poll() is not None:
             return f"exited with code {server.process.returncode}"
         if probe == "dead":
-            return "refused its health probe"
+            return f"failed its health probe ({server.probe_error})"
         if probe == "silent" and self._hung(server):
-            return (f"no sign of life for {time.monotonic() - server.alive_at:.0f} s (health "
-                    f"probe unanswered for {self.cfg.health_timeout_s} s, no request completed)")
+            return (f"no sign of life for {time.monotonic() - server.alive_at:.0f} s "
+                    f"({server.probe_error}; no request completed)")
         return None
 
     async def _wait_up(self, session: aiohttp.ClientSession, server: Server,
@@ -314,7 +339,8 @@ class ServerPool:
                 self._notify()
                 return
             if time.monotonic() > deadline:
-                self._mark_dead(server, f"not healthy after {timeout:.0f} s")
+                self._mark_dead(server, f"not healthy after {timeout:.0f} s: "
+                                        f"{server.probe_error or 'no answer'}")
                 if server.launched:
                     self._kill(server, grace_s=2.0)
                 raise ServerError(f"{server.describe()} {server.last_error}; log tail:\n"
@@ -395,12 +421,12 @@ class ServerPool:
         except RuntimeError:
             pass
 
-    def _current(self, server: Server) -> bool:
+    def serves_current(self, server: Server) -> bool:
         return self.expected_version is None or server.weight_version == self.expected_version
 
     def _usable(self, server: Server) -> bool:
         return (server.state == "up" and server.inflight < self.cfg.max_concurrency
-                and self._current(server))
+                and self.serves_current(server))
 
     async def _acquire(self, targets: list[Server]) -> Server:
         assert self._cond is not None
@@ -411,7 +437,7 @@ class ServerPool:
                     server = min(usable, key=lambda s: (s.inflight, s.index))
                     server.inflight += 1
                     return server
-                if not any(s.state == "starting" or (s.state == "up" and self._current(s))
+                if not any(s.state == "starting" or (s.state == "up" and self.serves_current(s))
                            for s in targets):
                     raise ServerError(f"no {self.kind} server with weight version "
                                       f"{self.expected_version} left to send requests to:\n"
@@ -461,6 +487,14 @@ class ServerPool:
                 return result
             except RequestRejected:
                 raise
+            except RequestAborted as e:
+                # Not a server fault: the request is simply issued again.
+                attempts += 1
+                self.retries += 1
+                self.aborted += 1
+                if attempts > self.cfg.max_retries:
+                    raise ServerError(f"request {index} was aborted {attempts} times; last: "
+                                      f"{e}") from e
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError, _ServerDied) as e:
                 server.failures += 1
                 attempts += 1
@@ -586,23 +620,48 @@ class ServerPool:
             except ServerError:
                 raise
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+                # Did it die under the call? Say so (connected servers have no log here).
+                after = ("it still answers its health probe"
+                         if await self._probe(session, server) == "up" else
+                         f"afterwards: {server.probe_error}")
                 raise ServerError(f"{server.describe()}: {method} {path} failed: "
-                                  f"{type(e).__name__}: {e}; log tail:\n"
+                                  f"{type(e).__name__}: {e} ({after}); log tail:\n"
                                   f"{log_tail(server.log_path)}") from e
 
         async with aiohttp.ClientSession() as session:
             results = await asyncio.gather(*(one(session, s) for s in targets),
                                            return_exceptions=True)
-        errors = [str(r) for r in results if isinstance(r, BaseException)]
-        if errors:
-            raise ServerError(f"{path} failed on {len(errors)} of {len(targets)} {self.kind} "
-                              "servers:\n" + "\n".join(errors))
+        failures = [r for r in results if isinstance(r, BaseException)]
+        if failures:
+            # Every server refused the request itself (4xx): say so by the type.
+            kind = (RequestRejected if all(isinstance(r, RequestRejected) for r in failures)
+                    else ServerError)
+            raise kind(f"{path} failed on {len(failures)} of {len(targets)} {self.kind} "
+                       "servers:\n" + "\n".join(str(r) for r in failures))
         return {s.index: r for s, r in zip(targets, results)}
+
+    @contextlib.contextmanager
+    def paused(self, pause: tuple[str, Optional[dict]], resume: tuple[str, Optional[dict]],
+               targets: list[Server]) -> Iterator[None]:
+        """Pause ``targets`` (path, payload) for the body, then resume them. When the body
+        fails, its error is what is raised: a resume that then fails too (the server died under
+        the body) is only added to it as a note."""
+        self.call_all(pause[0], pause[1], targets=targets)
+        try:
+            yield
+        except BaseException as first:
+            try:
+                self.call_all(resume[0], resume[1], targets=targets)
+            except ServerError as e:
+                first.add_note(f"then {resume[0]} failed too: {str(e).splitlines()[0]}")
+            raise
+        self.call_all(resume[0], resume[1], targets=targets)
 
     # ----------------------------------------------------------------------------- metrics
 
     def pop_metrics(self) -> dict[str, float]:
         out: dict[str, float] = {"rollout/retries": float(self.retries),
+                                 "rollout/aborted_reissued": float(self.aborted),
                                  "rollout/servers_up": float(sum(s.state == "up"
                                                                  for s in self.servers)),
                                  "rollout/server_restarts": float(sum(s.restarts
@@ -614,7 +673,7 @@ class ServerPool:
             if s.failures:
                 out[f"rollout/server{s.index}/failures"] = float(s.failures)
             s.requests, s.latency_s, s.failures = 0, 0.0, 0
-        self.retries = 0
+        self.retries = self.aborted = 0
         return out
 
     @staticmethod
@@ -630,12 +689,29 @@ class ServerPool:
 
 class ServerEngine(RolloutEngine):
     """What the vLLM and SGLang engines share: a ``ServerPool`` in ``self.pool``, health, and
-    throughput counters (``_tokens``/``_seconds``, added to by ``generate``)."""
+    throughput counters (``_tokens``/``_seconds``, added to by ``generate``). Engines implement
+    ``_generate(prompts, sampling, targets)``: ``targets`` None is every server (or the router)."""
 
     shared = True
     pool: ServerPool
-    _tokens: int = 0
-    _seconds: float = 0.0
+
+    @abc.abstractmethod
+    def _generate(self, prompts: list[list[int]], sampling: SamplingParams,
+                  targets: Optional[list[Server]]) -> list[list[Completion]]:
+        """``generate`` on ``targets``."""
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams
+                 ) -> list[list[Completion]]:
+        return self._generate(prompts, sampling, None)
+
+    def generate_on_each_replica(self, prompts: list[list[int]], sampling: SamplingParams
+                                 ) -> dict[str, list[list[Completion]]]:
+        self.pool.ensure_up()
+        # Servers kept from requests until a sync gives them the current weights are skipped.
+        with self._not_counted():
+            return {s.describe(): self._generate(prompts, sampling, [s])
+                    for s in self.pool.servers
+                    if s.state == "up" and self.pool.serves_current(s)}
 
     def health(self) -> bool:
         try:

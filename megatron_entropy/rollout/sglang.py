@@ -8,34 +8,48 @@ vocabulary before top-p/top-k, which is ``Completion.logprobs``'s definition (do
 reject the key); it makes samples reproducible only on servers started with
 ``--enable-deterministic-inference``.
 
-Weight sync, between ``/pause_generation`` and ``/continue_generation``, then ``/flush_cache``:
+A completion answered with finish reason ``abort`` (truncated: another client paused the server
+with mode ``abort``) is issued again, never returned.
+
+Weight sync, between ``/pause_generation`` (mode ``rollout.server.pause_mode``: ``retract`` or
+``in_place`` keep other clients' in-flight requests, SGLang's default ``abort`` would cut them
+off) and ``/continue_generation``, then ``/flush_cache`` (which SGLang refuses while other
+clients' requests wait: a warning then, their prefixes stay cached):
 - ``disk``: the HF folder written by ``save_exported_weights`` is loaded by
   ``/update_weights_from_disk``.
 - ``distributed``: global rank 0 and every server's TP ranks form one process group
   (``/init_weights_update_group``); each bucket of at most ``bucket_mb`` is announced by
   ``/update_weights_from_distributed`` (names, dtypes, shapes) and sent tensor by tensor with
   ``broadcast(src=0)``. A restarted server holds stale weights until the next sync re-forms the
-  group with it; until then it gets no requests.
+  group with it; until then it gets no requests. The group's master listens on loopback when
+  every server is on this host, else on the address of the interface that routes to the first
+  server (``weight_sync_master_addr`` overrides).
 Every answer's ``meta_info.weight_version`` must be the version last synced.
 """
 
 from __future__ import annotations
 
 import atexit
+import ipaddress
+import logging
 import shutil
 import socket
 import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Iterator, Optional
+from urllib.parse import urlsplit
 
 import torch
 
 from megatron_entropy.config import ServerConfig
 from megatron_entropy.models.bridge import save_exported_weights
 from megatron_entropy.rollout.base import Completion, NamedTensors, SamplingParams
-from megatron_entropy.rollout.servers import (Server, ServerEngine, ServerError, ServerPool,
-                                              fill_command, free_port, sample_seed)
+from megatron_entropy.rollout.servers import (RequestAborted, RequestRejected, Server,
+                                              ServerEngine, ServerError, ServerPool, fill_command,
+                                              free_port, sample_seed)
+
+log = logging.getLogger(__name__)
 
 FINISH_REASONS = ("stop", "length", "abort")
 FIRST_VERSION_WITH_SEED = (0, 5, 3)
@@ -69,6 +83,31 @@ def weight_buckets(named_tensors: NamedTensors, bucket_bytes: int
         yield pending, not bucket
     if bucket:
         yield bucket, True
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
+def weight_sync_address(server_urls: list[str]) -> str:
+    """The address of this process as the servers reach it for the weight-sync group: loopback
+    when every server is on this host, else the local address of the route to the first remote
+    server (what a UDP connect picks; no packet is sent). Not the hostname's address: on Debian
+    hosts that is 127.0.1.1, which no other node reaches."""
+    remote = [h for h in (urlsplit(u).hostname or "" for u in server_urls)
+              if not _is_loopback(h)]
+    if not remote:
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((remote[0], 9))
+        except OSError as e:
+            raise ServerError(f"no route to rollout server host {remote[0]!r} ({e}): set "
+                              "rollout.server.weight_sync_master_addr") from e
+        return s.getsockname()[0]
 
 
 def init_weight_sync_group(master_address: str, master_port: int, world_size: int, rank: int,
@@ -167,6 +206,9 @@ class SGLangEngine(ServerEngine):
         except (KeyError, IndexError, TypeError, ValueError) as e:
             raise ServerError(f"{server.describe()}: unexpected /generate answer "
                               f"({type(e).__name__}: {e}): {str(response)[:500]}") from e
+        if reason == "abort":  # truncated, whatever else it holds: issued again
+            raise RequestAborted(f"{server.describe()} aborted the request after {len(ids)} "
+                                 f"tokens: {finish!r}")
         if logprob_ids != ids:
             raise ServerError(f"{server.describe()}: output_ids and output_token_logprobs "
                               f"disagree ({len(ids)} vs {len(logprob_ids)} tokens)")
@@ -180,8 +222,8 @@ class SGLangEngine(ServerEngine):
                           finish_reason=reason,
                           meta={"server": server.index, "weight_version": served})
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams
-                 ) -> list[list[Completion]]:
+    def _generate(self, prompts: list[list[int]], sampling: SamplingParams,
+                  targets: Optional[list[Server]]) -> list[list[Completion]]:
         self.pool.ensure_up()
         # Only send sampling_seed when every server that may answer (behind the router too)
         # knows the key.
@@ -191,8 +233,9 @@ class SGLangEngine(ServerEngine):
                                   None if seed is None else sample_seed(seed, i, j), with_seed)
                     for i, prompt in enumerate(prompts) for j in range(sampling.n)]
         t0 = time.monotonic()
-        flat = self.pool.map("/generate", payloads, self._parse,
-                             targets=[self.router] if self.router else None)
+        if targets is None and self.router is not None:
+            targets = [self.router]
+        flat = self.pool.map("/generate", payloads, self._parse, targets=targets)
         self._seconds += time.monotonic() - t0
         self._tokens += sum(len(c.token_ids) for c in flat)
         n = sampling.n
@@ -213,8 +256,8 @@ class SGLangEngine(ServerEngine):
         self.pool.ensure_up()
         self._inspect_servers()
         targets = [s for s in self.pool.servers if s.state == "up"]
-        self.pool.call_all("/pause_generation", {}, targets=targets)
-        try:
+        with self.pool.paused(("/pause_generation", {"mode": self.cfg.pause_mode}),
+                              ("/continue_generation", {}), targets):
             if self.cfg.weight_sync == "disk":
                 stale = [s for s in targets if s.weight_version != v]
                 self._check(self.pool.call_all("/update_weights_from_disk", {
@@ -222,9 +265,7 @@ class SGLangEngine(ServerEngine):
                     "weight_version": v}, targets=stale), "/update_weights_from_disk")
             else:
                 stats = self._broadcast(named_tensors, v, targets)
-            self.pool.call_all("/flush_cache", targets=targets)
-        finally:
-            self.pool.call_all("/continue_generation", {}, targets=targets)
+            self._flush_cache(targets)
         for server in targets:
             server.weight_version = v
         if self.router is not None:
@@ -237,6 +278,16 @@ class SGLangEngine(ServerEngine):
                 "weight_sync/bytes": stats.get("bytes", 0.0),
                 **({"weight_sync/write_seconds": stats["write_seconds"]}
                    if "write_seconds" in stats else {})}
+
+    def _flush_cache(self, targets: list[Server]) -> None:
+        """SGLang answers 400 while requests wait (another client's, kept by the pause): they
+        keep their prefixes cached, which the next sync's flush drops."""
+        for server in targets:
+            try:
+                self.pool.call_all("/flush_cache", targets=[server])
+            except RequestRejected as e:
+                log.warning("%s: prefix cache not flushed after the weight sync: %s",
+                            server.describe(), str(e).splitlines()[-1][:300])
 
     @staticmethod
     def _check(results: dict[int, Any], path: str) -> None:
@@ -255,8 +306,9 @@ class SGLangEngine(ServerEngine):
             self._group = None
         self._groups_formed += 1
         name = f"megatron_entropy_sync_{self._groups_formed}"
-        address = self.cfg.weight_sync_master_addr or socket.gethostbyname(socket.gethostname())
-        port = free_port("0.0.0.0", 29700, set())
+        address = self.cfg.weight_sync_master_addr or weight_sync_address(
+            [s.url for s in targets])
+        port = free_port(address, 29700, set())
         world = 1 + sum(self.tp_size[s.index] for s in targets)
         offsets, rank = {}, 1
         for s in targets:

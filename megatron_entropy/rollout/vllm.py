@@ -8,9 +8,10 @@ and the completions say so in ``meta["logprobs"]``. Servers started by hand must
 flag (and ``VLLM_SERVER_DEV_MODE=1`` for the weight reload).
 
 Weight sync: the new HF weights are written to a folder (``save_exported_weights``), every server
-loads
-them with ``/collective_rpc reload_weights`` between ``/pause`` and ``/resume``, then drops its
-prefix cache. A server restarted later starts from the newest folder.
+loads them with ``/collective_rpc reload_weights`` between ``/pause?mode=wait`` and ``/resume``,
+then drops its prefix cache. A server restarted later starts from the newest folder. A failed
+reload is reported as itself (a resume that then fails too is a note on it). A completion
+answered with finish reason ``abort`` is issued again, never returned.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from typing import Any, Optional
 from megatron_entropy.config import ServerConfig
 from megatron_entropy.models.bridge import save_exported_weights
 from megatron_entropy.rollout.base import Completion, NamedTensors, SamplingParams
-from megatron_entropy.rollout.servers import (Server, ServerEngine, ServerError, ServerPool,
-                                              fill_command, sample_seed)
+from megatron_entropy.rollout.servers import (RequestAborted, Server, ServerEngine, ServerError,
+                                              ServerPool, fill_command, sample_seed)
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +107,9 @@ class VLLMEngine(ServerEngine):
         except (KeyError, IndexError, TypeError, ValueError) as e:
             raise ServerError(f"{server.describe()}: unexpected /v1/completions answer "
                               f"({type(e).__name__}: {e}): {str(response)[:500]}") from e
+        if reason == "abort":  # truncated: issued again, never trained on
+            raise RequestAborted(f"{server.describe()} aborted the request after {len(ids)} "
+                                 "tokens")
         if len(ids) != len(logprobs):
             raise ServerError(f"{server.describe()}: {len(ids)} token ids but {len(logprobs)} "
                               "log-probs in one completion")
@@ -115,8 +119,8 @@ class VLLMEngine(ServerEngine):
                           finish_reason=reason,
                           meta={"server": server.index, "weight_version": self.version})
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams
-                 ) -> list[list[Completion]]:
+    def _generate(self, prompts: list[list[int]], sampling: SamplingParams,
+                  targets: Optional[list[Server]]) -> list[list[Completion]]:
         renormalised = sampling.top_p < 1.0 or sampling.top_k > 0
         if renormalised and sampling.temperature > 0 and not self._warned_renormalised:
             log.warning("vLLM log-probs are renormalised over the top-p/top-k set "
@@ -129,7 +133,7 @@ class VLLMEngine(ServerEngine):
                                   None if seed is None else sample_seed(seed, i, j))
                     for i, prompt in enumerate(prompts) for j in range(sampling.n)]
         t0 = time.monotonic()
-        flat = self.pool.map("/v1/completions", payloads, self._parse)
+        flat = self.pool.map("/v1/completions", payloads, self._parse, targets=targets)
         self._seconds += time.monotonic() - t0
         self._tokens += sum(len(c.token_ids) for c in flat)
         if renormalised and sampling.temperature > 0:
@@ -151,14 +155,12 @@ class VLLMEngine(ServerEngine):
         targets = [s for s in self.pool.servers if s.state == "up"]
         # Only servers that do not already hold these weights (restarted ones do) reload.
         stale = [s for s in targets if s.weight_version != str(version)]
-        self.pool.call_all("/pause?mode=wait", targets=stale)
-        try:
+        # mode=wait: in-flight requests (other clients' too) finish first, none is aborted.
+        with self.pool.paused(("/pause?mode=wait", None), ("/resume", None), stale):
             results = self.pool.call_all("/collective_rpc", {
                 "method": "reload_weights", "kwargs": {"weights_path": str(folder)}},
                 targets=stale)
             self.pool.call_all("/reset_prefix_cache", targets=stale)
-        finally:
-            self.pool.call_all("/resume", targets=stale)
         for server in stale:
             if not isinstance(results.get(server.index), dict):
                 raise ServerError(f"{server.describe()}: reload_weights answered "

@@ -213,6 +213,15 @@ class Trainer:
         # Megatron checkpoint) is pushed to it before the first rollout.
         if resume_from is not None or m.megatron_ckpt:
             self.sync_weights(version=self.state.step)
+        try:
+            first = self.check_engine_weights("at the first contact")
+        except BaseException:
+            if self.engine is not None:  # stop what it launched: no one else will
+                self.engine.shutdown()
+            raise
+        if first:
+            self.logger.write(f"weight check at the first contact: mean |engine - trainer| "
+                              f"{first['weight_check/drift_mean']:.2e} nats")
         self.signals = _SignalFlag()
         if self.rank0:  # the run has started: record its config (an earlier one is kept)
             save_run_config(cfg, self.run_dir)
@@ -291,6 +300,23 @@ class Trainer:
         dist.barrier()
         return {k: float(v) for k, v in stats.items()}
 
+    def check_engine_weights(self, when: str) -> dict[str, float]:
+        """The engine's log-probs on a fixed probe against the actor's; raises if they disagree
+        (trainer/weight_check.py). Returns its ``weight_check/*`` metrics."""
+        from megatron_entropy.trainer.weight_check import (check_engine_weights, engine_dtype,
+                                                           probe_sampling, probe_tolerance)
+
+        r = self.cfg.rollout
+        if not r.weight_check or len(self.train_data) == 0:
+            return {}
+        prompts = [self.train_data[i].prompt_ids
+                   for i in range(min(r.weight_check_prompts, len(self.train_data)))]
+        tolerance = r.weight_check_tolerance or probe_tolerance(engine_dtype(r),
+                                                                self.cfg.model.dtype)
+        return check_engine_weights(self.engine, self.actor, prompts,
+                                    probe_sampling(r.temperature, r.weight_check_tokens),
+                                    tolerance, when)
+
     def validate(self, step: int) -> dict[str, float]:
         from megatron_entropy.rewards import math_rewards
         from megatron_entropy.trainer.rollouts import generate_groups, rollout_metrics
@@ -341,6 +367,7 @@ class Trainer:
                         metrics.update(self.actor.entropy_change(mine))
                 with timer("sync"):
                     metrics.update(self.sync_weights(version=step))
+                metrics.update(self.check_engine_weights(f"after the weight sync of step {step}"))
             else:
                 self.logger.write(f"step {step}: no group with reward variance after "
                                   f"{cfg.data.max_refill_rounds} refills; update skipped")
