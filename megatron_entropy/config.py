@@ -213,6 +213,11 @@ class TrainerConfig:
     resume: str = _f("auto", help="'auto' (latest in the run dir), 'none', or a checkpoint folder")
     val_interval: int = _f(0, ge=0, help="steps between validations; 0 = never")
     val_before_train: bool = False
+    exit_duration_minutes: float = _f(0.0, ge=0, help=(
+        "checkpoint and exit 75 (to be requeued) before this many minutes since the start would "
+        "be passed; 0 = no limit of its own. Under Slurm the job's end time is always one"))
+    exit_margin_s: float = _f(60.0, ge=0, help=(
+        "seconds kept free before that end, beyond the longest recent step and a checkpoint"))
 
 
 @dataclass
