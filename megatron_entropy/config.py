@@ -73,6 +73,9 @@ class ServerConfig:
     startup_timeout_s: float = _f(600.0, gt=0)
     request_timeout_s: float = _f(600.0, gt=0)
     max_concurrency: int = _f(64, ge=1, help="requests in flight per server")
+    max_connections: int = _f(1024, ge=1, help=(
+        "open connections to all servers together (one process, one socket each); requests "
+        "beyond it wait for one"))
     max_retries: int = _f(3, ge=0)
     weight_sync: Literal["disk", "distributed"] = "disk"
     weight_sync_dir: Optional[str] = _f(None, help="shared folder for disk sync (default: run dir)")
