@@ -14,25 +14,9 @@ import torch.distributed as dist
 
 from megatron_entropy.config import ConfigError
 from megatron_entropy.runtime import cpu_compat
-from megatron_entropy.runtime.launch_env import (LaunchEnv, detect_launch_env,
+from megatron_entropy.runtime.launch_env import (LaunchEnv, ParallelLayoutError,  # noqa: F401
+                                                  check_layout, detect_launch_env,
                                                   raise_open_files_limit)
-
-
-class ParallelLayoutError(ValueError):
-    pass
-
-
-def check_layout(world_size: int, tensor: int, pipeline: int) -> int:
-    """Return the data-parallel size, or raise naming the config keys if the world does not factor."""
-    if tensor < 1 or pipeline < 1:
-        raise ParallelLayoutError(
-            f"parallel.tensor={tensor} and parallel.pipeline={pipeline} must both be >= 1")
-    if world_size % (tensor * pipeline):
-        raise ParallelLayoutError(
-            f"world size {world_size} is not divisible by parallel.tensor x parallel.pipeline = "
-            f"{tensor} x {pipeline} = {tensor * pipeline}; use a world size that is a multiple of "
-            f"{tensor * pipeline} or change the layout")
-    return world_size // (tensor * pipeline)
 
 
 def pick_backend(requested: str = "auto", launch: Optional[LaunchEnv] = None) -> str:

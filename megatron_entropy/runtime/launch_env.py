@@ -1,4 +1,7 @@
-"""Where this process sits in the job: read from the variables torchrun or Slurm's srun set."""
+"""Where this process sits in the job: read from the variables torchrun or Slurm's srun set.
+
+No torch here: the Slurm helpers (runtime/slurm.py) import this module in processes that do not
+train (the layout, waiting for servers), whose start-up would otherwise pay torch's import."""
 
 from __future__ import annotations
 
@@ -23,6 +26,23 @@ class LaunchEnv:
     launcher: str  # "torchrun", "slurm" or "single"
     # Every rank runs on this machine: nothing of the job needs to listen beyond loopback.
     single_node: bool = True
+
+
+class ParallelLayoutError(ValueError):
+    pass
+
+
+def check_layout(world_size: int, tensor: int, pipeline: int) -> int:
+    """Return the data-parallel size, or raise naming the config keys if the world does not factor."""
+    if tensor < 1 or pipeline < 1:
+        raise ParallelLayoutError(
+            f"parallel.tensor={tensor} and parallel.pipeline={pipeline} must both be >= 1")
+    if world_size % (tensor * pipeline):
+        raise ParallelLayoutError(
+            f"world size {world_size} is not divisible by parallel.tensor x parallel.pipeline = "
+            f"{tensor} x {pipeline} = {tensor * pipeline}; use a world size that is a multiple of "
+            f"{tensor * pipeline} or change the layout")
+    return world_size // (tensor * pipeline)
 
 
 def expand_nodelist(nodelist: str) -> list[str]:

@@ -37,8 +37,8 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from megatron_entropy.config import Config, ConfigError, load_config
-from megatron_entropy.runtime.distributed import ParallelLayoutError, check_layout
-from megatron_entropy.runtime.launch_env import expand_nodelist, server_environment
+from megatron_entropy.runtime.launch_env import (ParallelLayoutError, check_layout,
+                                                 expand_nodelist, server_environment)
 
 
 class NotEnoughNodesError(ValueError):
