@@ -74,6 +74,9 @@ class ServerConfig:
     startup_timeout_s: float = _f(600.0, gt=0)
     request_timeout_s: float = _f(600.0, gt=0)
     max_concurrency: int = _f(64, ge=1, help="requests in flight per server")
+    max_connections: int = _f(1024, ge=1, help=(
+        "open connections to all servers together (one process, one socket each); requests "
+        "beyond it wait for one"))
     max_retries: int = _f(3, ge=0)
     weight_sync: Literal["disk", "distributed"] = "disk"
     weight_sync_dir: Optional[str] = _f(None, help="shared folder for disk sync (default: run dir)")
@@ -226,6 +229,11 @@ class TrainerConfig:
     resume: str = _f("auto", help="'auto' (latest in the run dir), 'none', or a checkpoint folder")
     val_interval: int = _f(0, ge=0, help="steps between validations; 0 = never")
     val_before_train: bool = False
+    exit_duration_minutes: float = _f(0.0, ge=0, help=(
+        "checkpoint and exit 75 (to be requeued) before this many minutes since the start would "
+        "be passed; 0 = no limit of its own. Under Slurm the job's end time is always one"))
+    exit_margin_s: float = _f(60.0, ge=0, help=(
+        "seconds kept free before that end, beyond the longest recent step and a checkpoint"))
 
 
 @dataclass

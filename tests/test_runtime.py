@@ -1,14 +1,17 @@
+import ipaddress
 import os
+import resource
 from pathlib import Path
 
 import pytest
 import torch
 
-from harness import run_distributed
+from harness import free_port, run_distributed
 from megatron_entropy.config import ConfigError, ServerConfig
 from megatron_entropy.runtime import LaunchEnv, cpu_compat, detect_launch_env, expand_nodelist
 from megatron_entropy.runtime.distributed import pick_backend
-from megatron_entropy.runtime.launch_env import SLURM_MASTER_PORT_BASE, SLURM_MASTER_PORT_SPAN
+from megatron_entropy.runtime.launch_env import (SLURM_MASTER_PORT_BASE, SLURM_MASTER_PORT_SPAN,
+                                                 raise_open_files_limit, server_environment)
 
 
 def test_torchrun_env():
@@ -103,3 +106,100 @@ def test_cpu_compat_refuses_unknown_megatron(monkeypatch):
     monkeypatch.setattr(megatron.core, "__version__", "9.9.0")
     with pytest.raises(RuntimeError, match="supports megatron-core 0.16.x, but 9.9.0"):
         cpu_compat._check_version()
+
+
+def test_a_slurm_step_on_one_node_meets_on_loopback(monkeypatch):
+    monkeypatch.setattr("shutil.which", lambda name: None)
+    env = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "gpu[1-4]",
+           "SLURM_STEP_NODELIST": "gpu3", "SLURM_STEP_NUM_NODES": "1", "SLURM_JOB_ID": "7"}
+    one = detect_launch_env(env)
+    assert (one.master_addr, one.single_node) == ("127.0.0.1", True)
+    across = detect_launch_env({**env, "SLURM_STEP_NODELIST": "gpu[3-4]",
+                                "SLURM_STEP_NUM_NODES": "2"})
+    assert (across.master_addr, across.single_node) == ("gpu3", False)
+    # torchrun: one machine when all ranks are local or the master is a loopback address.
+    torchrun = {"RANK": "0", "WORLD_SIZE": "16", "MASTER_ADDR": "n0", "MASTER_PORT": "1"}
+    assert not detect_launch_env({**torchrun, "LOCAL_WORLD_SIZE": "8"}).single_node
+    assert detect_launch_env({**torchrun, "LOCAL_WORLD_SIZE": "16"}).single_node
+    assert detect_launch_env({**torchrun, "MASTER_ADDR": "127.0.0.1"}).single_node
+
+
+def _listening_sockets(pid: int) -> list[tuple[str, int]]:
+    """(address, port) of every TCP socket that process ``pid`` listens on (IPv4 and IPv6)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:["):-1])
+    found = []
+    for table, width in (("tcp", 8), ("tcp6", 32)):
+        for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] != "0A" or fields[9] not in inodes:  # 0A: LISTEN
+                continue
+            hex_addr, hex_port = fields[1].split(":")
+            raw = bytes.fromhex(hex_addr)
+            # /proc/net prints each 32-bit word of the address in host (little-endian) order.
+            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, width // 2, 4))
+            found.append((str(ipaddress.ip_address(raw)), int(hex_port, 16)))
+    return found
+
+
+def _join_like_a_launched_rank(port: int):
+    """Worker: leave the harness's group and join the job as `megatron-entropy train --nproc`
+    ranks do (init_distributed from RANK/WORLD_SIZE/MASTER_ADDR=127.0.0.1/MASTER_PORT); then
+    the sockets this rank listens on, after a collective on the new groups."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_entropy.runtime import init_distributed, shutdown
+
+    torch.distributed.destroy_process_group()
+    os.environ["MASTER_PORT"] = str(port)
+    for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        os.environ.pop(name, None)
+    init_distributed(1, 1, backend="gloo")
+    t = torch.ones(1)
+    torch.distributed.all_reduce(t, group=ps.get_data_parallel_group())
+    listening = _listening_sockets(os.getpid())
+    ifnames = (os.environ.get("GLOO_SOCKET_IFNAME"), os.environ.get("NCCL_SOCKET_IFNAME"))
+    shutdown()
+    return float(t), listening, ifnames
+
+
+def test_a_run_on_one_machine_listens_on_loopback_only():
+    """Rank 0's c10d store (torch binds it to every interface, [::], whatever MASTER_ADDR
+    says) and gloo's sockets listen on loopback only in a 2-rank run on one machine."""
+    port = free_port()
+    ranks = run_distributed(_join_like_a_launched_rank, 2, port, timeout=120)
+    for total, listening, ifnames in ranks:
+        assert total == 2.0 and ifnames == ("lo", "lo")
+        assert listening, "no listening socket seen"
+        assert all(ipaddress.ip_address(a).is_loopback for a, _ in listening), listening
+    assert ("127.0.0.1", port) in ranks[0][1]  # the store, on the master address
+
+
+def test_servers_get_the_environment_without_the_ranks_identity():
+    env = {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4",
+           "MASTER_ADDR": "n0", "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "x",
+           "GROUP_RANK": "0", "PATH": "/bin", "CUDA_VISIBLE_DEVICES": "0,1", "HF_HOME": "/h"}
+    assert server_environment({"VLLM_SERVER_DEV_MODE": "1"}, env) == {
+        "PATH": "/bin", "CUDA_VISIBLE_DEVICES": "0,1", "HF_HOME": "/h",
+        "VLLM_SERVER_DEV_MODE": "1"}
+
+
+def _open_files_limit_raised_from(soft: int):
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    return raise_open_files_limit(), resource.getrlimit(resource.RLIMIT_NOFILE)
+
+
+def test_open_files_soft_limit_is_raised_to_the_hard_limit():
+    """(In a worker: the limit is the process's.)"""
+    [((soft, hard), now)] = run_distributed(_open_files_limit_raised_from, 1, 256)
+    assert now == (soft, hard)
+    if hard != resource.RLIM_INFINITY:
+        assert soft == hard
+    assert soft > 256

@@ -11,10 +11,10 @@ import pytest
 
 from megatron_entropy.config import ConfigError, load_config
 from megatron_entropy.runtime import ParallelLayoutError, expand_nodelist
-from megatron_entropy.runtime.slurm import (NotEnoughNodesError, _visible_gpus,
+from megatron_entropy.runtime.slurm import (NotEnoughNodesError, _visible_gpus, all_healthy,
                                             job_gpus_on_node, job_layout, layout_shell, main,
-                                            read_urls, server_command, split_nodes, step_gpus,
-                                            wait_for_servers, write_url)
+                                            read_urls, server_bind_address, server_command,
+                                            split_nodes, step_gpus, wait_for_servers, write_url)
 
 REPO = Path(__file__).resolve().parents[1]
 SERVED = ["rollout.engine=sglang", "rollout.server.urls_file=urls.txt"]
@@ -162,6 +162,55 @@ def test_wait_for_servers_needs_every_server_healthy(tmp_path):
         assert read_urls(out) == [good, good]
     finally:
         httpd.shutdown()
+
+
+class _HealthOnlyTogether(http.server.BaseHTTPRequestHandler):
+    """Answers /health only once ``barrier.parties`` probes wait at the same time."""
+
+    barrier: threading.Barrier
+
+    def do_GET(self):
+        try:
+            self.barrier.wait()
+            self.send_response(200)
+        except threading.BrokenBarrierError:
+            self.send_response(503)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+def test_servers_are_probed_all_at_once():
+    """Three servers whose /health answers only while all three probes are in flight: probed
+    one after the other (a dead node then costs one timeout per server), none would be
+    healthy."""
+    _HealthOnlyTogether.barrier = threading.Barrier(3, timeout=10)
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _HealthOnlyTogether)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{httpd.server_address[1]}"
+        assert all_healthy([url] * 3, timeout=20)
+        _HealthOnlyTogether.barrier = threading.Barrier(2, timeout=10)
+        assert not all_healthy([url, url, "http://127.0.0.1:9"], timeout=20)  # one is down
+        assert all_healthy([])
+    finally:
+        httpd.shutdown()
+
+
+def test_servers_listen_on_loopback_unless_the_job_spans_nodes():
+    c = cfg()
+    assert server_bind_address(c, "node1", job_nodes=1) == ("127.0.0.1", "127.0.0.1")
+    # Across nodes: the address the node's name resolves to, published by name ...
+    assert server_bind_address(c, "10.20.30.40", job_nodes=2) == ("10.20.30.40", "10.20.30.40")
+    # ... or, where it resolves to loopback here (127.0.1.1 on Debian-style hosts), every
+    # interface, since the other nodes could not reach a loopback address.
+    assert server_bind_address(c, "localhost", job_nodes=2) == ("0.0.0.0", "localhost")
+    # parallel.socket_ifname names the interface whose address the other nodes reach.
+    lo = cfg("parallel.socket_ifname=lo")
+    assert server_bind_address(lo, "node1", job_nodes=4) == ("127.0.0.1", "127.0.0.1")
+    with pytest.raises(ConfigError, match="parallel.socket_ifname='nosuchif0'"):
+        server_bind_address(cfg("parallel.socket_ifname=nosuchif0"), "node1", job_nodes=4)
 
 
 def test_server_gpus_slice_the_node(monkeypatch):

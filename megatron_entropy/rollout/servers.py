@@ -38,6 +38,7 @@ import aiohttp
 
 from megatron_entropy.config import ServerConfig
 from megatron_entropy.rollout.base import Completion, RolloutEngine, SamplingParams
+from megatron_entropy.runtime.launch_env import server_environment
 
 # A server's command for a port and a model folder (the latest weights); env added on launch.
 LaunchCommand = Callable[[int, str], list[str]]
@@ -220,7 +221,7 @@ class ServerPool:
 
     def _launch(self, server: Server) -> None:
         argv = self.launch_command(server.port, self.model_dir)
-        env = {**os.environ, **self.env}
+        env = server_environment(self.env)  # not the trainer rank's RANK, MASTER_PORT, ...
         with open(server.log_path, "a") as log:
             why = (f"restart {server.restarts} of at most {self.cfg.max_retries}, after: "
                    f"{server.last_error}" if server.restarts else "restart 0")
@@ -564,7 +565,7 @@ class ServerPool:
             server.died = asyncio.Event()
             if server.state == "dead":
                 server.died.set()
-        connector = aiohttp.TCPConnector(limit=0)
+        connector = aiohttp.TCPConnector(limit=self.cfg.max_connections)
         async with aiohttp.ClientSession(connector=connector) as session:
             monitor = asyncio.ensure_future(self._monitor(session, targets))
             jobs = [asyncio.ensure_future(self._one(session, i, path, p, parse, targets))

@@ -1,8 +1,20 @@
-"""Distributed start-up, Megatron parallel state, seeding and the CPU compatibility layer."""
+"""Distributed start-up, Megatron parallel state, seeding and the CPU compatibility layer.
 
-from megatron_entropy.runtime.distributed import (ParallelLayoutError, check_layout,
-                                                  init_distributed, set_seed, shutdown)
-from megatron_entropy.runtime.launch_env import LaunchEnv, detect_launch_env, expand_nodelist
+The torch-bound parts (runtime/distributed.py) load on first use, so that the Slurm helpers
+(`python -m megatron_entropy.runtime.slurm layout / wait-servers`) start without torch."""
+
+from megatron_entropy.runtime.launch_env import (LaunchEnv, ParallelLayoutError, check_layout,
+                                                 detect_launch_env, expand_nodelist)
 
 __all__ = ["LaunchEnv", "ParallelLayoutError", "check_layout", "detect_launch_env",
            "expand_nodelist", "init_distributed", "set_seed", "shutdown"]
+
+_DISTRIBUTED = ("init_distributed", "set_seed", "shutdown")
+
+
+def __getattr__(name: str):
+    if name in _DISTRIBUTED:
+        from megatron_entropy.runtime import distributed
+
+        return getattr(distributed, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import os
 import random
+import socket
 from typing import Optional
 
 import numpy as np
@@ -13,24 +14,9 @@ import torch.distributed as dist
 
 from megatron_entropy.config import ConfigError
 from megatron_entropy.runtime import cpu_compat
-from megatron_entropy.runtime.launch_env import LaunchEnv, detect_launch_env
-
-
-class ParallelLayoutError(ValueError):
-    pass
-
-
-def check_layout(world_size: int, tensor: int, pipeline: int) -> int:
-    """Return the data-parallel size, or raise naming the config keys if the world does not factor."""
-    if tensor < 1 or pipeline < 1:
-        raise ParallelLayoutError(
-            f"parallel.tensor={tensor} and parallel.pipeline={pipeline} must both be >= 1")
-    if world_size % (tensor * pipeline):
-        raise ParallelLayoutError(
-            f"world size {world_size} is not divisible by parallel.tensor x parallel.pipeline = "
-            f"{tensor} x {pipeline} = {tensor * pipeline}; use a world size that is a multiple of "
-            f"{tensor * pipeline} or change the layout")
-    return world_size // (tensor * pipeline)
+from megatron_entropy.runtime.launch_env import (LaunchEnv, ParallelLayoutError,  # noqa: F401
+                                                  check_layout, detect_launch_env,
+                                                  raise_open_files_limit)
 
 
 def pick_backend(requested: str = "auto", launch: Optional[LaunchEnv] = None) -> str:
@@ -69,23 +55,32 @@ def init_distributed(tensor: int = 1, pipeline: int = 1, backend: str = "auto",
     On a machine without CUDA the CPU compatibility layer is applied first. ``socket_ifname``
     (parallel.socket_ifname) becomes NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME: the interface
     whose address NCCL's bootstrap and gloo's sockets use instead of what the host name resolves
-    to (often 127.0.1.1, or a management network).
+    to (often 127.0.1.1, or a management network). A job on one node listens on loopback only:
+    rank 0's store on the master address, NCCL's and gloo's sockets on ``lo`` (unless
+    socket_ifname or the variables say otherwise). The open-files soft limit is raised to the
+    hard limit.
     """
     launch = launch or detect_launch_env()
     check_layout(launch.world_size, tensor, pipeline)
     backend = pick_backend(backend, launch)
+    raise_open_files_limit()
     if socket_ifname:
         os.environ["NCCL_SOCKET_IFNAME"] = os.environ["GLOO_SOCKET_IFNAME"] = socket_ifname
+    elif launch.single_node:
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     if torch.cuda.is_available():
         torch.cuda.set_device(launch.local_rank % torch.cuda.device_count())
     else:
         cpu_compat.apply()
     if not dist.is_initialized():
+        timeout = datetime.timedelta(minutes=timeout_minutes)
+        store = None if init_method else job_store(launch, timeout)
         dist.init_process_group(
-            backend=backend,
-            init_method=init_method or f"tcp://{launch.master_addr}:{launch.master_port}",
-            rank=launch.rank, world_size=launch.world_size,
-            timeout=datetime.timedelta(minutes=timeout_minutes))
+            backend=backend, store=store,
+            init_method=None if store else (
+                init_method or f"tcp://{launch.master_addr}:{launch.master_port}"),
+            rank=launch.rank, world_size=launch.world_size, timeout=timeout)
     from megatron.core import parallel_state
 
     if parallel_state.model_parallel_is_initialized():
@@ -97,6 +92,35 @@ def init_distributed(tensor: int = 1, pipeline: int = 1, backend: str = "auto",
         tensor_model_parallel_size=tensor, pipeline_model_parallel_size=pipeline,
         create_gloo_process_groups=False)
     return launch
+
+
+def job_store(launch: LaunchEnv, timeout: datetime.timedelta) -> Optional[dist.TCPStore]:
+    """The c10d store of a job on one node, its server on rank 0 listening on the master
+    address only; None (torch's own rendezvous) for a job across nodes or under torchrun's
+    agent, which hosts the store itself.
+
+    torch's TCPStore binds its port on every interface (``[::]``, IPv4 and IPv6) whatever host
+    it is given; only a socket bound here and handed over (master_listen_fd) limits that."""
+    if not launch.single_node or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return None
+    if launch.rank != 0:
+        return dist.TCPStore(launch.master_addr, launch.master_port, launch.world_size,
+                             is_master=False, timeout=timeout)
+    family, kind, proto, _, address = socket.getaddrinfo(
+        launch.master_addr, launch.master_port, type=socket.SOCK_STREAM)[0]
+    listener = socket.socket(family, kind, proto)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind(address)
+    except OSError as e:
+        listener.close()
+        raise RuntimeError(f"rank 0 cannot listen on {launch.master_addr}:{launch.master_port} "
+                           f"(MASTER_ADDR:MASTER_PORT): {e}") from e
+    listener.listen(max(128, launch.world_size))
+    port = listener.getsockname()[1]
+    # The store owns the socket from here (it closes it when it is destroyed).
+    return dist.TCPStore(launch.master_addr, port, launch.world_size, is_master=True,
+                         timeout=timeout, master_listen_fd=listener.detach())
 
 
 def set_seed(seed: int) -> None:

@@ -1,12 +1,18 @@
-"""Where this process sits in the job: read from the variables torchrun or Slurm's srun set."""
+"""Where this process sits in the job: read from the variables torchrun or Slurm's srun set.
+
+No torch here: the Slurm helpers (runtime/slurm.py) import this module in processes that do not
+train (the layout, waiting for servers), whose start-up would otherwise pay torch's import."""
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
+import resource
 import shutil
 import subprocess
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Mapping, Optional
 
 
@@ -18,6 +24,25 @@ class LaunchEnv:
     master_addr: str
     master_port: int
     launcher: str  # "torchrun", "slurm" or "single"
+    # Every rank runs on this machine: nothing of the job needs to listen beyond loopback.
+    single_node: bool = True
+
+
+class ParallelLayoutError(ValueError):
+    pass
+
+
+def check_layout(world_size: int, tensor: int, pipeline: int) -> int:
+    """Return the data-parallel size, or raise naming the config keys if the world does not factor."""
+    if tensor < 1 or pipeline < 1:
+        raise ParallelLayoutError(
+            f"parallel.tensor={tensor} and parallel.pipeline={pipeline} must both be >= 1")
+    if world_size % (tensor * pipeline):
+        raise ParallelLayoutError(
+            f"world size {world_size} is not divisible by parallel.tensor x parallel.pipeline = "
+            f"{tensor} x {pipeline} = {tensor * pipeline}; use a world size that is a multiple of "
+            f"{tensor * pipeline} or change the layout")
+    return world_size // (tensor * pipeline)
 
 
 def expand_nodelist(nodelist: str) -> list[str]:
@@ -72,15 +97,71 @@ def detect_launch_env(env: Optional[Mapping[str, str]] = None) -> LaunchEnv:
         if missing and int(env["WORLD_SIZE"]) > 1:
             raise RuntimeError(f"RANK/WORLD_SIZE are set but {', '.join(missing)} is not; "
                                "launch with torchrun or set them yourself")
+        master = env.get("MASTER_ADDR", "127.0.0.1")
+        # torchrun and `megatron-entropy train --nproc` say how many ranks run on this machine.
+        single = (env.get("LOCAL_WORLD_SIZE") == env["WORLD_SIZE"] or is_loopback(master))
         return LaunchEnv(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)),
-                         env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", 29500)),
-                         "torchrun")
+                         master, int(env.get("MASTER_PORT", 29500)), "torchrun", single)
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "127.0.0.1"
-        master = env.get("MASTER_ADDR") or expand_nodelist(nodelist)[0]
+        hosts = expand_nodelist(nodelist)
+        nodes = int(env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_NNODES") or len(hosts))
+        # A step on one node meets on loopback; across nodes on the first node's name.
+        master = env.get("MASTER_ADDR") or ("127.0.0.1" if nodes == 1 else hosts[0])
         port = int(env.get("MASTER_PORT") or _slurm_port(env))
         return LaunchEnv(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]),
-                         int(env.get("SLURM_LOCALID", 0)), master, port, "slurm")
+                         int(env.get("SLURM_LOCALID", 0)), master, port, "slurm", nodes == 1)
     # Port 0: the one-process store binds a free port itself, so single-process runs on one
     # machine (a study's, other users') never collide on a fixed port.
     return LaunchEnv(0, 1, 0, "127.0.0.1", int(env.get("MASTER_PORT", 0)), "single")
+
+
+def is_loopback(host: str) -> bool:
+    """A loopback address literal (127.0.0.0/8, ::1) or "localhost"; names are not resolved (a
+    node's own name may resolve to 127.0.1.1 on the node and to its real address elsewhere)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+# What a launcher tells a trainer rank about its place in the job. A server or helper started
+# from a rank must not inherit them: a serving stack that reads RANK/WORLD_SIZE/MASTER_PORT would
+# take itself for a rank of the trainer's job (and try to join its store).
+RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                  "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "NODE_RANK",
+                  "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
+                  "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE")
+
+
+def server_environment(extra: Optional[Mapping[str, str]] = None,
+                       env: Optional[Mapping[str, str]] = None) -> dict[str, str]:
+    """The environment of a rollout server started from this process: ours without the rank
+    variables (RANK_VARIABLES), plus ``extra``."""
+    env = os.environ if env is None else env
+    return {**{k: v for k, v in env.items() if k not in RANK_VARIABLES}, **(extra or {})}
+
+
+def raise_open_files_limit() -> tuple[int, int]:
+    """Raise this process's open-files soft limit to its hard limit; returns (soft, hard).
+
+    Rank 0 holds a socket per rollout request in flight (servers x rollout.server.max_concurrency)
+    beside its checkpoint and library files; the usual soft limit of 1024 refuses the rest, and a
+    refused connection marks a healthy server dead. The hard limit is the site's to set."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        # Linux refuses an infinite soft limit for files (nr_open caps it): take nr_open then.
+        target = hard if hard != resource.RLIM_INFINITY else _nr_open(soft)
+        if target > soft:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+    return soft, hard
+
+
+def _nr_open(fallback: int) -> int:
+    try:
+        return int(Path("/proc/sys/fs/nr_open").read_text())
+    except (OSError, ValueError):
+        return fallback

@@ -19,22 +19,26 @@ from __future__ import annotations
 import argparse
 import ctypes
 import dataclasses
+import fcntl
+import ipaddress
 import math
 import os
 import shlex
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from megatron_entropy.config import Config, ConfigError, load_config
-from megatron_entropy.runtime.distributed import ParallelLayoutError, check_layout
-from megatron_entropy.runtime.launch_env import expand_nodelist
+from megatron_entropy.runtime.launch_env import (ParallelLayoutError, check_layout,
+                                                 expand_nodelist, server_environment)
 
 
 class NotEnoughNodesError(ValueError):
@@ -229,6 +233,15 @@ def healthy(url: str, timeout: float = 5.0) -> bool:
         return False
 
 
+def all_healthy(urls: Sequence[str], timeout: float = 5.0) -> bool:
+    """Whether every URL answers /health, asked all at once: a dead node costs one timeout,
+    not one per server."""
+    if not urls:
+        return True
+    with ThreadPoolExecutor(max_workers=min(len(urls), 64)) as pool:
+        return all(pool.map(lambda u: healthy(u, timeout), urls))
+
+
 def wait_for_servers(urls_dir: os.PathLike, count: int, out: os.PathLike, timeout: float,
                      alive: Callable[[], bool] = lambda: True, poll_s: float = 1.0) -> list[str]:
     """Wait until ``count`` servers published a URL and answer /health; write them to ``out``.
@@ -242,7 +255,7 @@ def wait_for_servers(urls_dir: os.PathLike, count: int, out: os.PathLike, timeou
         files = sorted((f for f in d.glob("*") if f.name.isdigit()), key=lambda f: int(f.name)) \
             if d.is_dir() else []
         urls = [f.read_text().strip() for f in files]
-        if len(urls) >= count and all(healthy(u) for u in urls):
+        if len(urls) >= count and all_healthy(urls):
             return read_urls(write_urls_file(out, urls))
         if not alive():
             raise RuntimeError(f"the server step ended before {count} servers came up "
@@ -313,6 +326,44 @@ def _server_process_setup() -> None:
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+SIOCGIFADDR = 0x8915  # linux/sockios.h: an interface's IPv4 address
+
+
+def interface_address(ifname: str) -> str:
+    """The IPv4 address of network interface ``ifname`` (e.g. ib0)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            packed = fcntl.ioctl(s.fileno(), SIOCGIFADDR,
+                                 struct.pack("256s", ifname.encode()[:15]))
+        except OSError as e:
+            raise ConfigError(f"parallel.socket_ifname={ifname!r}: no IPv4 address on that "
+                              f"interface ({e})") from e
+    return socket.inet_ntoa(packed[20:24])
+
+
+def server_bind_address(cfg: Config, node: str, job_nodes: int) -> tuple[str, str]:
+    """(address the server listens on, host in its published URL).
+
+    A job on one node serves on loopback. Across nodes, the address the other nodes reach: that
+    of parallel.socket_ifname when it names one interface, else what the node's name resolves to
+    here; a name that resolves to loopback here (127.0.1.1 on Debian-style hosts) while the job
+    spans nodes cannot be bound for the others, and the server listens on every interface then.
+    """
+    if job_nodes <= 1:
+        return "127.0.0.1", "127.0.0.1"
+    ifname = cfg.parallel.socket_ifname
+    if ifname and not any(c in ifname for c in ",^="):
+        address = interface_address(ifname)
+        return address, address
+    try:
+        address = socket.gethostbyname(node)
+    except OSError:
+        return "0.0.0.0", node
+    if ipaddress.ip_address(address).is_loopback:
+        return "0.0.0.0", node
+    return address, node
+
+
 def serve(cfg: Config, urls_dir: os.PathLike, task: int, local_id: int,
           node: Optional[str] = None) -> int:
     """Run one rollout server in the foreground; publish its URL once it answers /health.
@@ -324,13 +375,15 @@ def serve(cfg: Config, urls_dir: os.PathLike, task: int, local_id: int,
     s = cfg.rollout.server
     port = s.base_port + local_id
     node = node or os.environ.get("SLURMD_NODENAME") or socket.gethostname()
-    cmd, extra_env = server_command(cfg, "0.0.0.0", port)
-    env = {**os.environ, **extra_env}
+    bind, url_host = server_bind_address(cfg, node, int(os.environ.get("SLURM_JOB_NUM_NODES")
+                                                        or os.environ.get("SLURM_NNODES") or 1))
+    cmd, extra_env = server_command(cfg, bind, port)
+    env = server_environment(extra_env)
     gpus = _visible_gpus(local_id, cfg.cluster.server_gpus, cfg.cluster.gpus_per_node)
     if gpus is not None:
         env["CUDA_VISIBLE_DEVICES"] = gpus
-    print(f"[serve {task}] {node}:{port} GPUs {gpus or env.get('CUDA_VISIBLE_DEVICES', '-')}: "
-          f"{shlex.join(cmd)}", flush=True)
+    print(f"[serve {task}] {node}:{port} (listening on {bind}) GPUs "
+          f"{gpus or env.get('CUDA_VISIBLE_DEVICES', '-')}: {shlex.join(cmd)}", flush=True)
 
     def ignored(signum: int, frame: object) -> None:
         print(f"[serve {task}] {signal.Signals(signum).name} ignored: the job script stops the "
@@ -349,7 +402,7 @@ def serve(cfg: Config, urls_dir: os.PathLike, task: int, local_id: int,
 
     signal.signal(STOP_SIGNAL, stop)
     signal.signal(signal.SIGINT, stop)
-    url = f"http://{node}:{port}"
+    url = f"http://{url_host}:{port}"
     deadline = time.monotonic() + s.startup_timeout_s
     published = timed_out = False
     try:

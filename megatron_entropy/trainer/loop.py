@@ -41,17 +41,24 @@ class RunState:
 
 
 class _SignalFlag:
-    """SIGUSR1/SIGTERM ask for a checkpoint at the end of the step, then exit 75. The handler
-    (trainer/preemption.py) is installed again here for callers of train() that did not install
-    it first thing; a request it recorded during start-up is kept."""
+    """SIGUSR1/SIGTERM ask for a checkpoint, then exit 75. The handler (trainer/preemption.py)
+    is installed again here for callers of train() that did not install it first thing; a
+    request it recorded during start-up is kept."""
 
     def __init__(self) -> None:
         preemption.install()
 
-    def any_rank(self) -> bool:
-        flag = torch.tensor([1.0 if preemption.requested() else 0.0], device=_device())
+    def any_rank(self, time_up: bool = False) -> Optional[str]:
+        """Why the run must stop (a signal on some rank, or the job's clock on some rank), or
+        None; every rank gets the same answer."""
+        flag = torch.tensor([float(preemption.requested()), float(time_up)], device=_device())
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        signalled, late = flag.tolist()
+        return "signal received" if signalled else "the job's end is near" if late else None
+
+
+class _StepAbandoned(Exception):
+    """A stop request inside a step: nothing of the step is applied."""
 
 
 def _device() -> torch.device:
@@ -120,6 +127,7 @@ class Trainer:
 
         self.cfg = cfg
         self.run_dir = cfg.run_dir
+        started = time.time()
         init_distributed(cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.backend,
                          cfg.parallel.timeout_minutes, socket_ifname=cfg.parallel.socket_ifname)
         set_seed(cfg.trainer.seed)
@@ -223,6 +231,9 @@ class Trainer:
             self.logger.write(f"weight check at the first contact: mean |engine - trainer| "
                               f"{first['weight_check/drift_mean']:.2e} nats")
         self.signals = _SignalFlag()
+        self.clock = preemption.job_clock(cfg.trainer.exit_duration_minutes,
+                                          cfg.trainer.exit_margin_s, started, self.rank0)
+        self.saved_step = self.state.step if resume_from is not None else None
         if self.rank0:  # the run has started: record its config (an earlier one is kept)
             save_run_config(cfg, self.run_dir)
 
@@ -280,7 +291,27 @@ class Trainer:
         return collect_step_groups(
             self.engine, lambda n: [self.train_data[i] for i in self.sampler.next_indices(n)],
             self.sampling_params(step), math_rewards, self.shared_engine, d.prompts_per_step,
-            d.dynamic_sampling, d.max_refill_rounds)
+            d.dynamic_sampling, d.max_refill_rounds, between_rounds=self._check_inside_step)
+
+    def _check_inside_step(self) -> None:
+        """Between refill rounds and before the update: a signal, or a job end that leaves only
+        a checkpoint's time, abandons the step."""
+        reason = self.signals.any_rank(self.clock.stop_inside_step())
+        if reason:
+            raise _StepAbandoned(reason)
+
+    def _leave_inside_step(self, step: int, sampler_state: dict, reason: str) -> None:
+        """Checkpoint the last completed step (unless it is saved; with its data position, not
+        the abandoned step's) and exit 75. Nothing of ``step`` was applied."""
+        done = step - 1
+        if done > 0 and self.saved_step != done:
+            self.sampler.load_state_dict(sampler_state)
+            self.save(done)
+        dist.barrier()
+        what = f"checkpointed step {done}" if done > 0 else "no step to checkpoint"
+        self.logger.write(f"{reason} during step {step} (not applied): {what}; exiting with "
+                          f"{PREEMPTED_EXIT_CODE} to be resumed ({self.clock.describe()})")
+        raise Preempted()
 
     def sync_weights(self, version: int) -> dict[str, float]:
         """Megatron weights -> the engine. Every model-parallel rank of a replica that feeds an
@@ -334,6 +365,7 @@ class Trainer:
                         "rollout_seed": self.state.rollout_seed,
                         "scheduler": self.actor.scheduler.state_dict()},
                        self.arch, self.hf_dir)
+        self.saved_step = step
 
     # ------------------------------------------------------------------ the loop
 
@@ -349,8 +381,13 @@ class Trainer:
         for step in range(self.state.step + 1, t.steps + 1):
             timer = PhaseTimer()
             started = time.perf_counter()
-            with timer("rollout"):
-                kept, generated, sampling_metrics = self.rollout(step)
+            sampler_state = self.sampler.state_dict()
+            try:
+                with timer("rollout"):
+                    kept, generated, sampling_metrics = self.rollout(step)
+                self._check_inside_step()  # before the update
+            except _StepAbandoned as stop:
+                self._leave_inside_step(step, sampler_state, str(stop))
             samples = groups_to_samples(kept, cfg.algorithm.advantage,
                                         cfg.algorithm.norm_adv_by_std)
             mine = dp_share(samples)
@@ -383,20 +420,22 @@ class Trainer:
             metrics["perf/tokens_per_s"] = tokens / max(metrics["time/step"], 1e-9)
             metrics["data/epoch"] = float(self.sampler.epoch)
             metrics.update(self.data_metrics)
-            preempt = self.signals.any_rank()
+            self.clock.step_took(metrics["time/step"])
+            preempt = self.signals.any_rank(self.clock.stop_before_next_step())
             last = step == t.steps
             if preempt or last or (t.save_interval and step % t.save_interval == 0):
                 with timer("checkpoint"):
                     self.save(step)
                 metrics["time/checkpoint"] = timer.seconds["checkpoint"]
+                self.clock.checkpoint_took(metrics["time/checkpoint"])
             self.logger.log(step, metrics)
             if preempt or last:
                 # Leave together: a launcher that kills the job when one task exits (srun
                 # --kill-on-bad-exit) must not cut rank 0 off before its metrics are written.
                 dist.barrier()
             if preempt and not last:
-                self.logger.write(f"signal received: checkpointed step {step}; exiting with "
-                                  f"{PREEMPTED_EXIT_CODE} to be resumed")
+                self.logger.write(f"{preempt}: checkpointed step {step}; exiting with "
+                                  f"{PREEMPTED_EXIT_CODE} to be resumed ({self.clock.describe()})")
                 raise Preempted()
         return metrics
 

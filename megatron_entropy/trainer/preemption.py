@@ -1,18 +1,25 @@
-"""SIGUSR1 / SIGTERM: a request to checkpoint at the end of the step and exit 75 (to be requeued).
+"""SIGUSR1 / SIGTERM: a request to checkpoint and exit 75 (to be requeued); and the job's clock,
+which asks the same before the job's end time would cut a step or a checkpoint short.
 
 The handler only records the request, so it is installed first thing in ``megatron-entropy train``
 (this module imports nothing heavy), before torch, Megatron, the model and the rollout engine load
 for minutes: a signal that comes during start-up (Slurm's time-limit warning, a preemption) is kept
 until the loop looks at it, instead of killing the rank by the signal's default action. A request
-lasts as long as the process (the trainer exits on it).
+lasts as long as the process (the trainer exits on it). The loop looks between rollout refill
+rounds, before the update and at the end of each step.
 """
 
 from __future__ import annotations
 
+import os
+import re
 import signal
+import subprocess
+import time
+from collections import deque
 from contextlib import contextmanager
 from multiprocessing import resource_tracker
-from typing import Iterator
+from typing import Iterator, Mapping, Optional
 
 SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 _received: list[int] = []
@@ -50,3 +57,92 @@ def held() -> Iterator[None]:
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+# ------------------------------------------------------------------------------ the job's clock
+
+
+def parse_slurm_time_left(text: str) -> Optional[float]:
+    """Seconds in squeue's ``%L`` (time left: [days-]hours:minutes:seconds, minutes:seconds);
+    None for a job without a limit (UNLIMITED, NOT_SET, INVALID)."""
+    m = re.fullmatch(r"(?:(\d+)-)?(?:(\d+):)?(\d+):(\d+)", text.strip())
+    if not m:
+        return None
+    days, hours, minutes, seconds = (int(g or 0) for g in m.groups())
+    return float(((days * 24 + hours) * 60 + minutes) * 60 + seconds)
+
+
+def slurm_job_end(env: Optional[Mapping[str, str]] = None) -> Optional[float]:
+    """The Slurm job's end time (Unix seconds), or None outside Slurm or without a limit:
+    SLURM_JOB_END_TIME when Slurm set it, else squeue's time left for SLURM_JOB_ID (the limit
+    as it is now, after any `scontrol update TimeLimit`)."""
+    env = os.environ if env is None else env
+    end = env.get("SLURM_JOB_END_TIME", "")
+    if end.isdigit() and int(end) > 0:
+        return float(end)
+    job = env.get("SLURM_JOB_ID")
+    if not job:
+        return None
+    try:
+        out = subprocess.run(["squeue", "-h", "-j", job, "-o", "%L"], capture_output=True,
+                             text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    left = parse_slurm_time_left(out.stdout) if out.returncode == 0 else None
+    return None if left is None else time.time() + left
+
+
+class JobClock:
+    """When the run should checkpoint and exit so that the job's end does not cut a step or a
+    checkpoint short (Slurm ends the job at its time limit with TIMEOUT, which is not requeued).
+
+    ``deadline`` (Unix seconds; None: no limit) is the earliest of the job's end time and
+    trainer.exit_duration_minutes after the start. A step is started only if the longest of the
+    last ``window`` steps, a checkpoint (the longest measured; before the first, the longest
+    step) and ``margin_s`` still fit before it; inside a step, the run stops when a checkpoint
+    and the margin no longer would."""
+
+    def __init__(self, deadline: Optional[float], margin_s: float, window: int = 5,
+                 now=time.time) -> None:
+        self.deadline = deadline
+        self.margin_s = margin_s
+        self.steps: deque[float] = deque(maxlen=window)
+        self.checkpoint_s = 0.0
+        self.now = now
+
+    def step_took(self, seconds: float) -> None:
+        self.steps.append(seconds)
+
+    def checkpoint_took(self, seconds: float) -> None:
+        self.checkpoint_s = max(self.checkpoint_s, seconds)
+
+    def _checkpoint_estimate(self) -> float:
+        return self.checkpoint_s or max(self.steps, default=0.0)
+
+    def _left(self) -> float:
+        return float("inf") if self.deadline is None else self.deadline - self.now()
+
+    def stop_before_next_step(self) -> bool:
+        return (max(self.steps, default=0.0) + self._checkpoint_estimate() + self.margin_s
+                > self._left())
+
+    def stop_inside_step(self) -> bool:
+        return self._checkpoint_estimate() + self.margin_s > self._left()
+
+    def describe(self) -> str:
+        if self.deadline is None:
+            return "no time limit"
+        return (f"{self._left():.0f} s left; longest recent step "
+                f"{max(self.steps, default=0.0):.0f} s, checkpoint {self._checkpoint_estimate():.0f}"
+                f" s, margin {self.margin_s:.0f} s")
+
+
+def job_clock(exit_duration_minutes: float, margin_s: float, started: float,
+              reads_job: bool) -> JobClock:
+    """The run's JobClock. ``reads_job``: this rank asks Slurm for the job's end (one rank
+    does; the loop shares its decision), else it knows only exit_duration_minutes."""
+    ends = [started + 60 * exit_duration_minutes] if exit_duration_minutes else []
+    job_end = slurm_job_end() if reads_job else None
+    if job_end is not None:
+        ends.append(job_end)
+    return JobClock(min(ends, default=None), margin_s)

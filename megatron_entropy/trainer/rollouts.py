@@ -67,13 +67,17 @@ def generate_groups(engine: Optional[RolloutEngine], items: Sequence[PromptItem]
 
 def collect_step_groups(engine: Optional[RolloutEngine], next_items: Callable[[int], list[PromptItem]],
                         sampling: SamplingParams, reward_fn, shared: bool, target_groups: int,
-                        dynamic_sampling: bool, max_refill_rounds: int
+                        dynamic_sampling: bool, max_refill_rounds: int,
+                        between_rounds: Callable[[], None] = lambda: None
                         ) -> tuple[list[Group], list[Group], dict[str, float]]:
     """Roll out until ``target_groups`` groups with reward variance are kept (or the refill
-    rounds run out). Returns (kept groups, every generated group, sampling metrics)."""
+    rounds run out). Returns (kept groups, every generated group, sampling metrics).
+    ``between_rounds`` runs before each refill round (the trainer's stop check; it may raise)."""
     keep = GroupFilter(target_groups, max_refill_rounds, enabled=dynamic_sampling)
     generated: list[Group] = []
     while not keep.done:
+        if keep.rounds:
+            between_rounds()
         round_sampling = SamplingParams(**{**vars(sampling),
                                            "seed": (sampling.seed or 0) * 31 + keep.rounds})
         groups = generate_groups(engine, next_items(keep.prompts_needed()), round_sampling,
