@@ -18,6 +18,8 @@ from typing import Any, Literal, Optional, Union
 
 import yaml
 
+from megatron_entropy.algorithms.errors import SettingError
+
 
 class ConfigError(ValueError):
     """A bad config value; the message names the key path."""
@@ -133,6 +135,44 @@ class RolloutConfig:
 
 
 @dataclass
+class EntropyControlConfig:
+    """A PI controller on log entropy that sets one knob of the loss each step
+    (algorithms/entropy_control.py); the knob starts at its value in the algorithm section."""
+
+    enabled: bool = False
+    target: float = _f(0.5, gt=0, help="nats, or a fraction of the first step's entropy")
+    target_type: Literal["nats", "fraction_of_first"] = "nats"
+    knob: Literal["kl_cov_ratio", "clip_cov_ratio", "kl_cov_coef", "entropy_coef"] = _f(
+        "kl_cov_ratio", help="the algorithm setting it drives (the loss must have it)")
+    knob_min: float = _f(1e-4, gt=0)
+    knob_max: float = _f(5e-2, gt=0)
+    kp: float = _f(1.0, ge=0, help="proportional gain on the log-entropy error")
+    ki: float = _f(0.3, ge=0, help="integral gain")
+    max_step_factor: float = _f(1.5, gt=1, help="the knob changes at most x/÷ this per step")
+    warmup_steps: int = _f(5, ge=0, help="steps the knob stays at its initial value")
+
+
+@dataclass
+class TokenRulesConfig:
+    """Entropy-aware token rules (algorithms/token_rules.py); each is off unless enabled."""
+
+    high_entropy_minority: bool = _f(False, help="policy gradient on the top-rho tokens by "
+                                                 "entropy only (80/20 rule; ppo_clip)")
+    high_entropy_rho: float = _f(0.2, gt=0, le=1)
+    high_entropy_scope: Literal["micro_batch", "global"] = "micro_batch"
+    entropy_clip: bool = _f(False, help="wider clip range, weaker KL above the entropy "
+                                        "quantile (Archer; ppo_clip)")
+    entropy_clip_quantile: float = _f(0.8, gt=0, lt=1)
+    entropy_clip_scope: Literal["response", "micro_batch", "global"] = "response"
+    high_clip_ratio_low: float = _f(0.5, ge=0, lt=1)
+    high_clip_ratio_high: float = _f(0.5, ge=0)
+    high_entropy_kl_coef: float = _f(0.0, ge=0)
+    entropy_advantage: bool = _f(False, help="A <- A + min(alpha H, |A| / kappa)")
+    entropy_advantage_alpha: float = _f(0.4, gt=0)
+    entropy_advantage_kappa: float = _f(2.0, ge=1)
+
+
+@dataclass
 class AlgorithmConfig:
     loss: Literal["ppo_clip", "clip_cov", "kl_cov"] = "kl_cov"
     advantage: Literal["grpo", "drgrpo", "rloo"] = "grpo"
@@ -156,6 +196,8 @@ class AlgorithmConfig:
     kl_type: Literal["k1", "abs", "k3"] = "k3"
     logprob_impl: Literal["chunked", "fused"] = "fused"
     logprob_chunk_tokens: int = _f(1024, ge=1)
+    entropy_control: EntropyControlConfig = _f(default_factory=EntropyControlConfig)
+    token_rules: TokenRulesConfig = _f(default_factory=TokenRulesConfig)
 
 
 @dataclass
@@ -524,6 +566,7 @@ def validate(cfg: Config) -> None:
     if a.clip_cov_lb >= a.clip_cov_ub:
         raise ConfigError(f"algorithm.clip_cov_lb ({a.clip_cov_lb}) must be below "
                           f"algorithm.clip_cov_ub ({a.clip_cov_ub})")
+    _validate_entropy_rules(a)
     ar = cfg.data.arithmetic
     if ar.min_ops > ar.max_ops:
         raise ConfigError(f"data.arithmetic.min_ops ({ar.min_ops}) must be <= "
@@ -551,6 +594,48 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"rollout.engine={cfg.rollout.engine} needs servers: set "
                               "rollout.server.urls, rollout.server.urls_file or "
                               "rollout.server.launch")
+
+
+def _validate_entropy_rules(a: AlgorithmConfig) -> None:
+    """The controller's and the token rules' own checks and those against the loss; the target
+    against log V waits for the model (``entropy_control_settings`` with ``vocab_size``)."""
+    from megatron_entropy.algorithms.policy_loss import PolicyLossSettings
+    from megatron_entropy.algorithms.token_rules import check_token_rules
+
+    entropy_control_settings(a)
+    try:
+        check_token_rules(token_rule_settings(a), PolicyLossSettings.from_config(a))
+    except SettingError as e:
+        raise ConfigError(f"algorithm.token_rules.{e}") from None
+
+
+def token_rule_settings(a: AlgorithmConfig) -> "TokenRuleSettings":
+    from megatron_entropy.algorithms.token_rules import TokenRuleSettings
+
+    try:
+        return TokenRuleSettings(**dataclasses.asdict(a.token_rules))
+    except SettingError as e:
+        raise ConfigError(f"algorithm.token_rules.{e}") from None
+
+
+def entropy_control_settings(a: AlgorithmConfig, vocab_size: Optional[int] = None
+                             ) -> Optional["EntropyControlSettings"]:
+    """The controller's settings (None when off), checked against the loss, the knob's starting
+    value in ``a`` and, given ``vocab_size``, an absolute target against log V."""
+    from megatron_entropy.algorithms.entropy_control import (EntropyControlSettings,
+                                                             EntropyController)
+
+    c = a.entropy_control
+    if not c.enabled:
+        return None
+    try:
+        settings = EntropyControlSettings(**{k: v for k, v in dataclasses.asdict(c).items()
+                                             if k != "enabled"})
+        settings.check(a.loss, vocab_size)
+        EntropyController(settings, getattr(a, settings.knob))
+    except SettingError as e:
+        raise ConfigError(f"algorithm.entropy_control.{e}") from None
+    return settings
 
 
 def _validate_study(st: StudyConfig) -> None:

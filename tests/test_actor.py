@@ -18,11 +18,14 @@ from megatron_entropy.models.arch import arch_from_hf_config
 
 def _update_worker(loss: str, scope: str, selection_logprobs: str,
                    loss_agg_mode: str = "token-mean", empty_response: bool = False,
-                   micro_batch_tokens: int = 24):
+                   micro_batch_tokens: int = 24, rules: dict | None = None,
+                   clip_ratio: float = 1.0, temperature: float = 1.0):
     """One RL step's updates (2 epochs x 2 mini-batches) of the tiny model on ``random_samples(0)`` (plus
-    a sample with an empty response, last); returns the weights after, the metrics, the weights
-    before."""
+    a sample with an empty response, last), with the token rules ``rules`` (TokenRuleSettings
+    fields); returns the weights after, the metrics (and this rank's recompute entropies), the
+    weights before."""
     from megatron_entropy.algorithms.policy_loss import PolicyLossSettings
+    from megatron_entropy.algorithms.token_rules import TokenRuleSettings
     from megatron_entropy.models.sharding import full_state_dict
     from megatron_entropy.trainer.actor import Actor, ActorSettings
     from megatron_entropy.trainer.model_setup import (OptimSettings, build_optimizer,
@@ -40,11 +43,12 @@ def _update_worker(loss: str, scope: str, selection_logprobs: str,
     actor = Actor(arch, chunks, optimizer, scheduler,
                   PolicyLossSettings(loss=loss, clip_cov_ratio=0.1, clip_cov_lb=0.0,
                                      clip_cov_ub=100.0, kl_cov_ratio=0.1, kl_cov_coef=1.0,
-                                     clip_ratio_low=1.0, clip_ratio_high=1.0,
+                                     clip_ratio_low=clip_ratio, clip_ratio_high=clip_ratio,
                                      loss_agg_mode=loss_agg_mode),
                   ActorSettings(logprob_impl="fused", micro_batch_tokens=micro_batch_tokens,
-                                mini_batches_per_step=2, ppo_epochs=2, cov_scope=scope,
-                                global_selection_logprobs=selection_logprobs, seed=5))
+                                temperature=temperature, mini_batches_per_step=2, ppo_epochs=2, cov_scope=scope,
+                                global_selection_logprobs=selection_logprobs, seed=5,
+                                token_rules=TokenRuleSettings(**(rules or {}))))
     samples = random_samples(0)
     if empty_response:
         samples.append(replace(samples[0], response_ids=[], engine_logprobs=[]))
@@ -53,6 +57,7 @@ def _update_worker(loss: str, scope: str, selection_logprobs: str,
     metrics = actor.update(mine, step=1)
     # The largest |log-prob| the selection saw, the scale of its rounding.
     metrics["max_abs_logp"] = float(torch.cat([s.old_logprobs for s in mine]).abs().max())
+    metrics["recompute_entropies"] = [s.entropy.double() for s in mine]
     return full_state_dict(chunks[0]), metrics, initial
 
 
@@ -115,3 +120,88 @@ def test_a_sequence_without_response_tokens_changes_no_update(mode):
     for name in w:
         torch.testing.assert_close(we[name], w[name], rtol=0, msg=name,
                                    atol=update_tol(w[name], w0[name], UPDATES, path))
+
+
+# The token rules through the actor. At temperature 0.1 the tiny random model's token entropies
+# spread over ~1-4 nats (at 1.0 they all sit within 1e-3 of log V, and a rounding difference
+# between two packings could reorder them): the selections are well separated, so they are
+# compared exactly and the updates to rounding.
+RULE_TEMPERATURE = 0.1
+RULES = {
+    "minority": ("ppo_clip", "micro_batch", 1.0,
+                 dict(high_entropy_minority=True, high_entropy_scope="global")),
+    "archer": ("ppo_clip", "micro_batch", 0.02,
+               dict(entropy_clip=True, entropy_clip_scope="global", high_clip_ratio_low=0.2,
+                    high_clip_ratio_high=0.2)),
+    "shaping": ("kl_cov", "global", 1.0, dict(entropy_advantage=True,
+                                              entropy_advantage_alpha=0.05)),
+}
+
+
+def _rule_run(dp: int, rule: str, micro_batch_tokens: int, with_rule: bool = True):
+    loss, scope, clip, rules = RULES[rule]
+    return run_distributed(_update_worker, dp, loss, scope, "recompute", "token-mean", False,
+                           micro_batch_tokens, rules if with_rule else None, clip,
+                           RULE_TEMPERATURE)
+
+
+def _rule_reference(rule: str, entropies: list[torch.Tensor]) -> dict[str, float]:
+    """The rule's metrics over the two mini-batches (samples 0-3, 4-7; each seen in both
+    epochs, selected with the same recompute entropies), from its formula on one process."""
+    samples = random_samples(0)
+    _, _, _, rules = RULES[rule]
+    if rule == "shaping":
+        rows = [torch.minimum(0.05 * h, torch.full_like(h, abs(s.advantage) / 2))
+                for h, s in zip(entropies, samples)]
+        bonus = torch.cat(rows)
+        capped = torch.cat([(0.05 * h > abs(s.advantage) / 2).double()
+                            for h, s in zip(entropies, samples)])
+        return {"entropy_rule/adv_bonus_mean": float(bonus.mean()),
+                "entropy_rule/adv_bonus_capped_frac": float(capped.mean())}
+    chosen, total = [], 0
+    for part in (entropies[:4], entropies[4:]):
+        h = torch.cat(part)
+        total += h.numel()
+        if rule == "minority":
+            k = max(1, int(h.numel() * 0.2 + 0.9999))
+            chosen.append(torch.sort(h, descending=True).values[:k])
+        else:  # above the order statistic x_(floor(0.8 (n - 1)))
+            threshold = torch.sort(h).values[int(0.8 * (h.numel() - 1))]
+            chosen.append(h[h > threshold])
+    chosen = torch.cat(chosen)
+    if rule == "minority":
+        return {"entropy_rule/pg_token_frac": chosen.numel() / total,
+                "entropy_rule/pg_token_entropy_mean": float(chosen.mean())}
+    return {"entropy_rule/high_entropy_frac": chosen.numel() / total}
+
+
+@pytest.mark.parametrize("rule", list(RULES))
+def test_token_rule_update_equals_its_formula_and_ignores_the_split(rule):
+    """Global scope through the actor: the rule's selection equals its one-process formula over
+    each optimizer step (metrics), and the update at DP=1 with 24-token micro-batches equals the
+    one at DP=2 with 1000-token ones (one micro-batch per rank and mini-batch: other
+    populations, paddings and GEMM shapes at once); without the rule it differs (the rule
+    reaches the loss)."""
+    ((w1, m1, w0),) = _rule_run(1, rule, 24)
+    (w2, m2, _), (w2b, _, _) = _rule_run(2, rule, 1000)
+    ((wo, _, _),) = _rule_run(1, rule, 24, with_rule=False)
+    ref = _rule_reference(rule, m1["recompute_entropies"])
+    # Shaping runs in fp32 (the advantages' dtype): each positive term of the mean is within one
+    # fp32 rounding (2^-24 relative) of the float64 reference. The others select fp32 values
+    # and average them in float64.
+    rel = 2 ** -23 if rule == "shaping" else 1e-12
+    for name, want in ref.items():
+        for m in (m1, m2):
+            assert m[name] == pytest.approx(want, rel=rel), name
+    if rule == "shaping":
+        assert 0 < ref["entropy_rule/adv_bonus_capped_frac"] < 1  # both branches of the min
+        assert m1["selected_frac"] == m2["selected_frac"] > 0
+    samples = random_samples(0)
+    logp_path = transformer_terms(arch_from_hf_config(tiny_hf_config("qwen2")),
+                                  max(s.length for s in samples), log_softmax=True)
+    path = grad_terms(logp_path, sum(len(s.response_ids) for s in samples))
+    for name in w1:
+        torch.testing.assert_close(w2[name], w1[name], rtol=0, msg=name,
+                                   atol=update_tol(w1[name], w0[name], UPDATES, path))
+        torch.testing.assert_close(w2b[name], w2[name], rtol=0, atol=0, msg=name)
+    assert max((w1[n] - wo[n]).abs().max() for n in w1) > 1e-4

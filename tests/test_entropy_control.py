@@ -13,6 +13,7 @@ import pytest
 from megatron_entropy.algorithms.entropy_control import (EntropyControlSettings,
                                                          EntropyController)
 from megatron_entropy.algorithms.errors import SettingError
+from megatron_entropy.config import ConfigError, entropy_control_settings, load_config
 
 SETTINGS = EntropyControlSettings(target=0.3, knob="kl_cov_ratio", knob_min=1e-4, knob_max=5e-2,
                                   kp=1.0, ki=0.3, max_step_factor=1.5, warmup_steps=3)
@@ -153,3 +154,39 @@ def test_checks_against_the_run():
     for bad in (0.0, -1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="positive finite"):
             ctl.update(bad)
+
+
+def _algorithm(loss: str = "kl_cov", **control):
+    return {"algorithm": {"loss": loss, "entropy_control": {"enabled": True, **control}}}
+
+
+@pytest.mark.parametrize("data,message", [
+    (_algorithm("ppo_clip"), r"algorithm\.entropy_control\.knob: kl_cov_ratio is not a knob of "
+                             r"the ppo_clip loss; it has entropy_coef"),
+    (_algorithm(knob="lr"), r"algorithm\.entropy_control\.knob: 'lr' is not allowed"),
+    (_algorithm(knob_max=2.0), r"algorithm\.entropy_control\.knob_max: kl_cov_ratio is a "
+                               r"fraction of tokens: at most 1"),
+    (_algorithm(target=-0.1), r"algorithm\.entropy_control\.target: -0\.1 is out of range"),
+    (_algorithm(knob_min=0.1, knob_max=0.01), r"algorithm\.entropy_control\.knob_min: need "
+                                              r"0 < knob_min < knob_max"),
+    ({"algorithm": {"loss": "kl_cov", "kl_cov_ratio": 0.3, "entropy_control": {"enabled": True}}},
+     r"algorithm\.entropy_control\.knob_min: the starting value of kl_cov_ratio \(0\.3\) lies "
+     r"outside \[knob_min, knob_max\]"),
+    ({"algorithm": {"loss": "ppo_clip", "entropy_control": {"enabled": True,
+                                                            "knob": "entropy_coef"}}},
+     r"algorithm\.entropy_control\.knob_min: the starting value of entropy_coef \(0\.0\)"),
+])
+def test_config_refuses_bad_control_naming_the_key(data, message):
+    with pytest.raises(ConfigError, match=f"^{message}"):
+        load_config(data=data)
+
+
+def test_config_target_against_the_models_vocabulary():
+    cfg = load_config(data=_algorithm(target=7.0))  # the vocabulary is the model's: not known yet
+    with pytest.raises(ConfigError, match=r"^algorithm\.entropy_control\.target: 7\.0 nats is "
+                                          r"not below log V = log\(1000\)"):
+        entropy_control_settings(cfg.algorithm, vocab_size=1000)
+    assert entropy_control_settings(cfg.algorithm, vocab_size=5000).target == 7.0
+    off = load_config(data={"algorithm": {"entropy_control": {"knob_min": 0.1,
+                                                              "knob_max": 0.01}}})
+    assert entropy_control_settings(off.algorithm) is None  # off: its settings are not used

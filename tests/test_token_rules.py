@@ -16,6 +16,7 @@ from test_algorithms_policy_loss import (_agg_data, _policy_logp, make_batch, re
 
 from megatron_entropy.algorithms.aggregation import AGG_MODES, step_normalizer
 from megatron_entropy.algorithms.errors import SettingError
+from megatron_entropy.config import ConfigError, load_config
 from megatron_entropy.algorithms.policy_loss import (PolicyLossSettings, TokenAdjustments,
                                                      policy_loss, reduce_metrics,
                                                      select_tokens_global)
@@ -534,6 +535,8 @@ def test_micro_batch_scope_selection_does_depend_on_the_split():
      PolicyLossSettings(loss="ppo_clip"), "entropy_clip"),
     (TokenRuleSettings(entropy_clip=True, high_clip_ratio_low=0.1),
      PolicyLossSettings(loss="ppo_clip"), "high_clip_ratio_low"),
+    (TokenRuleSettings(entropy_clip=True, high_clip_ratio_high=0.1),
+     PolicyLossSettings(loss="ppo_clip"), "high_clip_ratio_high"),
     (TokenRuleSettings(entropy_clip=True, high_entropy_kl_coef=0.5),
      PolicyLossSettings(loss="ppo_clip", kl_coef=0.1), "high_entropy_kl_coef"),
     (TokenRuleSettings(entropy_clip=True),
@@ -593,3 +596,33 @@ def test_adjustments_are_checked_by_the_loss():
     merged = TokenAdjustments(weight=torch.full((4, 6), 2.0), pg_mask=d["mask"].bool()).merged(
         TokenAdjustments(weight=torch.full((4, 6), 3.0)))
     assert torch.equal(merged.weight, torch.full((4, 6), 6.0)) and merged.pg_mask is not None
+
+
+@pytest.mark.parametrize("rules,algorithm,message", [
+    (dict(high_entropy_rho=0.0), {}, r"algorithm\.token_rules\.high_entropy_rho: 0\.0 is out "
+                                     r"of range; it must be > 0"),
+    (dict(high_entropy_rho=1.5), {}, r"algorithm\.token_rules\.high_entropy_rho: 1\.5 is out "
+                                     r"of range; it must be <= 1"),
+    (dict(high_entropy_minority=True), dict(loss="kl_cov"),
+     r"algorithm\.token_rules\.high_entropy_minority: combines with ppo_clip only, not kl_cov"),
+    (dict(entropy_clip=True), dict(loss="clip_cov"),
+     r"algorithm\.token_rules\.entropy_clip: combines with ppo_clip only, not clip_cov"),
+    (dict(entropy_clip=True, high_clip_ratio_high=0.1), dict(loss="ppo_clip"),
+     r"algorithm\.token_rules\.high_clip_ratio_high: high-entropy tokens get a wider clip"),
+    (dict(entropy_clip=True, high_entropy_kl_coef=0.5), dict(loss="ppo_clip", kl_coef=0.1),
+     r"algorithm\.token_rules\.high_entropy_kl_coef: high-entropy tokens get a weaker KL"),
+    (dict(entropy_clip_scope="row"), {}, r"algorithm\.token_rules\.entropy_clip_scope: 'row' "
+                                         r"is not allowed"),
+])
+def test_config_refuses_bad_rules_naming_the_key(rules, algorithm, message):
+    with pytest.raises(ConfigError, match=f"^{message}"):
+        load_config(data={"algorithm": {**algorithm, "token_rules": rules}})
+
+
+def test_config_builds_the_rule_settings():
+    from megatron_entropy.config import token_rule_settings
+
+    cfg = load_config(data={"algorithm": {"loss": "ppo_clip", "token_rules": {
+        "entropy_clip": True, "entropy_clip_scope": "global", "high_clip_ratio_high": 0.6}}})
+    assert token_rule_settings(cfg.algorithm) == TokenRuleSettings(
+        entropy_clip=True, entropy_clip_scope="global", high_clip_ratio_high=0.6)

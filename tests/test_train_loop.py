@@ -215,12 +215,17 @@ def test_accuracy_rises_on_the_arithmetic_task(tmp_path):
 def test_killed_run_resumes_bit_identical(tmp_path):
     """DP=2 run killed (SIGKILL, whole process group) after a checkpoint; the resumed run's later
     steps equal an uninterrupted run's: weights, optimizer state, data order (with dynamic
-    sampling's refills) and sampling seeds included."""
+    sampling's refills), sampling seeds and the entropy controller (its knob, KL-Cov's k, moves
+    every step) included."""
     import yaml
 
     cfg_path = tmp_path / "c.yaml"
+    # The quickstart policy's entropy is ~0.1 nats: a target of 0.05 lowers k from the first step.
+    control = {"enabled": True, "target": 0.05, "knob": "kl_cov_ratio", "knob_min": 1e-4,
+               "knob_max": 0.05, "warmup_steps": 0}
     cfg = _quickstart(tmp_path, "ref", parallel={"tensor": 1},
-                      trainer={"steps": 4, "save_interval": 1, "keep_last": 4})
+                      trainer={"steps": 4, "save_interval": 1, "keep_last": 4},
+                      algorithm={"entropy_control": control})
     cfg_path.write_text(yaml.safe_dump(cfg))
     ref = _cli(cfg_path, "--nproc", "2", log=tmp_path / "ref.log")
     victim = _cli(cfg_path, "logging.name=victim", "--nproc", "2", log=tmp_path / "victim.log")
@@ -244,6 +249,8 @@ def test_killed_run_resumes_bit_identical(tmp_path):
     assert [r["step"] for r in got] == [1, 2, 3, 4]  # each step once
     assert killed_at < 4
     assert all(r["grad_norm"] > 0 for r in want)  # real updates, so optimizer state matters
+    knobs = [r["control/knob"] for r in want]  # the controller's state matters too
+    assert len(set(knobs)) == 4 and knobs[0] == 0.002, knobs
     for g, w in zip(got, want):
         g = {k: v for k, v in g.items() if not k.startswith(STABLE)}
         w = {k: v for k, v in w.items() if not k.startswith(STABLE)}

@@ -80,13 +80,15 @@ class EntropyControlSettings:
         if not self.warmup_steps >= 0:
             raise SettingError("warmup_steps", f"must be >= 0; got {self.warmup_steps}")
 
-    def check(self, loss: str, vocab_size: int) -> None:
+    def check(self, loss: str, vocab_size: Optional[int]) -> None:
         """The checks that need the rest of the run: the loss has the knob, and an absolute
-        target is below the largest entropy, log V (the uniform distribution)."""
+        target is below the largest entropy, log V (the uniform distribution; skipped for
+        ``vocab_size`` None, before the model is known)."""
         if loss not in KNOBS[self.knob]:
             raise SettingError("knob", f"{self.knob} is not a knob of the {loss} loss; it has "
                                f"{', '.join(k for k, losses in KNOBS.items() if loss in losses)}")
-        if self.target_type == "nats" and not self.target < math.log(vocab_size):
+        if vocab_size is not None and self.target_type == "nats" and \
+                not self.target < math.log(vocab_size):
             raise SettingError("target", f"{self.target} nats is not below log V = "
                                f"log({vocab_size}) = {math.log(vocab_size):.4f}, the largest "
                                "entropy there is")

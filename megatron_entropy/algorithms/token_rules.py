@@ -131,7 +131,9 @@ def check_token_rules(rules: TokenRuleSettings, loss: PolicyLossSettings) -> Non
     if rules.entropy_clip:
         if rules.high_clip_ratio_low < loss.clip_ratio_low or \
                 rules.high_clip_ratio_high < loss.clip_ratio_high:
-            raise SettingError("high_clip_ratio_low", f"high-entropy tokens get a wider clip "
+            narrower = "high_clip_ratio_low" if rules.high_clip_ratio_low < loss.clip_ratio_low \
+                else "high_clip_ratio_high"
+            raise SettingError(narrower, f"high-entropy tokens get a wider clip "
                                f"range: ({rules.high_clip_ratio_low}, "
                                f"{rules.high_clip_ratio_high}) must not be narrower than "
                                f"clip_ratio_low/high ({loss.clip_ratio_low}, "

@@ -3,23 +3,34 @@ entropies and takes PPO-style updates through Megatron's pipeline schedules.
 
 Data flow inside one RL step (per rank; every rank of a DP replica holds the same samples):
   recompute(samples)             forward-only: old log-probs + entropies (+ reference log-probs)
-  update(samples)                ppo_epochs x mini-batches: [global Cov selection] -> micro-batches
+  update(samples)                ppo_epochs x mini-batches: [entropy advantage shaping]
+                                 -> [global Cov / token-rule selection] -> micro-batches
                                  through forward_backward_func -> Megatron optimizer step
   entropy_change(samples)        optional: forward-only again after the updates -> entropy/delta
 Log-prob/entropy come from the vocab-parallel ops (logits path) or the fused output-layer op
 (hidden-states path), at the rollout temperature, for response tokens only.
+
+Token rules (algorithms/token_rules.py) choose with a detached per-token entropy: in the
+``micro_batch``/``response`` populations the training forward's (their references); in
+``global`` the one of the log-probs that select for the global Cov scope
+(``global_selection_logprobs``: the recompute's, or a fresh forward-only pass), chosen before
+the training forwards. Advantage shaping uses the recompute's entropy (the policy that sampled;
+equal to the training forward's on the first update of an on-policy step), so the shaped
+advantage exists before any selection and the Cov of either scope is computed on it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from megatron_entropy.algorithms.aggregation import step_normalizer
-from megatron_entropy.algorithms.policy_loss import (PolicyLossSettings, policy_loss,
-                                                     reduce_metrics)
+from megatron_entropy.algorithms import token_rules as rules_ops
+from megatron_entropy.algorithms.policy_loss import (PolicyLossSettings, TokenAdjustments,
+                                                     policy_loss, reduce_metrics)
+from megatron_entropy.algorithms.token_rules import TokenRuleSettings
 from megatron_entropy.analysis.entropy_change import entropy_change_metrics
 from megatron_entropy.models.arch import ModelArch
 from megatron_entropy.ops.logprob_entropy import (fused_linear_logprob_entropy,
@@ -38,6 +49,58 @@ class ActorSettings:
     cov_scope: str = "micro_batch"
     global_selection_logprobs: str = "recompute"  # recompute | fresh
     seed: int = 0
+    token_rules: TokenRuleSettings = field(default_factory=TokenRuleSettings)  # all off
+
+
+class StepRules:
+    """The token rules of one optimizer step: what the whole step decides before the training
+    forwards (``global`` populations, the 80/20 normalizer), and per micro-batch the rest.
+    Built on the last PP stage (where the loss runs) by every rank of its DP group."""
+
+    def __init__(self, rules: TokenRuleSettings, loss: PolicyLossSettings, masks: list,
+                 select_entropies: Optional[list], dp_group) -> None:
+        self.rules, self.loss = rules, loss
+        self.adjust: dict[int, TokenAdjustments] = {}
+        self.metrics: dict[int, dict] = {i: {} for i in range(len(masks))}
+        self.pg_normalizer: Optional[float] = None
+        mode = loss.loss_agg_mode
+        if rules.high_entropy_minority and rules.high_entropy_scope == "global":
+            chosen, norm = rules_ops.select_high_entropy_global(rules, select_entropies, masks,
+                                                                mode, dp_group)
+            for i, (sel, h, m) in enumerate(zip(chosen, select_entropies, masks)):
+                self.adjust[i] = TokenAdjustments(pg_mask=sel, pg_normalizer=norm)
+                self.metrics[i].update(rules_ops.high_entropy_metrics(sel, h, m))
+        elif rules.high_entropy_minority:
+            self.pg_normalizer = rules_ops.high_entropy_normalizer(rules, masks, mode, dp_group)
+        if rules.entropy_clip and rules.entropy_clip_scope == "global":
+            adjusts, metrics = rules_ops.entropy_clip_global(rules, loss, select_entropies,
+                                                             masks, dp_group)
+            for i, (a, m) in enumerate(zip(adjusts, metrics)):
+                self.adjust[i] = a
+                self.metrics[i].update(m)
+
+    @staticmethod
+    def needs_select_entropies(rules: TokenRuleSettings) -> bool:
+        return (rules.high_entropy_minority and rules.high_entropy_scope == "global") or \
+            (rules.entropy_clip and rules.entropy_clip_scope == "global")
+
+    def for_micro_batch(self, index: int, entropy: torch.Tensor, mask: torch.Tensor
+                        ) -> tuple[Optional[TokenAdjustments], dict]:
+        """(adjustments, metrics) of micro-batch ``index``; ``entropy`` is its training
+        forward's, for the per-micro-batch populations."""
+        r = self.rules
+        metrics = dict(self.metrics[index])
+        if index in self.adjust:
+            return self.adjust[index], metrics
+        if r.high_entropy_minority:
+            chosen = rules_ops.select_high_entropy(r, entropy, mask)
+            metrics.update(rules_ops.high_entropy_metrics(chosen, entropy.detach(), mask))
+            return TokenAdjustments(pg_mask=chosen, pg_normalizer=self.pg_normalizer), metrics
+        if r.entropy_clip:
+            adjust, m = rules_ops.entropy_clip_micro_batch(r, self.loss, entropy, mask)
+            metrics.update(m)
+            return adjust, metrics
+        return None, metrics
 
 
 class Actor:
@@ -162,28 +225,53 @@ class Actor:
 
     # ------------------------------------------------------------------ updates
 
-    def _global_selections(self, mbs: list[MicroBatch], seed: int) -> Optional[list]:
-        """Clip-Cov/KL-Cov token choice over the whole optimizer step (cov_scope=global)."""
-        if self.settings.cov_scope != "global":
+    def _selection_inputs(self, mbs: list[MicroBatch], samples: Sequence[Sample]
+                          ) -> Optional[tuple[list, list]]:
+        """The ([B, R] log-probs, entropies) per micro-batch that choose for the ``global``
+        populations, on the loss's device; None when nothing selects globally or off the last
+        PP stage."""
+        if self.settings.cov_scope != "global" and \
+                not StepRules.needs_select_entropies(self.settings.token_rules):
             return None
-        from megatron_entropy.algorithms.policy_loss import select_tokens_global
-
         if self.settings.global_selection_logprobs == "fresh":
             # An extra forward-only pass: the current policy's log-probs, exact for every update.
             fresh = self._forward_only(self.model, mbs)
             if not self.ps.is_pipeline_last_stage():
                 return None
-            sel_logp = [mb.scatter(fresh[mb.index][0]) for mb in mbs]
+            logps = [mb.scatter(fresh[mb.index][0]) for mb in mbs]
+            ents = [mb.scatter(fresh[mb.index][1]) for mb in mbs]
         else:
             if not self.ps.is_pipeline_last_stage():
                 return None
-            sel_logp = [mb.fields["old_logprobs"] for mb in mbs]
+            logps = [mb.fields["old_logprobs"] for mb in mbs]
+            ents = [_recomputed_entropy(mb, samples) for mb in mbs]
+        return [lp.to(self.device) for lp in logps], [h.to(self.device) for h in ents]
+
+    def _global_selections(self, mbs: list[MicroBatch], inputs: Optional[tuple[list, list]],
+                           seed: int) -> Optional[list]:
+        """Clip-Cov/KL-Cov token choice over the whole optimizer step (cov_scope=global)."""
+        if self.settings.cov_scope != "global" or inputs is None:
+            return None
+        from megatron_entropy.algorithms.policy_loss import select_tokens_global
+
         # On the device of the loss (and of NCCL's collectives).
         dev = [to_device(mb, self.device) for mb in mbs]
         return select_tokens_global(
-            self.loss_settings, [lp.to(self.device) for lp in sel_logp],
-            [mb.fields["old_logprobs"] for mb in dev], [mb.advantages for mb in dev],
-            [mb.mask for mb in dev], dp_group=self.ps.get_data_parallel_group(), seed=seed)
+            self.loss_settings, inputs[0], [mb.fields["old_logprobs"] for mb in dev],
+            [mb.advantages for mb in dev], [mb.mask for mb in dev],
+            dp_group=self.ps.get_data_parallel_group(), seed=seed)
+
+    def _shape_advantages(self, mbs: list[MicroBatch], samples: Sequence[Sample]
+                          ) -> dict[int, dict]:
+        """Entropy advantage shaping in place (``mb.advantages``); its metrics per micro-batch."""
+        if not self.settings.token_rules.entropy_advantage:
+            return {}
+        metrics = {}
+        for mb in mbs:
+            mb.advantages, metrics[mb.index] = rules_ops.shape_advantages(
+                self.settings.token_rules, mb.advantages, _recomputed_entropy(mb, samples),
+                mb.mask)
+        return metrics
 
     def update(self, samples: list[Sample], step: int) -> dict[str, float]:
         """ppo_epochs x mini_batches_per_step optimizer steps over this rank's samples."""
@@ -197,23 +285,34 @@ class Actor:
             for k in range(n_mini):
                 ids = list(range(bounds[k], bounds[k + 1]))
                 mbs = pack_micro_batches(samples, self.settings.micro_batch_tokens, ids)
+                shaping = self._shape_advantages(mbs, samples)
                 normalizer = step_normalizer([mb.mask for mb in mbs],
                                              self.loss_settings.loss_agg_mode,
                                              self.ps.get_data_parallel_group())
                 # Every draw derives from (seed, step, epoch, mini-batch, micro-batch): resumable.
                 update_seed = ((self.settings.seed * 1_000_003 + step) * 1009 + epoch) * 101 + k
-                selections = self._global_selections(mbs, update_seed)
+                inputs = self._selection_inputs(mbs, samples)
+                selections = self._global_selections(mbs, inputs, update_seed)
+                step_rules = None
+                if self.ps.is_pipeline_last_stage():
+                    step_rules = StepRules(self.settings.token_rules, self.loss_settings,
+                                           [mb.mask.to(self.device) for mb in mbs],
+                                           None if inputs is None else inputs[1],
+                                           self.ps.get_data_parallel_group())
 
                 def loss_fn(model, output, mb, normalizer=normalizer, selections=selections,
-                            update_seed=update_seed):
+                            update_seed=update_seed, step_rules=step_rules, shaping=shaping):
                     logp, ent = self._token_stats(model, output, mb)
+                    entropy = mb.scatter(ent)
+                    adjust, rule_metrics = step_rules.for_micro_batch(mb.index, entropy, mb.mask)
                     gen = torch.Generator().manual_seed(update_seed * 997 + mb.index)
                     loss, metrics = policy_loss(
                         self.loss_settings, mb.scatter(logp), mb.fields["old_logprobs"],
-                        mb.advantages, mb.mask, normalizer=normalizer, entropy=mb.scatter(ent),
+                        mb.advantages, mb.mask, normalizer=normalizer, entropy=entropy,
                         ref_logp=mb.fields.get("ref_logprobs"),
                         selection=None if selections is None else selections[mb.index],
-                        generator=gen)
+                        generator=gen, adjust=adjust)
+                    metrics.update(rule_metrics, **shaping.get(mb.index, {}))
                     return loss, torch.tensor(mb.num_tokens, dtype=torch.int), {"m": metrics}
 
                 outs = self._run_schedule(self.model, mbs, loss_fn, forward_only=False)
@@ -242,3 +341,8 @@ class Actor:
         out["lr"] = opt_stats[-1]["lr"] if opt_stats else 0.0
         out["update_skipped"] = float(sum(not s["update_successful"] for s in opt_stats))
         return out
+
+
+def _recomputed_entropy(mb: MicroBatch, samples: Sequence[Sample]) -> torch.Tensor:
+    """[B, R] the recompute's entropies of the micro-batch's response tokens."""
+    return mb.scatter(torch.cat([samples[i].entropy.float() for i in mb.sample_ids]))

@@ -20,8 +20,11 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron_entropy.config import Config, save_run_config
+from megatron_entropy.config import Config, save_run_config, token_rule_settings
 from megatron_entropy.trainer import preemption
+from megatron_entropy.trainer.entropy_control import (apply_knob, build_controller,
+                                                      controller_state, restore_controller,
+                                                      update_controller)
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: checkpointed on a signal, resume later
 
@@ -186,8 +189,9 @@ class Trainer:
                           mini_batches_per_step=cfg.trainer.mini_batches_per_step,
                           ppo_epochs=cfg.trainer.ppo_epochs, cov_scope=a.cov_scope,
                           global_selection_logprobs=a.global_selection_logprobs,
-                          seed=cfg.trainer.seed),
+                          seed=cfg.trainer.seed, token_rules=token_rule_settings(a)),
             ref_model=ref_model)
+        self.controller = build_controller(a, self.arch.vocab_size)
 
         self.state = RunState(rollout_seed=cfg.rollout.seed)
         if resume_from is not None:
@@ -196,6 +200,7 @@ class Trainer:
             self.state = RunState(step=saved["step"], sampler=saved["sampler"],
                                   rollout_seed=saved["rollout_seed"])
             self.sampler.load_state_dict(saved["sampler"])
+            restore_controller(self.controller, saved)
 
         # Rollout engine: per DP leader (in-process) or one set of servers for the job.
         from megatron_entropy.rollout import build_engine, engine_is_shared
@@ -363,7 +368,8 @@ class Trainer:
         self.ckpt.save(step, self.model, self.actor.optimizer,
                        {"step": step, "sampler": self.sampler.state_dict(),
                         "rollout_seed": self.state.rollout_seed,
-                        "scheduler": self.actor.scheduler.state_dict()},
+                        "scheduler": self.actor.scheduler.state_dict(),
+                        **controller_state(self.controller)},
                        self.arch, self.hf_dir)
         self.saved_step = step
 
@@ -396,8 +402,10 @@ class Trainer:
                 with timer("recompute"):
                     self.actor.recompute(mine)
                 metrics.update(_reduce_token_metrics(mine, dp_group))
+                apply_knob(self.controller, self.actor)
                 with timer("update"):
                     actor_metrics = self.actor.update(mine, step)
+                metrics.update(update_controller(self.controller, metrics))
                 metrics.update({_LOSS_METRIC_NAMES.get(k, k): v for k, v in actor_metrics.items()})
                 if cfg.analysis.entropy_change:
                     with timer("entropy_change"):
