@@ -283,13 +283,13 @@ class Trainer:
 
     def validate(self, step: int) -> dict[str, float]:
         from megatron_entropy.rewards import math_rewards
-        from megatron_entropy.trainer.rollouts import generate_groups, rollout_metrics
+        from megatron_entropy.trainer.rollouts import generate_round, rollout_metrics
 
         if len(self.val_data) == 0:
             return {}
-        groups = generate_groups(self.engine, list(self.val_data),
-                                 self.sampling_params(step, validation=True), math_rewards,
-                                 self.shared_engine)
+        _, groups, _ = generate_round(self.engine, list(self.val_data),
+                                      self.sampling_params(step, validation=True), math_rewards,
+                                      self.shared_engine)
         return rollout_metrics(groups, prefix="val/")
 
     def save(self, step: int) -> None:
@@ -303,7 +303,7 @@ class Trainer:
 
     def run(self) -> dict[str, float]:
         from megatron_entropy.trainer.metrics import PhaseTimer
-        from megatron_entropy.trainer.rollouts import dp_share, groups_to_samples, rollout_metrics
+        from megatron_entropy.trainer.rollouts import groups_to_samples, rollout_metrics
 
         cfg, t = self.cfg, self.cfg.trainer
         dp_group = self.ps.get_data_parallel_group()
@@ -314,12 +314,11 @@ class Trainer:
             timer = PhaseTimer()
             started = time.perf_counter()
             with timer("rollout"):
-                kept, generated, sampling_metrics = self.rollout(step)
-            samples = groups_to_samples(kept, cfg.algorithm.advantage,
-                                        cfg.algorithm.norm_adv_by_std)
-            mine = dp_share(samples)
-            metrics = {**rollout_metrics(generated), **sampling_metrics}
-            if samples:
+                rolled = self.rollout(step)
+            mine = groups_to_samples(rolled, cfg.algorithm.advantage,
+                                     cfg.algorithm.norm_adv_by_std)
+            metrics = {**rollout_metrics(rolled.generated), **rolled.metrics}
+            if rolled.kept:
                 with timer("recompute"):
                     self.actor.recompute(mine)
                 metrics.update(_reduce_token_metrics(mine, dp_group))
@@ -340,7 +339,7 @@ class Trainer:
                     metrics.update(self.validate(step))
             if self.engine is not None:
                 metrics.update(self.engine.metrics())
-            tokens = sum(len(s.response_ids) + len(s.prompt_ids) for s in samples)
+            tokens = rolled.tokens
             metrics.update(timer.as_metrics())
             metrics["time/step"] = time.perf_counter() - started
             metrics["perf/tokens_per_s"] = tokens / max(metrics["time/step"], 1e-9)
