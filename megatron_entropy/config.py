@@ -207,6 +207,9 @@ class TrainerConfig:
     mini_batches_per_step: int = _f(1, ge=1, help="optimizer steps per rollout batch (per epoch)")
     ppo_epochs: int = _f(1, ge=1)
     micro_batch_tokens: int = _f(16384, ge=1, help="token budget of one micro-batch (dynamic bsz)")
+    distributed_optimizer: Union[bool, Literal["auto"]] = _f(
+        "auto", help="Megatron's distributed optimizer: fp32 main weights and Adam moments "
+                     "sharded over DP ranks; 'auto' = on where DP > 1")
     seed: int = 42
     save_interval: int = _f(0, ge=0, help="steps between checkpoints; 0 = only at the end")
     keep_last: int = _f(2, ge=1)

@@ -115,7 +115,8 @@ class Trainer:
         from megatron_entropy.trainer.checkpoint import CheckpointManager
         from megatron_entropy.trainer.metrics import MetricsLogger
         from megatron_entropy.trainer.model_setup import (OptimSettings, build_optimizer,
-                                                          build_trainable_model)
+                                                          build_trainable_model,
+                                                          use_distributed_optimizer)
 
         self.cfg = cfg
         self.run_dir = cfg.run_dir
@@ -150,16 +151,18 @@ class Trainer:
 
         self.ckpt = CheckpointManager(self.run_dir, cfg.trainer.keep_last)
         resume_from = self._resume_path()
+        sharded_optimizer = use_distributed_optimizer(cfg.trainer.distributed_optimizer,
+                                                      ps.get_data_parallel_world_size())
         self.model = build_trainable_model(self.arch, cfg.parallel.tensor, cfg.parallel.pipeline,
                                            m.dtype, m.transformer_impl, m.seq_length,
                                            cfg.parallel.sequence_parallel,
-                                           m.recompute_activations)
+                                           m.recompute_activations, sharded_optimizer)
         if resume_from is None:
             self._load_initial_weights(self.model[0])
         optimizer, scheduler = build_optimizer(
             self.model, OptimSettings.from_trainer_config(
                 cfg.trainer, cfg.trainer.steps * cfg.trainer.ppo_epochs
-                * cfg.trainer.mini_batches_per_step), m.dtype)
+                * cfg.trainer.mini_batches_per_step), m.dtype, sharded_optimizer)
         ref_model = None
         if cfg.algorithm.kl_coef > 0:
             from megatron_entropy.models.builder import build_gpt_model
