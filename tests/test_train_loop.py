@@ -209,6 +209,31 @@ def test_dp_shares_equal_the_gather_everything_path(model_dir, world, tensor, pi
     assert 0 < step_metrics["rollout/bytes_received"] < max(o[5] for o in out)
 
 
+def test_bf16_run_with_the_distributed_optimizer_resumes_across_a_change_of_dp(model_dir,
+                                                                              tmp_path):
+    """bf16 params with fp32 main weights and Adam moments (Megatron's mixed-precision optimizer)
+    sharded by the distributed optimizer over DP=2 on gloo: a step updates the weights (an
+    entropy bonus gives gradients whatever the rewards of the random model), and its checkpoint
+    resumes at DP=1 x TP=2 (optimizer state resharded) for another step."""
+    extra = dict(model={"dtype": "bf16"}, algorithm={"entropy_coef": 0.01})
+    cfg = _config(model_dir, tmp_path, "bf16", parallel={"tensor": 1}, trainer={"steps": 1},
+                  **extra)
+    run_distributed(train_from_dict, 2, cfg, timeout=300)
+    state = json.loads((tmp_path / "bf16" / "checkpoints" / "step_00000001"
+                        / "trainer_state.json").read_text())
+    assert state["optimizer_state"] and state["layout"] == {"world": 2, "tensor": 1, "pipeline": 1}
+    cfg = _config(model_dir, tmp_path, "bf16", trainer={"steps": 2, "distributed_optimizer": True},
+                  **extra)
+    run_distributed(train_from_dict, 2, cfg, timeout=300)
+    rows = _metrics(tmp_path, "bf16")
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["grad_norm"] > 0 and not r["loss/update_skipped"]
+        bad = {k: v for k, v in r.items() if not (isinstance(v, (int, float))
+                                                  and math.isfinite(v))}
+        assert not bad, bad
+
+
 def _model_sequence_length(cfg: dict) -> int:
     """Worker: the sequence length the trainer built its Megatron model for."""
     from megatron_entropy.config import load_config
@@ -299,30 +324,6 @@ def test_accuracy_rises_on_the_arithmetic_task(tmp_path):
     assert 0 < start < 0.9, start  # the shipped model solves some, not all
     assert end > start, (start, end)
     assert all(rows[s]["loss/selected_frac"] > 0 for s in range(1, 9))
-
-
-def test_bf16_run_with_the_distributed_optimizer_resumes_across_a_change_of_dp(tmp_path):
-    """bf16 params with fp32 main weights and Adam moments (Megatron's mixed-precision optimizer)
-    sharded by the distributed optimizer over DP=2 on gloo: a step learns (grads flow, finite
-    metrics), and its checkpoint resumes at DP=1 x TP=2 (optimizer state resharded)."""
-    bf16 = {"dtype": "bf16"}
-    small = {"prompts_per_step": 4}
-    cfg = _quickstart(tmp_path, "bf16", model=bf16, parallel={"tensor": 1}, data=small,
-                      trainer={"steps": 1})
-    run_distributed(train_from_dict, 2, cfg, timeout=300)
-    state = json.loads((tmp_path / "bf16" / "checkpoints" / "step_00000001"
-                        / "trainer_state.json").read_text())
-    assert state["optimizer_state"] and state["layout"] == {"world": 2, "tensor": 1, "pipeline": 1}
-    cfg = _quickstart(tmp_path, "bf16", model=bf16, data=small,
-                      trainer={"steps": 2, "distributed_optimizer": True})
-    run_distributed(train_from_dict, 2, cfg, timeout=300)
-    rows = _metrics(tmp_path, "bf16")
-    assert [r["step"] for r in rows] == [1, 2]
-    for r in rows:
-        assert r["grad_norm"] > 0 and not r["loss/update_skipped"]
-        bad = {k: v for k, v in r.items() if not (isinstance(v, (int, float))
-                                                  and math.isfinite(v))}
-        assert not bad, bad
 
 
 @pytest.mark.slow
