@@ -217,6 +217,12 @@ class TrainerConfig:
     val_interval: int = _f(0, ge=0, help="steps between validations; 0 = never")
     val_before_train: bool = False
 
+    def uses_distributed_optimizer(self, data_parallel: int) -> bool:
+        """``distributed_optimizer`` resolved: 'auto' is on where there is more than one DP
+        rank to shard over."""
+        return data_parallel > 1 if self.distributed_optimizer == "auto" \
+            else bool(self.distributed_optimizer)
+
 
 @dataclass
 class LoggingConfig:

@@ -115,8 +115,7 @@ class Trainer:
         from megatron_entropy.trainer.checkpoint import CheckpointManager
         from megatron_entropy.trainer.metrics import MetricsLogger
         from megatron_entropy.trainer.model_setup import (OptimSettings, build_optimizer,
-                                                          build_trainable_model,
-                                                          use_distributed_optimizer)
+                                                          build_trainable_model)
 
         self.cfg = cfg
         self.run_dir = cfg.run_dir
@@ -151,8 +150,8 @@ class Trainer:
 
         self.ckpt = CheckpointManager(self.run_dir, cfg.trainer.keep_last)
         resume_from = self._resume_path()
-        sharded_optimizer = use_distributed_optimizer(cfg.trainer.distributed_optimizer,
-                                                      ps.get_data_parallel_world_size())
+        sharded_optimizer = cfg.trainer.uses_distributed_optimizer(
+            ps.get_data_parallel_world_size())
         self.model = build_trainable_model(self.arch, cfg.parallel.tensor, cfg.parallel.pipeline,
                                            m.dtype, m.transformer_impl, m.seq_length,
                                            cfg.parallel.sequence_parallel,

@@ -10,7 +10,7 @@ both, and ``finalize_model_grads`` is called without a token count so that it do
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import torch
 
@@ -36,12 +36,6 @@ class OptimSettings:
         return cls(lr=t.lr, min_lr=t.min_lr, lr_schedule=t.lr_schedule, warmup_steps=t.warmup_steps,
                    total_steps=total_steps, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
                    adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps)
-
-
-def use_distributed_optimizer(setting: Union[bool, str], data_parallel_size: int) -> bool:
-    """``trainer.distributed_optimizer``: true, false, or 'auto' (on where there is more than
-    one DP rank to shard over)."""
-    return data_parallel_size > 1 if setting == "auto" else bool(setting)
 
 
 def _finalize_without_rescale(model, num_tokens=None, *args, **kwargs):
