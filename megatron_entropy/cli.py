@@ -24,6 +24,7 @@ HARMLESS_WARNINGS = (
     (UserWarning, r"Apex is not installed"),
     (UserWarning, r"full scope is deprecated"),
     (FutureWarning, r"`torch\.distributed\.all_gather_into_tensor` is deprecated"),
+    (FutureWarning, r"`torch\.distributed\.reduce_scatter_tensor` is deprecated"),
     # On every resume, from torch.distributed.checkpoint as megatron-core calls it.
     (FutureWarning, r"`load_state_dict` is deprecated"),
     (FutureWarning, r"Please use DTensor instead and we are deprecating ShardedTensor"),

@@ -265,6 +265,9 @@ class TrainerConfig:
     mini_batches_per_step: int = _f(1, ge=1, help="optimizer steps per rollout batch (per epoch)")
     ppo_epochs: int = _f(1, ge=1)
     micro_batch_tokens: int = _f(16384, ge=1, help="token budget of one micro-batch (dynamic bsz)")
+    distributed_optimizer: Union[bool, Literal["auto"]] = _f(
+        "auto", help="Megatron's distributed optimizer: fp32 main weights and Adam moments "
+                     "sharded over DP ranks; 'auto' = on where DP > 1")
     seed: int = 42
     save_interval: int = _f(0, ge=0, help="steps between checkpoints; 0 = only at the end")
     keep_last: int = _f(2, ge=1)
@@ -276,6 +279,12 @@ class TrainerConfig:
         "be passed; 0 = no limit of its own. Under Slurm the job's end time is always one"))
     exit_margin_s: float = _f(60.0, ge=0, help=(
         "seconds kept free before that end, beyond the longest recent step and a checkpoint"))
+
+    def uses_distributed_optimizer(self, data_parallel: int) -> bool:
+        """``distributed_optimizer`` resolved: 'auto' is on where there is more than one DP
+        rank to shard over."""
+        return data_parallel > 1 if self.distributed_optimizer == "auto" \
+            else bool(self.distributed_optimizer)
 
 
 @dataclass

@@ -7,8 +7,9 @@ estimates the memory of the fullest trainer GPU and of a server GPU. A layout th
 refused with the reason and exit code 1.
 
 The estimate follows what the trainer builds (models/builder.py, trainer/model_setup.py):
-- weights in ``model.dtype``; Megatron DDP's fp32 grad buffer; the non-distributed Megatron
-  optimizer keeps fp32 main weights (bf16/fp16 runs) and Adam's two fp32 moments on every DP rank;
+- weights in ``model.dtype``; Megatron DDP's fp32 grad buffer; fp32 main weights (bf16/fp16
+  runs) and Adam's two fp32 moments, on every DP rank with the plain optimizer, 1/DP of them per
+  rank with the distributed optimizer (``trainer.distributed_optimizer``);
 - activations of one micro-batch of ``trainer.micro_batch_tokens`` tokens: every layer input when
   ``model.recompute_activations`` (full recompute) plus one layer's full set, or every layer's full
   set without recompute; the first pipeline stage holds ``pipeline`` micro-batches in flight (1F1B);
@@ -188,9 +189,13 @@ def make_plan(cfg: Config, arch: ModelArch, nodes: int, arch_source: str = "") -
     w = _DTYPE_BYTES[cfg.model.dtype]
     plan.trainer.append((f"weights ({cfg.model.dtype})", n * w))
     plan.trainer.append(("grad buffer (fp32)", n * 4))
+    # The distributed optimizer keeps each DP rank's 1/DP of the main weights and moments.
+    sharded = t.uses_distributed_optimizer(plan.data_parallel)
+    dp_shard = f", 1/{plan.data_parallel} by the distributed optimizer" if sharded else ""
+    optimizer_params = -(-n // plan.data_parallel) if sharded else n
     if w < 4:
-        plan.trainer.append(("fp32 main weights", n * 4))
-    plan.trainer.append(("Adam moments (fp32)", n * 8))
+        plan.trainer.append((f"fp32 main weights{dp_shard}", optimizer_params * 4))
+    plan.trainer.append((f"Adam moments (fp32{dp_shard})", optimizer_params * 8))
     if cfg.algorithm.kl_coef > 0:
         plan.trainer.append((f"reference model ({cfg.model.dtype})", n * w))
     tokens = t.micro_batch_tokens

@@ -19,7 +19,8 @@ from megatron_entropy.models.arch import arch_from_hf_config
 def _update_worker(loss: str, scope: str, selection_logprobs: str,
                    loss_agg_mode: str = "token-mean", empty_response: bool = False,
                    micro_batch_tokens: int = 24, rules: dict | None = None,
-                   clip_ratio: float = 1.0, temperature: float = 1.0):
+                   clip_ratio: float = 1.0, temperature: float = 1.0,
+                   distributed_optimizer: bool = False):
     """One RL step's updates (2 epochs x 2 mini-batches) of the tiny model on ``random_samples(0)`` (plus
     a sample with an empty response, last), with the token rules ``rules`` (TokenRuleSettings
     fields); returns the weights after, the metrics (and this rank's recompute entropies), the
@@ -34,12 +35,14 @@ def _update_worker(loss: str, scope: str, selection_logprobs: str,
 
     init_megatron()
     arch = arch_from_hf_config(tiny_hf_config("qwen2"))
-    chunks = build_trainable_model(arch, 1, 1, "fp32", "local", 64)
+    chunks = build_trainable_model(arch, 1, 1, "fp32", "local", 64,
+                                   distributed_optimizer=distributed_optimizer)
     initial = full_state_dict(chunks[0])
     # adam_eps = 1: updates proportional to the gradients. With a tiny eps Adam turns float noise
     # in near-zero gradients into full-size steps, and the comparison would test that noise.
     optimizer, scheduler = build_optimizer(chunks, OptimSettings(lr=1e-2, total_steps=4,
-                                                                 grad_clip=0, adam_eps=1.0))
+                                                                 grad_clip=0, adam_eps=1.0),
+                                           distributed_optimizer=distributed_optimizer)
     actor = Actor(arch, chunks, optimizer, scheduler,
                   PolicyLossSettings(loss=loss, clip_cov_ratio=0.1, clip_cov_lb=0.0,
                                      clip_cov_ub=100.0, kl_cov_ratio=0.1, kl_cov_coef=1.0,
@@ -58,6 +61,8 @@ def _update_worker(loss: str, scope: str, selection_logprobs: str,
     # The largest |log-prob| the selection saw, the scale of its rounding.
     metrics["max_abs_logp"] = float(torch.cat([s.old_logprobs for s in mine]).abs().max())
     metrics["recompute_entropies"] = [s.entropy.double() for s in mine]
+    metrics["optimizers"] = [type(o).__name__
+                             for o in getattr(optimizer, "chained_optimizers", [optimizer])]
     return full_state_dict(chunks[0]), metrics, initial
 
 
@@ -91,6 +96,27 @@ def test_global_scope_update_is_independent_of_the_dp_split(loss, selection):
     # The selection changes the update (against plain PPO without clipping), so the
     # comparison above covers it.
     assert max((w1[n] - wp[n]).abs().max() for n in w1) > 1e-4
+
+
+def test_distributed_optimizer_at_dp2_equals_the_plain_optimizer_at_dp1():
+    """Megatron's distributed optimizer on gloo/CPU (grads reduce-scattered, each DP rank
+    updating its shard of the fp32 main weights and Adam moments, params all-gathered): 4 updates
+    of one step at DP=2 give the weights the plain optimizer gives at DP=1, up to the rounding
+    of a split step (as in the DP-split test above); both DP ranks hold the same weights."""
+    ((w1, m1, w0),) = run_distributed(_update_worker, 1, "kl_cov", "global", "recompute")
+    (w2, m2, _), (w2b, _, _) = run_distributed(_update_worker, 2, "kl_cov", "global", "recompute",
+                                               distributed_optimizer=True)
+    samples = random_samples(0)
+    logp_path = transformer_terms(arch_from_hf_config(tiny_hf_config("qwen2")),
+                                  max(s.length for s in samples), log_softmax=True)
+    path = grad_terms(logp_path, sum(len(s.response_ids) for s in samples))
+    assert set(m2["optimizers"]) == {"DistributedOptimizer"} != set(m1["optimizers"])
+    assert m1["selected_frac"] == m2["selected_frac"]
+    for name in w1:
+        torch.testing.assert_close(w2[name], w1[name], rtol=0, msg=name,
+                                   atol=update_tol(w1[name], w0[name], UPDATES, path))
+        torch.testing.assert_close(w2b[name], w2[name], rtol=0, atol=0, msg=name)
+    assert max((w1[n] - w0[n]).abs().max() for n in w1) > 1e-3  # the updates moved the weights
 
 
 def test_micro_batch_scope_selects_inside_each_micro_batch():

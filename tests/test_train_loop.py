@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import pickle
 import re
 import signal
 import subprocess
@@ -117,6 +118,121 @@ def test_resume_on_another_layout(model_dir, drift_tol, tmp_path):
     rows = _metrics(tmp_path, "relayout")
     assert [r["step"] for r in rows] == [1, 2]
     assert rows[1]["rollout/logprob_drift_max"] <= drift_tol
+
+
+def _gather_everything_reference(engine, rounds, sampling, reward_fn, shared, target_groups):
+    """The path the trainer took before DP shares (the reference for them): every rank receives
+    every scored group (all_gather_object), filters, computes advantages and keeps its share."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_entropy.algorithms.advantages import compute_advantages
+    from megatron_entropy.data import GroupFilter
+    from megatron_entropy.rollout.base import SamplingParams
+    from megatron_entropy.trainer.batch import Sample
+    from megatron_entropy.trainer.rollouts import GroupStats, dp_share, generate_round
+
+    keep = GroupFilter(target_groups, max_refill_rounds=3)
+    generated, received = [], 0
+    while not keep.done:
+        items = rounds[keep.rounds][:keep.prompts_needed()]
+        local, _, _ = generate_round(engine, items, SamplingParams(**{
+            **vars(sampling), "seed": sampling.seed * 31 + keep.rounds}), reward_fn, shared)
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, local)
+        received += sum(len(pickle.dumps(part)) for r, part in enumerate(gathered)
+                        if r != dist.get_rank())
+        groups = [g for i in range(len(items)) for part in gathered for j, g in part.items()
+                  if j == i]
+        generated += groups
+        keep.add(groups, [g.rewards for g in groups])
+    kept = keep.take()
+    samples = [Sample(prompt_ids=list(g.item.prompt_ids), response_ids=list(c.token_ids),
+                      engine_logprobs=list(c.logprobs), reward=r, group=gi, source=g.item.source,
+                      finish_reason=c.finish_reason, answer=g.item.answer, text=c.text)
+               for gi, g in enumerate(kept) for c, r in zip(g.completions, g.rewards)]
+    adv = compute_advantages("grpo", torch.tensor([s.reward for s in samples]),
+                             torch.tensor([s.group for s in samples]), norm_by_std=True)
+    for s, a in zip(samples, adv.tolist()):
+        s.advantage = a
+    return dp_share(samples), [GroupStats.of(g) for g in generated], received
+
+
+def _dp_share_worker(model_dir: str, tensor: int, pipeline: int, shared: bool):
+    """Worker: one step's rollouts (dynamic sampling, refills) by DP share and by the reference
+    path, with a real in-process engine on the ranks that talk to one."""
+    import torch.distributed as dist
+
+    from harness import init_megatron
+    from megatron_entropy.data import PromptItem, load_tokenizer
+    from megatron_entropy.rollout.base import SamplingParams
+    from megatron_entropy.rollout.inprocess import InProcessEngine
+    from megatron_entropy.trainer.rollouts import (collect_step_groups, groups_to_samples,
+                                                   rollout_metrics)
+
+    init_megatron(tensor, pipeline)
+    leader = dist.get_rank() == 0 if shared else dist.get_rank() % (tensor * pipeline) == 0
+    engine = InProcessEngine(model_dir) if leader else None
+    tok = load_tokenizer(model_dir)
+    rounds = [[PromptItem(tok.encode(f"{r} + {i} ="), str(r + i), f"src{i % 2}", "")
+               for i in range(6)] for r in range(4)]
+
+    def reward_fn(texts, answers):  # a function of the text with variance inside most groups
+        return [float(len(t) % 3 == 0) for t in texts]
+
+    sampling = SamplingParams(n=3, temperature=1.0, max_new_tokens=6, seed=11)
+    feed = iter(rounds)
+    step = collect_step_groups(engine, lambda n: next(feed)[:n], sampling, reward_fn, shared,
+                               target_groups=5, dynamic_sampling=True, max_refill_rounds=3)
+    mine = groups_to_samples(step, "grpo", True)
+    ref, ref_generated, ref_bytes = _gather_everything_reference(
+        engine, rounds, sampling, reward_fn, shared, 5)
+    return (mine, ref, rollout_metrics(step.generated), rollout_metrics(ref_generated),
+            step.metrics, ref_bytes)
+
+
+@pytest.mark.parametrize("world,tensor,pipeline,shared", [
+    (2, 1, 1, False), (2, 1, 1, True), (2, 2, 1, True), (2, 1, 2, False)])
+def test_dp_shares_equal_the_gather_everything_path(model_dir, world, tensor, pipeline, shared):
+    """Each rank receives only its DP share of the kept groups, and trains on exactly the
+    samples (tokens, log-probs, rewards, advantages, order) the gather-everything path gave it:
+    the same update, bit for bit. Metrics over every generated group are the same."""
+    out = run_distributed(_dp_share_worker, world, str(model_dir), tensor, pipeline, shared,
+                          timeout=120)
+    dp = world // (tensor * pipeline)
+    for rank, (mine, ref, metrics, ref_metrics, step_metrics, ref_bytes) in enumerate(out):
+        assert mine == ref, rank
+        assert metrics == ref_metrics
+        assert {s.group % dp for s in mine} == {(rank // (tensor * pipeline)) % dp}
+    assert step_metrics["data/sampling_rounds"] > 1  # refills happened: shares span rounds
+    assert {s.group for o in out for s in o[0]} == set(range(int(step_metrics["data/groups"])))
+    # The most any rank received: its share and the statistics, less than everything.
+    assert 0 < step_metrics["rollout/bytes_received"] < max(o[5] for o in out)
+
+
+def test_bf16_run_with_the_distributed_optimizer_resumes_across_a_change_of_dp(model_dir,
+                                                                              tmp_path):
+    """bf16 params with fp32 main weights and Adam moments (Megatron's mixed-precision optimizer)
+    sharded by the distributed optimizer over DP=2 on gloo: a step updates the weights (an
+    entropy bonus gives gradients whatever the rewards of the random model), and its checkpoint
+    resumes at DP=1 x TP=2 (optimizer state resharded) for another step."""
+    extra = dict(model={"dtype": "bf16"}, algorithm={"entropy_coef": 0.01})
+    cfg = _config(model_dir, tmp_path, "bf16", parallel={"tensor": 1}, trainer={"steps": 1},
+                  **extra)
+    run_distributed(train_from_dict, 2, cfg, timeout=300)
+    state = json.loads((tmp_path / "bf16" / "checkpoints" / "step_00000001"
+                        / "trainer_state.json").read_text())
+    assert state["optimizer_state"] and state["layout"] == {"world": 2, "tensor": 1, "pipeline": 1}
+    cfg = _config(model_dir, tmp_path, "bf16", trainer={"steps": 2, "distributed_optimizer": True},
+                  **extra)
+    run_distributed(train_from_dict, 2, cfg, timeout=300)
+    rows = _metrics(tmp_path, "bf16")
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["grad_norm"] > 0 and not r["loss/update_skipped"]
+        bad = {k: v for k, v in r.items() if not (isinstance(v, (int, float))
+                                                  and math.isfinite(v))}
+        assert not bad, bad
 
 
 def _model_sequence_length(cfg: dict) -> int:

@@ -130,6 +130,12 @@ def build_gpt_model(arch: ModelArch, tensor: int = 1, pipeline: int = 1, dtype: 
         rope_scaling=arch.rope_scaling_factor is not None,
         rope_scaling_factor=arch.rope_scaling_factor or 8.0,
     )
+    # The local spec's torch RMSNorm ignores params_dtype: its weights would stay fp32 in a bf16
+    # model, and Megatron's mixed-precision optimizer mis-pairs such mixed dtypes in its
+    # checkpoints (Megatron-LM casts the whole model in Float16Module; buffers stay as they are).
+    for param in model.parameters():
+        if param.dtype != config.params_dtype:
+            param.data = param.data.to(config.params_dtype)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return model

@@ -113,6 +113,64 @@ def _clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decouple
             grad.mul_(clip_coeff)
 
 
+_CUDA_TYPE_NAMES = {"torch.FloatTensor": "torch.cuda.FloatTensor",
+                    "torch.HalfTensor": "torch.cuda.HalfTensor",
+                    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor"}
+
+
+def _with_cuda_type_names(init):
+    """Megatron's mixed-precision and distributed optimizers choose each parameter's path (fp32
+    main copy or not) by its ``type()`` string, spelled ``torch.cuda.*``, and raise on any other.
+    While ``init`` runs, a CPU tensor's ``type()`` answers with the CUDA spelling."""
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        original = torch.Tensor.type
+
+        def cuda_type_name(self, *a: Any, **k: Any) -> Any:
+            name = original(self, *a, **k)
+            return name if a or k else _CUDA_TYPE_NAMES.get(name, name)
+
+        torch.Tensor.type = cuda_type_name
+        try:
+            return init(*args, **kwargs)
+        finally:
+            torch.Tensor.type = original
+
+    wrapped.__name__ = init.__name__
+    return wrapped
+
+
+def _with_adam_steps_before_load(sharded_state_dict):
+    """Without apex/TE the distributed optimizer reads Adam's ``step`` from torch's per-parameter
+    state, which torch creates only at the first step: a fresh optimizer about to load has none.
+    Give it zero moments and steps (the load replaces them), as the fused optimizers' own
+    initialisation does."""
+
+    def wrapped(self, model_sharded_state_dict, is_loading: bool = False, **kwargs: Any) -> Any:
+        if is_loading:
+            self.init_state_fn(self.optimizer, self.config)
+            for state in self.optimizer.state.values():
+                state.setdefault("step", torch.tensor(0.0))
+        return sharded_state_dict(self, model_sharded_state_dict, is_loading, **kwargs)
+
+    return wrapped
+
+
+def _keeping_adam_step(set_states):
+    """The fully reshardable load hands each parameter its main weight and moments but not
+    torch Adam's ``step`` (set from the common state beforehand), then copies every key of the
+    parameter's state: keep the step it already has."""
+
+    def wrapped(self, model_param, tensors):
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        state = self.optimizer.state[self.optimizer.param_groups[group_index]["params"][group_order]]
+        if "step" in state and "step" not in tensors:
+            tensors = {**tensors, "step": state["step"]}
+        return set_states(self, model_param, tensors)
+
+    return wrapped
+
+
 def _check_version() -> None:
     import megatron.core
 
@@ -170,6 +228,16 @@ def apply() -> bool:
     optimizer = importlib.import_module("megatron.core.optimizer.optimizer")
     clip_grads.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
     optimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
+
+    distrib_optimizer = importlib.import_module("megatron.core.optimizer.distrib_optimizer")
+    for cls in (optimizer.Float16OptimizerWithFloat16Params,
+                distrib_optimizer.DistributedOptimizer):
+        cls.__init__ = _with_cuda_type_names(cls.__init__)
+    # CPU machines have neither apex nor TE, so the distributed optimizer runs on torch's Adam.
+    opt_cls = distrib_optimizer.DistributedOptimizer
+    opt_cls.sharded_state_dict = _with_adam_steps_before_load(opt_cls.sharded_state_dict)
+    opt_cls._set_main_param_and_optimizer_states = _keeping_adam_step(
+        opt_cls._set_main_param_and_optimizer_states)
 
     _applied = True
     return True

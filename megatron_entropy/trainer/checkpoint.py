@@ -129,6 +129,12 @@ def _barrier() -> None:
         dist.barrier()
 
 
+# The distributed optimizer's state in the canonical per-parameter layout (gathered over DP to
+# save, sliced per rank to load): reshardable across TP/PP/DP. megatron-core 0.16's default,
+# fully_sharded_model_space, fails to save (flattened ShardedTensors); plain optimizers ignore it.
+_OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
 def _has_optimizer_state(optimizer) -> bool:
     """False until the first optimizer step (Adam creates its moments lazily)."""
     inner = getattr(optimizer, "chained_optimizers", [optimizer])
@@ -203,7 +209,8 @@ class CheckpointManager:
         # Before the first update there is no optimizer state to keep: a fresh one equals it.
         with_optimizer = _has_optimizer_state(optimizer)
         if with_optimizer:
-            sharded["optimizer"] = optimizer.sharded_state_dict(model_sd)
+            sharded["optimizer"] = optimizer.sharded_state_dict(model_sd,
+                                                                metadata=_OPTIMIZER_METADATA)
         # Its writer processes and Manager must not die of a signal, but must die with this rank.
         with preemption.held(), _writers_die_with_rank():
             dist_checkpointing.save(sharded, str(tmp))
@@ -243,7 +250,8 @@ class CheckpointManager:
         sharded: dict[str, Any] = {"model": model_sd}
         load_optimizer = load_optimizer and state.get("optimizer_state", True)
         if load_optimizer:
-            sharded["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=True)
+            sharded["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=True,
+                                                                metadata=_OPTIMIZER_METADATA)
         loaded = dist_checkpointing.load(sharded, str(path))
         model.load_state_dict(loaded["model"])
         if load_optimizer:

@@ -161,16 +161,18 @@ class Trainer:
 
         self.ckpt = CheckpointManager(self.run_dir, cfg.trainer.keep_last)
         resume_from = self._resume_path()
+        sharded_optimizer = cfg.trainer.uses_distributed_optimizer(
+            ps.get_data_parallel_world_size())
         self.model = build_trainable_model(self.arch, cfg.parallel.tensor, cfg.parallel.pipeline,
                                            m.dtype, m.transformer_impl, m.seq_length,
                                            cfg.parallel.sequence_parallel,
-                                           m.recompute_activations)
+                                           m.recompute_activations, sharded_optimizer)
         if resume_from is None:
             self._load_initial_weights(self.model[0])
         optimizer, scheduler = build_optimizer(
             self.model, OptimSettings.from_trainer_config(
                 cfg.trainer, cfg.trainer.steps * cfg.trainer.ppo_epochs
-                * cfg.trainer.mini_batches_per_step), m.dtype)
+                * cfg.trainer.mini_batches_per_step), m.dtype, sharded_optimizer)
         ref_model = None
         if cfg.algorithm.kl_coef > 0:
             from megatron_entropy.models.builder import build_gpt_model
@@ -355,13 +357,13 @@ class Trainer:
 
     def validate(self, step: int) -> dict[str, float]:
         from megatron_entropy.rewards import math_rewards
-        from megatron_entropy.trainer.rollouts import generate_groups, rollout_metrics
+        from megatron_entropy.trainer.rollouts import generate_round, rollout_metrics
 
         if len(self.val_data) == 0:
             return {}
-        groups = generate_groups(self.engine, list(self.val_data),
-                                 self.sampling_params(step, validation=True), math_rewards,
-                                 self.shared_engine)
+        _, groups, _ = generate_round(self.engine, list(self.val_data),
+                                      self.sampling_params(step, validation=True), math_rewards,
+                                      self.shared_engine)
         return rollout_metrics(groups, prefix="val/")
 
     def save(self, step: int) -> None:
@@ -377,7 +379,7 @@ class Trainer:
 
     def run(self) -> dict[str, float]:
         from megatron_entropy.trainer.metrics import PhaseTimer
-        from megatron_entropy.trainer.rollouts import dp_share, groups_to_samples, rollout_metrics
+        from megatron_entropy.trainer.rollouts import groups_to_samples, rollout_metrics
 
         cfg, t = self.cfg, self.cfg.trainer
         dp_group = self.ps.get_data_parallel_group()
@@ -390,15 +392,14 @@ class Trainer:
             sampler_state = self.sampler.state_dict()
             try:
                 with timer("rollout"):
-                    kept, generated, sampling_metrics = self.rollout(step)
+                    rolled = self.rollout(step)
                 self._check_inside_step()  # before the update
             except _StepAbandoned as stop:
                 self._leave_inside_step(step, sampler_state, str(stop))
-            samples = groups_to_samples(kept, cfg.algorithm.advantage,
-                                        cfg.algorithm.norm_adv_by_std)
-            mine = dp_share(samples)
-            metrics = {**rollout_metrics(generated), **sampling_metrics}
-            if samples:
+            mine = groups_to_samples(rolled, cfg.algorithm.advantage,
+                                     cfg.algorithm.norm_adv_by_std)
+            metrics = {**rollout_metrics(rolled.generated), **rolled.metrics}
+            if rolled.kept:
                 with timer("recompute"):
                     self.actor.recompute(mine)
                 metrics.update(_reduce_token_metrics(mine, dp_group))
@@ -422,7 +423,7 @@ class Trainer:
                     metrics.update(self.validate(step))
             if self.engine is not None:
                 metrics.update(self.engine.metrics())
-            tokens = sum(len(s.response_ids) + len(s.prompt_ids) for s in samples)
+            tokens = rolled.tokens
             metrics.update(timer.as_metrics())
             metrics["time/step"] = time.perf_counter() - started
             metrics["perf/tokens_per_s"] = tokens / max(metrics["time/step"], 1e-9)

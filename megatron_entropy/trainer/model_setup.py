@@ -47,8 +47,12 @@ def _finalize_without_rescale(model, num_tokens=None, *args, **kwargs):
 
 def build_trainable_model(arch: ModelArch, tensor: int, pipeline: int, dtype: str = "fp32",
                           transformer_impl: str = "auto", seq_length: int = 4096,
-                          sequence_parallel: bool = False, recompute: bool = False) -> list:
-    """GPTModel in Megatron's DDP (one chunk: no virtual pipeline), ready for the schedules."""
+                          sequence_parallel: bool = False, recompute: bool = False,
+                          distributed_optimizer: bool = False) -> list:
+    """GPTModel in Megatron's DDP (one chunk: no virtual pipeline), ready for the schedules.
+    ``distributed_optimizer`` lays the grad buffer out for Megatron's distributed optimizer
+    (grads reduce-scattered over DP, each rank updating its shard); pass the same to
+    `build_optimizer`."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     model = build_gpt_model(arch, tensor, pipeline, dtype, transformer_impl, seq_length,
@@ -57,14 +61,16 @@ def build_trainable_model(arch: ModelArch, tensor: int, pipeline: int, dtype: st
     config.calculate_per_token_loss = True
     config.finalize_model_grads_func = _finalize_without_rescale
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False,
-        check_for_nan_in_grad=True)
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+        use_distributed_optimizer=distributed_optimizer, check_for_nan_in_grad=True)
     ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
     return [ddp]
 
 
-def build_optimizer(model_chunks: list, settings: OptimSettings, dtype: str = "fp32"):
-    """Megatron's AdamW (fp32 master weights for bf16/fp16 params) and its LR/WD schedule."""
+def build_optimizer(model_chunks: list, settings: OptimSettings, dtype: str = "fp32",
+                    distributed_optimizer: bool = False):
+    """Megatron's AdamW (fp32 master weights for bf16/fp16 params) and its LR/WD schedule; with
+    ``distributed_optimizer`` the main weights and Adam moments are sharded over DP."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
@@ -75,7 +81,7 @@ def build_optimizer(model_chunks: list, settings: OptimSettings, dtype: str = "f
         clip_grad=settings.grad_clip, bf16=dtype == "bf16", fp16=dtype == "fp16",
         params_dtype={"fp32": torch.float32, "bf16": torch.bfloat16,
                       "fp16": torch.float16}[dtype],
-        use_distributed_optimizer=False)
+        use_distributed_optimizer=distributed_optimizer)
     # init_distributed creates no gloo DP groups; Megatron's optimizer would look them up.
     optimizer = get_megatron_optimizer(opt_config, model_chunks, use_gloo_process_groups=False)
     decay_steps = max(settings.total_steps, settings.warmup_steps + 1)

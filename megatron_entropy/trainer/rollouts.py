@@ -1,15 +1,20 @@
-"""One step's rollouts: prompts -> engine -> rewards -> dynamic sampling -> samples with advantages.
+"""One step's rollouts: prompts -> engine -> rewards -> dynamic sampling -> this DP rank's samples.
 
 Who generates: a per-rank engine (in-process) runs on every data-parallel leader, each on its share
 of the prompts; a shared engine (servers) is driven by global rank 0 alone, with every request in
-flight at once. Either way the scored groups are gathered to every rank, so every rank takes the same
-dynamic-sampling decisions and computes the same advantages, then keeps its DP share.
+flight at once. The ranks that generated a group hold it. Every rank learns only each group's
+small statistics (rewards, lengths, source: `GroupStats`), so every rank takes the same
+dynamic-sampling decisions, logs the same metrics and computes the same advantages; the kept
+groups themselves (token ids, log-probs, text) then go from their holders to the DP rank that
+trains on them (whole groups, round-robin over DP ranks, as `dp_share`), and from that rank's
+leader to its TP/PP peers. No rank receives another rank's share.
 """
 
 from __future__ import annotations
 
+import pickle
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -30,6 +35,39 @@ class Group:
     rewards: list[float]
 
 
+@dataclass(frozen=True)
+class GroupStats:
+    """What every rank knows of every group: enough for dynamic sampling, advantages and metrics."""
+
+    source: str
+    rewards: list[float]
+    prompt_tokens: int
+    response_tokens: list[int]
+    truncated: list[bool]
+
+    @classmethod
+    def of(cls, group: Group) -> "GroupStats":
+        return cls(group.item.source, list(group.rewards), len(group.item.prompt_ids),
+                   [len(c.token_ids) for c in group.completions],
+                   [c.finish_reason == "length" for c in group.completions])
+
+
+@dataclass
+class StepGroups:
+    """One step's rollouts as this rank sees them."""
+
+    share: list[tuple[int, Group]]  # (index among the kept groups, group) this DP rank trains on
+    kept: list[GroupStats]  # every kept group, in order
+    generated: list[GroupStats]  # every generated group (all refill rounds)
+    bytes_received: int = 0  # rollout data this rank received from the others
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def tokens(self) -> int:
+        """Prompt and response tokens of every kept sample (all DP ranks)."""
+        return sum(s.prompt_tokens * len(s.rewards) + sum(s.response_tokens) for s in self.kept)
+
+
 def _dp_layout() -> tuple[int, int, bool]:
     from megatron.core import parallel_state as ps
 
@@ -37,11 +75,24 @@ def _dp_layout() -> tuple[int, int, bool]:
     return ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(), leader
 
 
-def generate_groups(engine: Optional[RolloutEngine], items: Sequence[PromptItem],
-                    sampling: SamplingParams, reward_fn: Callable[[list[str], list[str]], list[float]],
-                    shared: bool) -> list[Group]:
-    """Generate and score ``sampling.n`` completions for each item; every rank gets all groups,
-    in item order. ``engine`` is None on ranks that do not talk to it. Sample seeds derive from
+def _holder(item_index: int, dp_size: int, shared: bool) -> int:
+    """The DP rank whose leader generated item ``item_index`` of a round (rank 0 drives a shared
+    engine)."""
+    return 0 if shared else item_index % dp_size
+
+
+def _owner(group_index: int, dp_size: int) -> int:
+    """The DP rank that trains on kept group ``group_index``."""
+    return group_index % dp_size
+
+
+def generate_round(engine: Optional[RolloutEngine], items: Sequence[PromptItem],
+                   sampling: SamplingParams, reward_fn: Callable[[list[str], list[str]], list[float]],
+                   shared: bool) -> tuple[dict[int, Group], list[GroupStats], int]:
+    """Generate and score ``sampling.n`` completions for each item. Returns the groups this rank
+    generated (by item index), every item's `GroupStats` (on every rank, in item order) and the
+    bytes this rank received from the others.
+    ``engine`` is None on ranks that do not talk to it. Sample seeds derive from
     (sampling.seed, the item's index in this rank's request, sample index): the same layout
     resumes to the same samples."""
     dp_rank, dp_size, leader = _dp_layout()
@@ -49,7 +100,7 @@ def generate_groups(engine: Optional[RolloutEngine], items: Sequence[PromptItem]
         mine = list(range(len(items))) if dist.get_rank() == 0 else []
     else:
         mine = list(range(dp_rank, len(items), dp_size)) if leader else []
-    local: list[tuple[int, Group]] = []
+    local: dict[int, Group] = {}
     if mine:
         outputs = engine.generate([items[i].prompt_ids for i in mine], sampling)
         texts = [c.text for out in outputs for c in out]
@@ -57,57 +108,119 @@ def generate_groups(engine: Optional[RolloutEngine], items: Sequence[PromptItem]
         rewards = reward_fn(texts, answers)
         k = 0
         for i, out in zip(mine, outputs):
-            local.append((i, Group(items[i], out, rewards[k:k + len(out)])))
+            local[i] = Group(items[i], out, rewards[k:k + len(out)])
             k += len(out)
+    payload = pickle.dumps({i: GroupStats.of(g) for i, g in local.items()})
     gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, local)
-    groups = dict(pair for part in gathered for pair in part)
-    return [groups[i] for i in range(len(items))]
+    dist.all_gather_object(gathered, payload)
+    stats: dict[int, GroupStats] = {}
+    for part in gathered:
+        stats.update(pickle.loads(part))
+    received = sum(len(part) for r, part in enumerate(gathered) if r != dist.get_rank())
+    return local, [stats[i] for i in range(len(items))], received
+
+
+def _send_shares(held: dict[tuple[int, int], Group], kept: list[tuple[int, int]], shared: bool
+                 ) -> tuple[list[tuple[int, Group]], int]:
+    """Each kept group from the leader that holds it to the leader of the DP rank that owns it
+    (a scatter per holding rank over the leaders' DP group), then to that leader's TP and PP
+    peers (broadcasts). Returns this rank's (kept index, group) pairs in kept order and the
+    bytes it received."""
+    from megatron.core import parallel_state as ps
+
+    dp_rank, dp_size, leader = _dp_layout()
+    share: list[tuple[int, Group]] = []
+    received = 0
+    if leader:
+        group = ps.get_data_parallel_group()
+        for src in sorted({_holder(i, dp_size, shared) for _, i in kept}):
+            parts = [pickle.dumps([(gi, held[key]) for gi, key in enumerate(kept)
+                                   if _owner(gi, dp_size) == dst
+                                   and _holder(key[1], dp_size, shared) == src])
+                     for dst in range(dp_size)] if src == dp_rank else None
+            out: list = [None]
+            dist.scatter_object_list(out, parts, src=dist.get_global_rank(group, src),
+                                     group=group)
+            if src != dp_rank:
+                received += len(out[0])
+            share += pickle.loads(out[0])
+        share.sort(key=lambda pair: pair[0])
+    for group, src, first in (
+            (ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_src_rank(),
+             ps.get_pipeline_model_parallel_rank() == 0),
+            (ps.get_pipeline_model_parallel_group(), ps.get_pipeline_model_parallel_first_rank(),
+             True)):
+        if dist.get_world_size(group) == 1 or not first:
+            continue
+        box = [pickle.dumps(share) if dist.get_rank() == src else None]
+        dist.broadcast_object_list(box, src=src, group=group)
+        if dist.get_rank() != src:
+            received += len(box[0])
+            share = pickle.loads(box[0])
+    return share, received
 
 
 def collect_step_groups(engine: Optional[RolloutEngine], next_items: Callable[[int], list[PromptItem]],
                         sampling: SamplingParams, reward_fn, shared: bool, target_groups: int,
                         dynamic_sampling: bool, max_refill_rounds: int,
-                        between_rounds: Callable[[], None] = lambda: None
-                        ) -> tuple[list[Group], list[Group], dict[str, float]]:
+                        between_rounds: Callable[[], None] = lambda: None) -> StepGroups:
     """Roll out until ``target_groups`` groups with reward variance are kept (or the refill
-    rounds run out). Returns (kept groups, every generated group, sampling metrics).
-    ``between_rounds`` runs before each refill round (the trainer's stop check; it may raise)."""
+    rounds run out), then give each DP rank its share of the kept groups.
+    ``between_rounds`` runs before each refill round (the trainer's stop check; it may raise).
+    ``rollout/bytes_received`` is the most rollout data any rank received from the others."""
     keep = GroupFilter(target_groups, max_refill_rounds, enabled=dynamic_sampling)
-    generated: list[Group] = []
+    received = 0
+    held: dict[tuple[int, int], Group] = {}  # (round, item index) -> a group this rank generated
+    generated: list[GroupStats] = []
+    stats_of: dict[tuple[int, int], GroupStats] = {}
     while not keep.done:
         if keep.rounds:
             between_rounds()
         round_sampling = SamplingParams(**{**vars(sampling),
                                            "seed": (sampling.seed or 0) * 31 + keep.rounds})
-        groups = generate_groups(engine, next_items(keep.prompts_needed()), round_sampling,
-                                 reward_fn, shared)
-        generated += groups
-        keep.add(groups, [g.rewards for g in groups])
-    return keep.take(), generated, keep.metrics()
+        local, stats, nbytes = generate_round(engine, next_items(keep.prompts_needed()),
+                                              round_sampling, reward_fn, shared)
+        received += nbytes
+        keys = [(keep.rounds, i) for i in range(len(stats))]
+        held.update({(keep.rounds, i): g for i, g in local.items()})
+        stats_of.update(zip(keys, stats))
+        generated += stats
+        keep.add(keys, [s.rewards for s in stats])
+    kept = keep.take()
+    share, nbytes = _send_shares(held, kept, shared)
+    per_rank: list = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, received + nbytes)
+    return StepGroups(share, [stats_of[k] for k in kept], generated, received + nbytes,
+                      {**keep.metrics(), "rollout/bytes_received": float(max(per_rank))})
 
 
-def groups_to_samples(groups: Sequence[Group], estimator: str, norm_by_std: bool) -> list[Sample]:
-    """Every completion as a Sample, with its group's advantage."""
-    samples = [Sample(prompt_ids=list(g.item.prompt_ids), response_ids=list(c.token_ids),
-                      engine_logprobs=list(c.logprobs), reward=r, group=gi, source=g.item.source,
-                      finish_reason=c.finish_reason, answer=g.item.answer, text=c.text)
-               for gi, g in enumerate(groups) for c, r in zip(g.completions, g.rewards)]
-    if samples:
-        adv = compute_advantages(estimator, torch.tensor([s.reward for s in samples]),
-                                 torch.tensor([s.group for s in samples]), norm_by_std=norm_by_std)
-        for s, a in zip(samples, adv.tolist()):
-            s.advantage = a
-    return samples
+def groups_to_samples(step: StepGroups, estimator: str, norm_by_std: bool) -> list[Sample]:
+    """This DP rank's completions as Samples, each with its group's advantage computed over
+    every kept group of the step (all ranks hold every kept group's rewards)."""
+    rewards = [r for s in step.kept for r in s.rewards]
+    if not rewards:
+        return []
+    adv = compute_advantages(estimator, torch.tensor(rewards),
+                             torch.tensor([gi for gi, s in enumerate(step.kept) for _ in s.rewards]),
+                             norm_by_std=norm_by_std).tolist()
+    first = [0]
+    for s in step.kept:
+        first.append(first[-1] + len(s.rewards))
+    return [Sample(prompt_ids=list(g.item.prompt_ids), response_ids=list(c.token_ids),
+                   engine_logprobs=list(c.logprobs), reward=r, group=gi, source=g.item.source,
+                   finish_reason=c.finish_reason, answer=g.item.answer, text=c.text,
+                   advantage=adv[first[gi] + j])
+            for gi, g in step.share for j, (c, r) in enumerate(zip(g.completions, g.rewards))]
 
 
 def dp_share(samples: list[Sample]) -> list[Sample]:
-    """This DP rank's samples: whole groups, round-robin over DP ranks."""
+    """This DP rank's samples out of a whole step's: whole groups, round-robin over DP ranks (the
+    split `collect_step_groups` sends)."""
     dp_rank, dp_size, _ = _dp_layout()
-    return [s for s in samples if s.group % dp_size == dp_rank]
+    return [s for s in samples if _owner(s.group, dp_size) == dp_rank]
 
 
-def rollout_metrics(groups: Sequence[Group], prefix: str = "") -> dict[str, float]:
+def rollout_metrics(groups: Sequence[GroupStats], prefix: str = "") -> dict[str, float]:
     """Reward, accuracy (overall and per data source), response length, truncation."""
     out: dict[str, float] = {}
     if not groups:
@@ -115,9 +228,9 @@ def rollout_metrics(groups: Sequence[Group], prefix: str = "") -> dict[str, floa
     by_source: dict[str, list[float]] = defaultdict(list)
     lengths, truncated = [], []
     for g in groups:
-        by_source[g.item.source] += g.rewards
-        lengths += [len(c.token_ids) for c in g.completions]
-        truncated += [c.finish_reason == "length" for c in g.completions]
+        by_source[g.source] += g.rewards
+        lengths += g.response_tokens
+        truncated += g.truncated
     rewards = [r for g in groups for r in g.rewards]
     out[f"{prefix}reward/mean"] = sum(rewards) / len(rewards)
     # pass@1 averaged over the k samples of each prompt = mean of 0/1 rewards
