@@ -78,6 +78,6 @@ def random_samples(seed: int, groups: int = 4, per_group: int = 2,
                                  generator=g).tolist()
             out.append(Sample(prompt_ids=prompt, response_ids=resp,
                               engine_logprobs=[0.0] * len(resp), reward=1.0 if j == 0 else 0.0,
-                              group=group, source=source(group), finish_reason="stop",
+                              group=group, source=source(group),
                               advantage=float(torch.randn(1, generator=g)) * adv_scale))
     return out

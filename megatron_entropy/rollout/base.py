@@ -85,9 +85,6 @@ class RolloutEngine(abc.ABC):
         finally:
             self._tokens, self._seconds = tokens, seconds
 
-    def health(self) -> bool:
-        return True
-
     def shutdown(self) -> None:
         """Stop whatever the engine started."""
 

@@ -155,19 +155,18 @@ def _parse_env(items: list[str]) -> dict[str, str]:
 
 
 class ServerPool:
-    """Servers of one engine. ``owner`` launches (and restarts) them and writes their URLs to
-    ``run_dir/servers/urls.txt``; other ranks (``owner=False``) read that file and connect."""
+    """Servers of one engine: the configured URLs, plus ``launch`` servers it starts (and
+    restarts) itself, with their logs in ``run_dir/servers/``."""
 
     def __init__(self, cfg: ServerConfig, run_dir: str | Path, kind: str, model_dir: str,
                  launch_command: LaunchCommand, env: Optional[dict[str, str]] = None,
-                 health_path: str = "/health", owner: bool = True):
+                 health_path: str = "/health"):
         self.cfg = cfg
         self.kind = kind
         self.model_dir = model_dir  # folder a (re)started server loads: the latest weights
         self.launch_command = launch_command
         self.env = {**(env or {}), **_parse_env(cfg.extra_env)}
         self.health_path = health_path
-        self.owner = owner
         self.dir = Path(run_dir) / "servers"
         self.dir.mkdir(parents=True, exist_ok=True)
         # The weight version every dispatched request must be served with (None: any).
@@ -182,16 +181,11 @@ class ServerPool:
 
     # ------------------------------------------------------------------------- life cycle
 
-    @property
-    def urls_file(self) -> Path:
-        return self.dir / "urls.txt"
-
     def start(self) -> None:
         cfg = self.cfg
         urls = list(cfg.urls) + (read_urls_file(cfg.urls_file) if cfg.urls_file else [])
         self.servers = [Server(url=u.rstrip("/"), index=i) for i, u in enumerate(urls)]
-        if cfg.launch and self.owner:
-            self.urls_file.unlink(missing_ok=True)  # a previous run's, for the other ranks
+        if cfg.launch:
             taken: set[int] = set()
             for k in range(cfg.launch):
                 port = free_port(cfg.host, cfg.base_port + k, taken)
@@ -201,23 +195,9 @@ class ServerPool:
                                 log_path=self.dir / f"{self.kind}-{k}.log")
                 self.servers.append(server)
                 self._launch(server)
-        elif cfg.launch:
-            self.servers += [Server(url=u, index=len(self.servers) + i)
-                             for i, u in enumerate(self._wait_for_urls_file())]
         if not self.servers:
             raise ServerError("no rollout servers: set rollout.server.urls, urls_file or launch")
         self._run(self._wait_all_up(self.cfg.startup_timeout_s))
-        if self.owner and cfg.launch:
-            self.urls_file.write_text("".join(s.url + "\n" for s in self.servers if s.launched))
-
-    def _wait_for_urls_file(self) -> list[str]:
-        deadline = time.monotonic() + self.cfg.startup_timeout_s
-        while time.monotonic() < deadline:
-            if self.urls_file.is_file():
-                return read_urls_file(str(self.urls_file))
-            time.sleep(1.0)
-        raise ServerError(f"the servers' owner did not write {self.urls_file} within "
-                          f"{self.cfg.startup_timeout_s} s")
 
     def _launch(self, server: Server) -> None:
         argv = self.launch_command(server.port, self.model_dir)
@@ -266,8 +246,6 @@ class ServerPool:
             if server.launched:
                 self._kill(server)
                 server.state = "dead"
-        if self.owner and self.urls_file.is_file():
-            self.urls_file.unlink()
 
     # ------------------------------------------------------------------------------ health
 
@@ -368,7 +346,7 @@ class ServerPool:
                         why = self._why_dead(server, await self._probe(session, server))
                         if why:
                             self._mark_dead(server, why)
-                    if server.state == "dead" and server.launched and self.owner:
+                    if server.state == "dead" and server.launched:
                         self._restart(server)
                 waits = []
                 for server in self.servers:
@@ -527,7 +505,7 @@ class ServerPool:
         self._restart_in_background(session, server)
 
     def _restart_in_background(self, session: aiohttp.ClientSession, server: Server) -> None:
-        if not (server.launched and self.owner and self._restart(server)):
+        if not (server.launched and self._restart(server)):
             return
 
         async def wait() -> None:
@@ -689,7 +667,7 @@ class ServerPool:
 
 
 class ServerEngine(RolloutEngine):
-    """What the vLLM and SGLang engines share: a ``ServerPool`` in ``self.pool``, health, and
+    """What the vLLM and SGLang engines share: a ``ServerPool`` in ``self.pool`` and
     throughput counters (``_tokens``/``_seconds``, added to by ``generate``). Engines implement
     ``_generate(prompts, sampling, targets)``: ``targets`` None is every server (or the router)."""
 
@@ -713,13 +691,6 @@ class ServerEngine(RolloutEngine):
             return {s.describe(): self._generate(prompts, sampling, [s])
                     for s in self.pool.servers
                     if s.state == "up" and self.pool.serves_current(s)}
-
-    def health(self) -> bool:
-        try:
-            self.pool.ensure_up()
-        except ServerError:
-            return False
-        return True
 
     def metrics(self) -> dict[str, float]:
         out = self.pool.pop_metrics()

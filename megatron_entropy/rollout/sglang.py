@@ -145,12 +145,11 @@ def server_argv(c: ServerConfig, model_dir: str, port: int,
 
 class SGLangEngine(ServerEngine):
 
-    def __init__(self, server_cfg: ServerConfig, hf_dir: str, run_dir: str, owner: bool = True):
+    def __init__(self, server_cfg: ServerConfig, hf_dir: str, run_dir: str):
         self.cfg = server_cfg
         self.hf_dir = str(hf_dir)
         self.sync_root = Path(server_cfg.weight_sync_dir or Path(run_dir) / "weight_sync")
-        self.pool = ServerPool(server_cfg, run_dir, "sglang", self.hf_dir, self._command,
-                               owner=owner)
+        self.pool = ServerPool(server_cfg, run_dir, "sglang", self.hf_dir, self._command)
         self.pool.launch_version = INITIAL_VERSION
         self.pool.start()
         atexit.register(self.shutdown)

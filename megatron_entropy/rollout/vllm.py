@@ -52,17 +52,15 @@ def server_argv(c: ServerConfig, model_dir: str, port: int,
 
 class VLLMEngine(ServerEngine):
 
-    def __init__(self, server_cfg: ServerConfig, hf_dir: str, run_dir: str,
-                 tokenizer: Any = None, owner: bool = True):
+    def __init__(self, server_cfg: ServerConfig, hf_dir: str, run_dir: str):
         self.cfg = server_cfg
         self.hf_dir = str(hf_dir)
-        self.tokenizer = tokenizer
         self.sync_root = Path(server_cfg.weight_sync_dir or Path(run_dir) / "weight_sync")
         if server_cfg.weight_sync != "disk":
             raise ServerError("rollout.server.weight_sync=distributed is SGLang-only; vLLM takes "
                               "weights from disk (set rollout.server.weight_sync=disk)")
         self.pool = ServerPool(server_cfg, run_dir, "vllm", self.hf_dir, self._command,
-                               env={"VLLM_SERVER_DEV_MODE": "1"}, owner=owner)
+                               env={"VLLM_SERVER_DEV_MODE": "1"})
         self.pool.start()
         atexit.register(self.shutdown)
         self.model_name = self._served_name()

@@ -145,6 +145,3 @@ def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
 
-
-def is_rank0() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0

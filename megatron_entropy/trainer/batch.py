@@ -22,9 +22,6 @@ class Sample:
     reward: float
     group: int  # index of the prompt within the step; samples of one prompt share it
     source: str
-    finish_reason: str
-    answer: str = ""
-    text: str = ""
     advantage: float = 0.0
     # Per response token, filled by the actor's forward-only passes.
     old_logprobs: Optional[torch.Tensor] = None
@@ -112,8 +109,6 @@ def _make_micro_batch(samples: list[Sample], ids: list[int], pad_id: int, index:
     for name in ("old_logprobs", "ref_logprobs"):
         if all(getattr(s, name) is not None for s in rows_s):
             mb.fields[name] = mb.scatter(torch.cat([getattr(s, name) for s in rows_s]).float())
-    mb.fields["engine_logprobs"] = mb.scatter(
-        torch.tensor([lp for s in rows_s for lp in s.engine_logprobs], dtype=torch.float32))
     return mb
 
 

@@ -39,7 +39,6 @@ class RunState:
     """Everything besides weights and optimizer that a resumed run needs."""
 
     step: int = 0
-    sampler: Optional[dict] = None
     rollout_seed: int = 0
 
 
@@ -199,8 +198,7 @@ class Trainer:
         if resume_from is not None:
             saved = self.ckpt.load(resume_from, self.model, optimizer)
             scheduler.load_state_dict(saved["scheduler"])
-            self.state = RunState(step=saved["step"], sampler=saved["sampler"],
-                                  rollout_seed=saved["rollout_seed"])
+            self.state = RunState(step=saved["step"], rollout_seed=saved["rollout_seed"])
             self.sampler.load_state_dict(saved["sampler"])
             restore_controller(self.controller, saved)
 

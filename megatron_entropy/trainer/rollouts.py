@@ -208,7 +208,6 @@ def groups_to_samples(step: StepGroups, estimator: str, norm_by_std: bool) -> li
         first.append(first[-1] + len(s.rewards))
     return [Sample(prompt_ids=list(g.item.prompt_ids), response_ids=list(c.token_ids),
                    engine_logprobs=list(c.logprobs), reward=r, group=gi, source=g.item.source,
-                   finish_reason=c.finish_reason, answer=g.item.answer, text=c.text,
                    advantage=adv[first[gi] + j])
             for gi, g in step.share for j, (c, r) in enumerate(zip(g.completions, g.rewards))]
 

@@ -82,8 +82,7 @@ def check_engine_weights(engine: Optional[RolloutEngine], actor, prompts: list[l
     dist.all_gather_object(gathered, local)
     probes = [p for part in gathered for p in part]
     samples = [Sample(prompt_ids=list(prompt), response_ids=list(ids),
-                      engine_logprobs=list(lps), reward=0.0, group=0, source="weight_check",
-                      finish_reason="length")
+                      engine_logprobs=list(lps), reward=0.0, group=0, source="weight_check")
                for _, prompt, ids, lps in probes]
     scored = actor.compute_logprobs(samples) if samples else []
     per_replica: dict[str, list[torch.Tensor]] = {}
