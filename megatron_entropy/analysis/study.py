@@ -40,7 +40,7 @@ from typing import Any, Callable, Optional
 
 from megatron_entropy.config import Config, ConfigError, StudyConfig, load_config
 from megatron_entropy.trainer.checkpoint import CheckpointManager
-from megatron_entropy.trainer.loop import PREEMPTED_EXIT_CODE
+from megatron_entropy.trainer.preemption import PREEMPTED_EXIT_CODE
 
 RUN_STATE_FILE = "study_run.json"
 RUN_LOG_FILE = "train.log"

@@ -19,14 +19,34 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
 
+from megatron_entropy.algorithms.policy_loss import PolicyLossSettings
 from megatron_entropy.config import Config, save_run_config, token_rule_settings
+from megatron_entropy.data import PromptSampler, data_notes, load_prompt_dataset, load_tokenizer
+from megatron_entropy.models.arch import load_arch
+from megatron_entropy.models.bridge import export_hf_weights, load_hf_weights
+from megatron_entropy.models.builder import build_gpt_model
+from megatron_entropy.models.megatron_checkpoint import load_model_weights, read_arch
+from megatron_entropy.rewards import math_rewards
+from megatron_entropy.rollout import build_engine, engine_is_shared
+from megatron_entropy.rollout.base import SamplingParams
+from megatron_entropy.runtime import init_distributed, set_seed, shutdown
 from megatron_entropy.trainer import preemption
+from megatron_entropy.trainer.actor import Actor, ActorSettings
+from megatron_entropy.trainer.checkpoint import (CheckpointError, CheckpointManager,
+                                                 verify_checkpoint)
 from megatron_entropy.trainer.entropy_control import (apply_knob, build_controller,
                                                       controller_state, restore_controller,
                                                       update_controller)
-
-PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: checkpointed on a signal, resume later
+from megatron_entropy.trainer.metrics import MetricsLogger, PhaseTimer
+from megatron_entropy.trainer.model_setup import (OptimSettings, build_optimizer,
+                                                  build_trainable_model)
+from megatron_entropy.trainer.preemption import PREEMPTED_EXIT_CODE
+from megatron_entropy.trainer.rollouts import (collect_step_groups, generate_round,
+                                               groups_to_samples, rollout_metrics)
+from megatron_entropy.trainer.weight_check import (check_engine_weights, engine_dtype,
+                                                   probe_sampling, probe_tolerance)
 
 
 class Preempted(SystemExit):
@@ -113,20 +133,6 @@ class Trainer:
     """Builds every part from the config; ``run()`` is the loop."""
 
     def __init__(self, cfg: Config) -> None:
-        from megatron.core import parallel_state as ps
-
-        from megatron_entropy.algorithms.policy_loss import PolicyLossSettings
-        from megatron_entropy.data import (PromptSampler, data_notes, load_prompt_dataset,
-                                           load_tokenizer)
-        from megatron_entropy.models.arch import load_arch
-        from megatron_entropy.models.megatron_checkpoint import read_arch
-        from megatron_entropy.runtime import init_distributed, set_seed
-        from megatron_entropy.trainer.actor import Actor, ActorSettings
-        from megatron_entropy.trainer.checkpoint import CheckpointManager
-        from megatron_entropy.trainer.metrics import MetricsLogger
-        from megatron_entropy.trainer.model_setup import (OptimSettings, build_optimizer,
-                                                          build_trainable_model)
-
         self.cfg = cfg
         self.run_dir = cfg.run_dir
         started = time.time()
@@ -174,8 +180,6 @@ class Trainer:
                 * cfg.trainer.mini_batches_per_step), m.dtype, sharded_optimizer)
         ref_model = None
         if cfg.algorithm.kl_coef > 0:
-            from megatron_entropy.models.builder import build_gpt_model
-
             ref_model = build_gpt_model(self.arch, cfg.parallel.tensor, cfg.parallel.pipeline,
                                         m.dtype, m.transformer_impl, m.seq_length,
                                         cfg.parallel.sequence_parallel)
@@ -203,8 +207,6 @@ class Trainer:
             restore_controller(self.controller, saved)
 
         # Rollout engine: per DP leader (in-process) or one set of servers for the job.
-        from megatron_entropy.rollout import build_engine, engine_is_shared
-
         self.shared_engine = engine_is_shared(cfg.rollout.engine)
         leader = (ps.get_tensor_model_parallel_rank() == 0
                   and ps.get_pipeline_model_parallel_rank() == 0)
@@ -250,8 +252,6 @@ class Trainer:
             return None
         if resume == "auto":
             return self.ckpt.latest()
-        from megatron_entropy.trainer.checkpoint import CheckpointError, verify_checkpoint
-
         path = Path(resume)
         try:
             verify_checkpoint(path)
@@ -261,19 +261,13 @@ class Trainer:
 
     def _load_initial_weights(self, model) -> None:
         if self.cfg.model.megatron_ckpt:
-            from megatron_entropy.models.megatron_checkpoint import load_model_weights
-
             load_model_weights(model, self.cfg.model.megatron_ckpt)
         else:
-            from megatron_entropy.models.bridge import load_hf_weights
-
             load_hf_weights(model, self.hf_dir, self.arch)
 
     # ------------------------------------------------------------------ the phases
 
     def sampling_params(self, step: int, validation: bool = False):
-        from megatron_entropy.rollout.base import SamplingParams
-
         r = self.cfg.rollout
         if validation:
             greedy = r.val_temperature == 0
@@ -289,9 +283,6 @@ class Trainer:
                               seed=self.state.rollout_seed + 7_919 * (step + 1))
 
     def rollout(self, step: int):
-        from megatron_entropy.rewards import math_rewards
-        from megatron_entropy.trainer.rollouts import collect_step_groups
-
         d = self.cfg.data
         return collect_step_groups(
             self.engine, lambda n: [self.train_data[i] for i in self.sampler.next_indices(n)],
@@ -322,8 +313,6 @@ class Trainer:
         """Megatron weights -> the engine. Every model-parallel rank of a replica that feeds an
         engine takes part in the gather; the replica's leader streams tensors to its engine.
         Returns the engine's ``weight_sync/*`` metrics (the step's whole sync is ``time/sync``)."""
-        from megatron_entropy.models.bridge import export_hf_weights
-
         stats: dict[str, float] = {}
         feeds_engine = (self.ps.get_data_parallel_rank() == 0) if self.shared_engine else True
         if feeds_engine:
@@ -339,9 +328,6 @@ class Trainer:
     def check_engine_weights(self, when: str) -> dict[str, float]:
         """The engine's log-probs on a fixed probe against the actor's; raises if they disagree
         (trainer/weight_check.py). Returns its ``weight_check/*`` metrics."""
-        from megatron_entropy.trainer.weight_check import (check_engine_weights, engine_dtype,
-                                                           probe_sampling, probe_tolerance)
-
         r = self.cfg.rollout
         if not r.weight_check or len(self.train_data) == 0:
             return {}
@@ -354,9 +340,6 @@ class Trainer:
                                     tolerance, when)
 
     def validate(self, step: int) -> dict[str, float]:
-        from megatron_entropy.rewards import math_rewards
-        from megatron_entropy.trainer.rollouts import generate_round, rollout_metrics
-
         if len(self.val_data) == 0:
             return {}
         _, groups, _ = generate_round(self.engine, list(self.val_data),
@@ -376,9 +359,6 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
 
     def run(self) -> dict[str, float]:
-        from megatron_entropy.trainer.metrics import PhaseTimer
-        from megatron_entropy.trainer.rollouts import groups_to_samples, rollout_metrics
-
         cfg, t = self.cfg, self.cfg.trainer
         dp_group = self.ps.get_data_parallel_group()
         metrics: dict[str, float] = {}
@@ -454,8 +434,6 @@ class Trainer:
 
 def train(cfg: Config) -> dict[str, float]:
     """Run (or resume) the RL job ``cfg`` on this rank; returns the last step's metrics."""
-    from megatron_entropy.runtime import shutdown
-
     trainer = Trainer(cfg)
     try:
         return trainer.run()

@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from multiprocessing import resource_tracker
 from typing import Iterator, Mapping, Optional
 
+PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: checkpointed on a signal, resume later
 SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 _received: list[int] = []
 
