@@ -30,7 +30,7 @@ import torch
 from megatron_entropy.models.arch import ModelArch, load_arch
 from megatron_entropy.models.hf_io import (TensorSpec, hf_weight_files, open_hf_slices,
                                            save_hf_weights)
-from megatron_entropy.models.sharding import _unwrap, layer_offset, tp_gather, to_global_name
+from megatron_entropy.models.sharding import layer_offset, tp_gather, to_global_name, unwrap_model
 
 Kind = Literal["copy", "qkv", "glu", "vocab"]
 
@@ -278,14 +278,6 @@ def megatron_to_hf(wm: WeightMap, full: torch.Tensor, arch: ModelArch
 # -------------------------------------------------------------------------------- model level
 
 
-def _single_chunk(model):
-    if isinstance(model, (list, tuple)):
-        if len(model) != 1:
-            raise ValueError(f"expected one model chunk (no virtual pipeline), got {len(model)}")
-        model = model[0]
-    return _unwrap(model)
-
-
 @torch.no_grad()
 def load_hf_weights(model, hf_dir: Union[str, Path], arch: ModelArch) -> None:
     """Read this rank's TP/PP shard of every parameter of a built GPTModel (DDP-wrapped or not)
@@ -295,7 +287,7 @@ def load_hf_weights(model, hf_dir: Union[str, Path], arch: ModelArch) -> None:
 
     files = hf_weight_files(hf_dir)
     check_hf_checkpoint(files, arch, hf_dir)
-    module = _single_chunk(model)
+    module = unwrap_model(model)
     offset = layer_offset(module)
     tp_rank = ps.get_tensor_model_parallel_rank()
     tp_size = ps.get_tensor_model_parallel_world_size()
@@ -326,7 +318,7 @@ def export_hf_weights(model, arch: ModelArch
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    module = _single_chunk(model)
+    module = unwrap_model(model)
     offset = layer_offset(module)
     order = {name: i for i, name in enumerate(megatron_param_names(arch))}
     params = {}

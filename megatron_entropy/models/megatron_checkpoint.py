@@ -36,12 +36,12 @@ from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlan
 
 from megatron_entropy.models.arch import ModelArch, load_arch
-from megatron_entropy.models.bridge import (_single_chunk, check_hf_checkpoint,
-                                            hf_tensor_specs, hf_to_megatron, layer_param_names,
-                                            megatron_to_hf, weight_map)
+from megatron_entropy.models.bridge import (check_hf_checkpoint, hf_tensor_specs, hf_to_megatron,
+                                            layer_param_names, megatron_to_hf, weight_map)
 from megatron_entropy.models.builder import DTYPES
 from megatron_entropy.models.hf_io import (copy_hf_metadata, hf_weight_files, open_hf_slices,
                                            save_hf_weights, temp_sibling)
+from megatron_entropy.models.sharding import unwrap_model
 
 ARCH_FILE = "arch.json"
 HF_SUBDIR = "hf"
@@ -113,7 +113,7 @@ def check_checkpoint_files(ckpt_dir: Path) -> Any:
 def model_sharded_state_dict(model) -> dict:
     """``{"model": sharded_state_dict}`` of one model chunk (DDP-wrapped or not), for saving the
     model alone or beside the optimizer in one ``dist_checkpointing.save``."""
-    return {"model": _single_chunk(model).sharded_state_dict()}
+    return {"model": unwrap_model(model).sharded_state_dict()}
 
 
 def load_model_weights(model, ckpt_dir: Union[str, Path]) -> None:
@@ -125,7 +125,7 @@ def load_model_weights(model, ckpt_dir: Union[str, Path]) -> None:
 
     ckpt_dir = resolve_checkpoint_dir(ckpt_dir)
     stored = set(check_checkpoint_files(ckpt_dir).state_dict_metadata)
-    module = _single_chunk(model)
+    module = unwrap_model(model)
     sharded = module.sharded_state_dict()
     # Transformer Engine layers keep FP8 bookkeeping in ``_extra_state``; checkpoints written with
     # the local spec (CPU, tools/) have none for some modules, and those start empty.

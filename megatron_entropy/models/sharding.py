@@ -22,7 +22,13 @@ import torch
 _LAYER_RE = re.compile(r"(^|\.)decoder\.layers\.(\d+)\.")
 
 
-def _unwrap(model):
+def unwrap_model(model):
+    """The Megatron model inside a chunk's wrappers (DDP, Float16Module); a list of chunks must
+    hold one (no virtual pipeline), which is taken."""
+    if isinstance(model, (list, tuple)):
+        if len(model) != 1:
+            raise ValueError(f"expected one model chunk (no virtual pipeline), got {len(model)}")
+        model = model[0]
     while hasattr(model, "module"):
         model = model.module
     return model
@@ -32,7 +38,7 @@ def layer_offset(model) -> int:
     """Global index of this pipeline stage's first transformer layer."""
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    return get_transformer_layer_offset(_unwrap(model).config)
+    return get_transformer_layer_offset(unwrap_model(model).config)
 
 
 def to_global_name(local_name: str, offset: int) -> str:
@@ -84,7 +90,7 @@ def tp_gather(name: str, local: torch.Tensor, param: torch.nn.Parameter,
 def iter_full_params(model) -> Iterator[tuple[str, torch.Tensor]]:
     """(global name, full tensor) for each parameter of this PP stage; collective over TP."""
     offset = layer_offset(model)
-    for name, param in _unwrap(model).named_parameters():
+    for name, param in unwrap_model(model).named_parameters():
         yield to_global_name(name, offset), tp_gather(name, param.detach(), param)
 
 
@@ -105,7 +111,7 @@ def load_full_state_dict(model, full: dict[str, torch.Tensor], strict: bool = Tr
     tp_size = ps.get_tensor_model_parallel_world_size()
     offset = layer_offset(model)
     missing = []
-    for name, param in _unwrap(model).named_parameters():
+    for name, param in unwrap_model(model).named_parameters():
         gname = to_global_name(name, offset)
         if gname == "output_layer.weight" and gname not in full:
             # Tied embeddings: with PP > 1 the last stage keeps its own copy of the embedding.

@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from megatron_entropy.models.megatron_checkpoint import (CheckpointError, check_checkpoint_files,
                                                          write_checkpoint_metadata)
+from megatron_entropy.models.sharding import unwrap_model
 from megatron_entropy.trainer import preemption
 
 TRAINER_STATE = "trainer_state.json"
@@ -114,10 +115,6 @@ def verify_checkpoint(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path / '.metadata'} is unreadable ({type(e).__name__}: {e})") \
             from None
     return state
-
-
-def _unwrap(chunk):
-    return chunk.module if hasattr(chunk, "module") else chunk
 
 
 def _rank() -> int:
@@ -204,7 +201,7 @@ class CheckpointManager:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         _barrier()
-        model_sd = _unwrap(model_chunks[0]).sharded_state_dict()
+        model_sd = unwrap_model(model_chunks).sharded_state_dict()
         sharded = {"model": model_sd}
         # Before the first update there is no optimizer state to keep: a fresh one equals it.
         with_optimizer = _has_optimizer_state(optimizer)
@@ -245,7 +242,7 @@ class CheckpointManager:
 
         path = Path(path)
         state = verify_checkpoint(path)
-        model = _unwrap(model_chunks[0])
+        model = unwrap_model(model_chunks)
         model_sd = model.sharded_state_dict()
         sharded: dict[str, Any] = {"model": model_sd}
         load_optimizer = load_optimizer and state.get("optimizer_state", True)
