@@ -318,6 +318,8 @@ def export_hf_weights(model, arch: ModelArch
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
+    from megatron_entropy.runtime.roles import is_replica_leader
+
     module = unwrap_model(model)
     offset = layer_offset(module)
     order = {name: i for i, name in enumerate(megatron_param_names(arch))}
@@ -341,7 +343,7 @@ def export_hf_weights(model, arch: ModelArch
     stages: list = [None] * ps.get_pipeline_model_parallel_world_size()
     dist.all_gather_object(stages, mine, group=pp_group)
     stage_ranks = dist.get_process_group_ranks(pp_group)
-    leader = pp_rank == 0 and tp_rank == 0
+    leader = is_replica_leader()
     device = next(module.parameters()).device
     for stage, entries in enumerate(stages):
         for gname, shape, dtype in entries:

@@ -32,6 +32,7 @@ from megatron_entropy.rewards import math_rewards
 from megatron_entropy.rollout import build_engine, engine_is_shared
 from megatron_entropy.rollout.base import SamplingParams
 from megatron_entropy.runtime import init_distributed, set_seed, shutdown
+from megatron_entropy.runtime.roles import Roles
 from megatron_entropy.trainer import preemption
 from megatron_entropy.trainer.actor import Actor, ActorSettings
 from megatron_entropy.trainer.checkpoint import (CheckpointError, CheckpointManager,
@@ -140,7 +141,8 @@ class Trainer:
                          cfg.parallel.timeout_minutes, socket_ifname=cfg.parallel.socket_ifname)
         set_seed(cfg.trainer.seed)
         self.ps = ps
-        self.rank0 = dist.get_rank() == 0
+        self.roles = Roles.here(shared_engine=engine_is_shared(cfg.rollout.engine))
+        self.rank0 = self.roles.rank0
         if self.rank0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
 
@@ -207,12 +209,8 @@ class Trainer:
             restore_controller(self.controller, saved)
 
         # Rollout engine: per DP leader (in-process) or one set of servers for the job.
-        self.shared_engine = engine_is_shared(cfg.rollout.engine)
-        leader = (ps.get_tensor_model_parallel_rank() == 0
-                  and ps.get_pipeline_model_parallel_rank() == 0)
-        talks_to_engine = self.rank0 if self.shared_engine else leader
         self.engine = build_engine(cfg.rollout, self.hf_dir, self.run_dir) \
-            if talks_to_engine else None
+            if self.roles.talks_to_engine else None
         self.logger = MetricsLogger(self.run_dir, cfg.trainer.steps, self.rank0,
                                     cfg.logging.progress_bar, cfg.logging.tensorboard,
                                     cfg.logging.wandb, cfg.logging.wandb_project, cfg.to_dict(),
@@ -286,7 +284,7 @@ class Trainer:
         d = self.cfg.data
         return collect_step_groups(
             self.engine, lambda n: [self.train_data[i] for i in self.sampler.next_indices(n)],
-            self.sampling_params(step), math_rewards, self.shared_engine, d.prompts_per_step,
+            self.sampling_params(step), math_rewards, self.roles.shared_engine, d.prompts_per_step,
             d.dynamic_sampling, d.max_refill_rounds, between_rounds=self._check_inside_step)
 
     def _check_inside_step(self) -> None:
@@ -314,8 +312,7 @@ class Trainer:
         engine takes part in the gather; the replica's leader streams tensors to its engine.
         Returns the engine's ``weight_sync/*`` metrics (the step's whole sync is ``time/sync``)."""
         stats: dict[str, float] = {}
-        feeds_engine = (self.ps.get_data_parallel_rank() == 0) if self.shared_engine else True
-        if feeds_engine:
+        if self.roles.feeds_engine:
             tensors = export_hf_weights(self.model[0], self.arch)
             if self.engine is not None:
                 stats = self.engine.update_weights(((n, t) for n, t in tensors), version)
@@ -344,7 +341,7 @@ class Trainer:
             return {}
         _, groups, _ = generate_round(self.engine, list(self.val_data),
                                       self.sampling_params(step, validation=True), math_rewards,
-                                      self.shared_engine)
+                                      self.roles.shared_engine)
         return rollout_metrics(groups, prefix="val/")
 
     def save(self, step: int) -> None:

@@ -19,10 +19,12 @@ from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
 
 from megatron_entropy.algorithms.advantages import compute_advantages
 from megatron_entropy.data import GroupFilter, PromptItem
 from megatron_entropy.rollout.base import Completion, RolloutEngine, SamplingParams
+from megatron_entropy.runtime.roles import Roles
 from megatron_entropy.trainer.batch import Sample
 
 
@@ -68,13 +70,6 @@ class StepGroups:
         return sum(s.prompt_tokens * len(s.rewards) + sum(s.response_tokens) for s in self.kept)
 
 
-def _dp_layout() -> tuple[int, int, bool]:
-    from megatron.core import parallel_state as ps
-
-    leader = (ps.get_tensor_model_parallel_rank() == 0 and ps.get_pipeline_model_parallel_rank() == 0)
-    return ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(), leader
-
-
 def _holder(item_index: int, dp_size: int, shared: bool) -> int:
     """The DP rank whose leader generated item ``item_index`` of a round (rank 0 drives a shared
     engine)."""
@@ -95,11 +90,13 @@ def generate_round(engine: Optional[RolloutEngine], items: Sequence[PromptItem],
     ``engine`` is None on ranks that do not talk to it. Sample seeds derive from
     (sampling.seed, the item's index in this rank's request, sample index): the same layout
     resumes to the same samples."""
-    dp_rank, dp_size, leader = _dp_layout()
-    if shared:
-        mine = list(range(len(items))) if dist.get_rank() == 0 else []
+    roles = Roles.here(shared)
+    if not roles.talks_to_engine:
+        mine = []
+    elif shared:
+        mine = list(range(len(items)))
     else:
-        mine = list(range(dp_rank, len(items), dp_size)) if leader else []
+        mine = list(range(roles.dp_rank, len(items), roles.dp_size))
     local: dict[int, Group] = {}
     if mine:
         outputs = engine.generate([items[i].prompt_ids for i in mine], sampling)
@@ -126,12 +123,11 @@ def _send_shares(held: dict[tuple[int, int], Group], kept: list[tuple[int, int]]
     (a scatter per holding rank over the leaders' DP group), then to that leader's TP and PP
     peers (broadcasts). Returns this rank's (kept index, group) pairs in kept order and the
     bytes it received."""
-    from megatron.core import parallel_state as ps
-
-    dp_rank, dp_size, leader = _dp_layout()
+    roles = Roles.here(shared)
+    dp_rank, dp_size = roles.dp_rank, roles.dp_size
     share: list[tuple[int, Group]] = []
     received = 0
-    if leader:
+    if roles.replica_leader:
         group = ps.get_data_parallel_group()
         for src in sorted({_holder(i, dp_size, shared) for _, i in kept}):
             parts = [pickle.dumps([(gi, held[key]) for gi, key in enumerate(kept)
@@ -215,8 +211,8 @@ def groups_to_samples(step: StepGroups, estimator: str, norm_by_std: bool) -> li
 def dp_share(samples: list[Sample]) -> list[Sample]:
     """This DP rank's samples out of a whole step's: whole groups, round-robin over DP ranks (the
     split `collect_step_groups` sends)."""
-    dp_rank, dp_size, _ = _dp_layout()
-    return [s for s in samples if _owner(s.group, dp_size) == dp_rank]
+    return [s for s in samples
+            if _owner(s.group, ps.get_data_parallel_world_size()) == ps.get_data_parallel_rank()]
 
 
 def rollout_metrics(groups: Sequence[GroupStats], prefix: str = "") -> dict[str, float]:

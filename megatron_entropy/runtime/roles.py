@@ -1,0 +1,51 @@
+"""What this rank does in the job, worked out once from Megatron's parallel state and the rollout
+engine's kind: who leads a data-parallel replica, who talks to the engine, who feeds it weights.
+
+A shared engine (servers) serves the whole job: global rank 0 drives it and DP replica 0 gathers
+the weights it is sent. A per-replica engine (in-process) lives on each replica's leader, and
+every replica gathers weights for its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+
+
+def is_replica_leader() -> bool:
+    """TP rank 0 of the first PP stage: the rank that holds its DP replica's rollouts and full
+    weights (the others take part in the collectives that bring them there)."""
+    return ps.get_tensor_model_parallel_rank() == 0 and ps.get_pipeline_model_parallel_rank() == 0
+
+
+@dataclass(frozen=True)
+class Roles:
+    rank: int  # global rank
+    dp_rank: int
+    dp_size: int
+    replica_leader: bool  # see is_replica_leader
+    shared_engine: bool  # one engine (servers) for the job, else one per DP replica
+
+    @classmethod
+    def here(cls, shared_engine: bool) -> Roles:
+        """This rank's roles (parallel state initialised) with a shared or per-replica engine."""
+        return cls(rank=dist.get_rank(), dp_rank=ps.get_data_parallel_rank(),
+                   dp_size=ps.get_data_parallel_world_size(), replica_leader=is_replica_leader(),
+                   shared_engine=shared_engine)
+
+    @property
+    def rank0(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def talks_to_engine(self) -> bool:
+        """Builds and calls an engine: rank 0 for a shared one, each replica leader else."""
+        return self.rank0 if self.shared_engine else self.replica_leader
+
+    @property
+    def feeds_engine(self) -> bool:
+        """Takes part in gathering the full weights an engine is sent: every model-parallel rank
+        of DP replica 0 for a shared engine, of every replica else."""
+        return self.dp_rank == 0 if self.shared_engine else True
