@@ -85,7 +85,8 @@ class _Checker:
         return self._proc.stdout.readline().strip() if ready else None
 
     def _start(self) -> None:
-        # The package's own folder first on the path: it need not be installed.
+        # The child imports the same copy of the package as this process (a checkout or a
+        # worktree, installed or not), not whichever copy happens to be installed.
         root = str(Path(__file__).resolve().parents[2])
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
             p for p in (root, os.environ.get("PYTHONPATH")) if p)}

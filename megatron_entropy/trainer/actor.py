@@ -25,17 +25,23 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 import torch
+from megatron.core import parallel_state as ps
+from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_entropy.algorithms.aggregation import step_normalizer
 from megatron_entropy.algorithms import token_rules as rules_ops
 from megatron_entropy.algorithms.policy_loss import (PolicyLossSettings, TokenAdjustments,
-                                                     policy_loss, reduce_metrics)
+                                                     policy_loss, reduce_metrics,
+                                                     select_tokens_global)
 from megatron_entropy.algorithms.token_rules import TokenRuleSettings
 from megatron_entropy.analysis.entropy_change import entropy_change_metrics
 from megatron_entropy.models.arch import ModelArch
+from megatron_entropy.models.output_head import (hidden_states_instead_of_logits,
+                                                 output_layer_weight)
 from megatron_entropy.ops.logprob_entropy import (fused_linear_logprob_entropy,
                                                   vocab_parallel_logprob_entropy)
 from megatron_entropy.trainer.batch import MicroBatch, Sample, pack_micro_batches, to_device
+from megatron_entropy.trainer.model_setup import optimizer_step
 
 
 @dataclass
@@ -107,8 +113,6 @@ class Actor:
     def __init__(self, arch: ModelArch, model_chunks: list, optimizer, scheduler,
                  loss_settings: PolicyLossSettings, settings: ActorSettings,
                  ref_model: Optional[torch.nn.Module] = None) -> None:
-        from megatron.core import parallel_state as ps
-
         self.arch = arch
         self.model = model_chunks
         self.optimizer = optimizer
@@ -124,8 +128,6 @@ class Actor:
     def _token_stats(self, model, output: torch.Tensor, mb: MicroBatch
                      ) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-prob and entropy [N] of each response token from the last stage's output."""
-        from megatron_entropy.models.output_head import output_layer_weight
-
         flat = output.reshape(-1, output.shape[-1])
         rows = flat.index_select(0, mb.flat_positions)
         kwargs = dict(vocab_size=self.arch.vocab_size,
@@ -138,8 +140,6 @@ class Actor:
         return vocab_parallel_logprob_entropy(rows, mb.targets, **kwargs)
 
     def _model_forward(self, model, mb: MicroBatch) -> torch.Tensor:
-        from megatron_entropy.models.output_head import hidden_states_instead_of_logits
-
         if self.settings.logprob_impl == "fused":
             with hidden_states_instead_of_logits(model):
                 return model(mb.tokens, mb.position_ids, None)
@@ -149,8 +149,6 @@ class Actor:
                       loss_fn: Callable[[Any, torch.Tensor, MicroBatch], tuple],
                       forward_only: bool) -> list[dict]:
         """Run micro-batches through Megatron's schedule; returns the last stage's loss dicts."""
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
         if not micro_batches:
             return []
         queue = iter(micro_batches)
@@ -252,8 +250,6 @@ class Actor:
         """Clip-Cov/KL-Cov token choice over the whole optimizer step (cov_scope=global)."""
         if self.settings.cov_scope != "global" or inputs is None:
             return None
-        from megatron_entropy.algorithms.policy_loss import select_tokens_global
-
         # On the device of the loss (and of NCCL's collectives).
         dev = [to_device(mb, self.device) for mb in mbs]
         return select_tokens_global(
@@ -275,8 +271,6 @@ class Actor:
 
     def update(self, samples: list[Sample], step: int) -> dict[str, float]:
         """ppo_epochs x mini_batches_per_step optimizer steps over this rank's samples."""
-        from megatron_entropy.trainer.model_setup import optimizer_step
-
         n_mini = self.settings.mini_batches_per_step
         bounds = [round(i * len(samples) / n_mini) for i in range(n_mini + 1)]
         all_metrics: list[dict] = []

@@ -42,6 +42,8 @@ from megatron_entropy.models.megatron_checkpoint import (CheckpointError, check_
 from megatron_entropy.models.sharding import unwrap_model
 from megatron_entropy.trainer import preemption
 
+# Megatron loads inside the functions that use it: analysis/study.py finds and verifies
+# checkpoints with CheckpointManager in a process that never loads Megatron.
 TRAINER_STATE = "trainer_state.json"
 _COMMON_FILES = ("metadata.json", "common.pt")  # dist_checkpointing's, beside .metadata
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h

@@ -55,6 +55,7 @@ class MetricsLogger:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._truncate_after(start_step)
+        # Each backend loads only when asked for: tensorboard and wandb are optional packages.
         if progress_bar:
             from tqdm import tqdm
 

@@ -13,6 +13,10 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
+from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
+                                       finalize_model_grads)
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_entropy.models.arch import ModelArch
 from megatron_entropy.models.builder import build_gpt_model
@@ -39,8 +43,6 @@ class OptimSettings:
 
 
 def _finalize_without_rescale(model, num_tokens=None, *args, **kwargs):
-    from megatron.core.distributed import finalize_model_grads
-
     # Losses arrive normalised by the whole step already (module docstring).
     return finalize_model_grads(model, None, *args, **kwargs)
 
@@ -53,8 +55,6 @@ def build_trainable_model(arch: ModelArch, tensor: int, pipeline: int, dtype: st
     ``distributed_optimizer`` lays the grad buffer out for Megatron's distributed optimizer
     (grads reduce-scattered over DP, each rank updating its shard); pass the same to
     `build_optimizer`."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-
     model = build_gpt_model(arch, tensor, pipeline, dtype, transformer_impl, seq_length,
                             sequence_parallel, recompute)
     config = model.config
@@ -71,9 +71,6 @@ def build_optimizer(model_chunks: list, settings: OptimSettings, dtype: str = "f
                     distributed_optimizer: bool = False):
     """Megatron's AdamW (fp32 master weights for bf16/fp16 params) and its LR/WD schedule; with
     ``distributed_optimizer`` the main weights and Adam moments are sharded over DP."""
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
     opt_config = OptimizerConfig(
         optimizer="adam", lr=settings.lr, min_lr=settings.min_lr,
         weight_decay=settings.weight_decay, adam_beta1=settings.adam_beta1,
