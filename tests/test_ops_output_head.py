@@ -18,7 +18,8 @@ def _worker(tp: int, tied: bool):
 
     from megatron_entropy.models.arch import arch_from_hf_config
     from megatron_entropy.models.output_head import (hidden_states_instead_of_logits,
-                                                     output_layer_weight, unwrap_model)
+                                                     output_layer_weight)
+    from megatron_entropy.models.sharding import unwrap_model
     from megatron_entropy.ops.logprob_entropy import (fused_linear_logprob_entropy,
                                                       vocab_parallel_logprob_entropy)
     from megatron_entropy.trainer.model_setup import build_trainable_model

@@ -16,12 +16,7 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
-
-def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The GPTModel inside Megatron's DDP / Float16Module wrappers."""
-    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
-        model = model.module
-    return model
+from megatron_entropy.models.sharding import unwrap_model
 
 
 def output_layer_weight(model: torch.nn.Module) -> Tensor:

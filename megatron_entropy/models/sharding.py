@@ -22,14 +22,14 @@ import torch
 _LAYER_RE = re.compile(r"(^|\.)decoder\.layers\.(\d+)\.")
 
 
-def unwrap_model(model):
-    """The Megatron model inside a chunk's wrappers (DDP, Float16Module); a list of chunks must
-    hold one (no virtual pipeline), which is taken."""
+def unwrap_model(model) -> torch.nn.Module:
+    """The GPTModel inside a chunk's wrappers (DDP, Float16Module); a list of chunks must hold
+    one (no virtual pipeline), which is taken."""
     if isinstance(model, (list, tuple)):
         if len(model) != 1:
             raise ValueError(f"expected one model chunk (no virtual pipeline), got {len(model)}")
         model = model[0]
-    while hasattr(model, "module"):
+    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
         model = model.module
     return model
 
