@@ -32,6 +32,8 @@ from megatron_entropy.models.hf_io import (TensorSpec, hf_weight_files, open_hf_
                                            save_hf_weights)
 from megatron_entropy.models.sharding import layer_offset, tp_gather, to_global_name, unwrap_model
 
+# Megatron loads inside the functions that use it: the CLI checks the model with this
+# module before any rank starts (cli._check_model), without paying for Megatron's import.
 Kind = Literal["copy", "qkv", "glu", "vocab"]
 
 

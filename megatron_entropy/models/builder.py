@@ -10,6 +10,8 @@ import torch.nn.functional as F
 
 from megatron_entropy.models.arch import ModelArch
 
+# Megatron loads inside the functions that use it: models/megatron_checkpoint.py (which the CLI
+# uses before any rank starts) imports DTYPES from here.
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 

@@ -38,11 +38,13 @@ from torch.distributed.checkpoint.planner import SavePlan
 from megatron_entropy.models.arch import ModelArch, load_arch
 from megatron_entropy.models.bridge import (check_hf_checkpoint, hf_tensor_specs, hf_to_megatron,
                                             layer_param_names, megatron_to_hf, weight_map)
-from megatron_entropy.models.builder import DTYPES
+from megatron_entropy.models.builder import DTYPES, build_gpt_model
 from megatron_entropy.models.hf_io import (copy_hf_metadata, hf_weight_files, open_hf_slices,
                                            save_hf_weights, temp_sibling)
 from megatron_entropy.models.sharding import unwrap_model
 
+# Megatron loads inside the functions that use it: the CLI checks the model with this
+# module before any rank starts (cli._check_model), without paying for Megatron's import.
 ARCH_FILE = "arch.json"
 HF_SUBDIR = "hf"
 _LAYERS = "decoder.layers."
@@ -287,8 +289,6 @@ def convert_hf_to_checkpoint(hf_dir: Union[str, Path], out_dir: Union[str, Path]
     from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex,
                                                        TensorProperties)
     from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
-
-    from megatron_entropy.models.builder import build_gpt_model
 
     start = time.perf_counter()
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)

@@ -14,6 +14,8 @@ from contextlib import contextmanager
 from typing import Iterator
 
 import torch
+from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
+                                                    gather_from_sequence_parallel_region)
 from torch import Tensor
 
 from megatron_entropy.models.sharding import unwrap_model
@@ -49,9 +51,6 @@ class _ContiguousGrad(torch.autograd.Function):
 
 
 def _to_output_region(layer: torch.nn.Module, hidden: Tensor) -> Tensor:
-    from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
-                                                        gather_from_sequence_parallel_region)
-
     group = getattr(layer, "tp_group", None)
     if getattr(layer, "sequence_parallel", False):
         out = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True,
