@@ -28,14 +28,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from typing import TYPE_CHECKING
-
 from megatron_entropy.config import Config, ConfigError, load_config
 from megatron_entropy.models.arch import ModelArch, UnsupportedModelError, arch_from_hf_config, \
     load_arch
-
-if TYPE_CHECKING:
-    from megatron_entropy.runtime.slurm import JobLayout
+from megatron_entropy.runtime import ParallelLayoutError
+from megatron_entropy.runtime.slurm import JobLayout, NotEnoughNodesError, job_layout
 
 GiB = 1024**3
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -138,7 +135,7 @@ class Plan:
     nodes: int
     gpus_per_node: int
     gpu_memory_gb: float
-    layout: Optional["JobLayout"]
+    layout: Optional[JobLayout]
     tensor: int
     pipeline: int
     data_parallel: int = 0
@@ -159,10 +156,6 @@ class Plan:
 
 def make_plan(cfg: Config, arch: ModelArch, nodes: int, arch_source: str = "") -> Plan:
     """Layout and memory estimate for ``cfg`` on ``nodes`` nodes of ``cfg.cluster``'s shape."""
-    # Imported here: megatron_entropy.runtime pulls in torch, which `plan --help` does not need.
-    from megatron_entropy.runtime.distributed import ParallelLayoutError
-    from megatron_entropy.runtime.slurm import NotEnoughNodesError, job_layout
-
     c, p, r, t = cfg.cluster, cfg.parallel, cfg.rollout, cfg.trainer
     plan = Plan(arch=arch, arch_source=arch_source, nodes=nodes, gpus_per_node=c.gpus_per_node,
                 gpu_memory_gb=c.gpu_memory_gb, layout=None, tensor=p.tensor, pipeline=p.pipeline)

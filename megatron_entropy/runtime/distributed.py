@@ -11,6 +11,7 @@ from typing import Optional
 import numpy as np
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
 
 from megatron_entropy.config import ConfigError
 from megatron_entropy.runtime import cpu_compat
@@ -81,8 +82,6 @@ def init_distributed(tensor: int = 1, pipeline: int = 1, backend: str = "auto",
             init_method=None if store else (
                 init_method or f"tcp://{launch.master_addr}:{launch.master_port}"),
             rank=launch.rank, world_size=launch.world_size, timeout=timeout)
-    from megatron.core import parallel_state
-
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     # No gloo copies of the DP groups: nothing of ours uses them (the optimizer is built with
@@ -129,8 +128,6 @@ def set_seed(seed: int) -> None:
     Megatron's tracker gives every TP rank a different stream for TP-split dropout and the same
     stream for replicated parts; it must be seeded even when dropout is off.
     """
-    from megatron.core import tensor_parallel
-
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
@@ -138,8 +135,6 @@ def set_seed(seed: int) -> None:
 
 
 def shutdown() -> None:
-    from megatron.core import parallel_state
-
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
