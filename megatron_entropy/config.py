@@ -608,6 +608,7 @@ def validate(cfg: Config) -> None:
 def _validate_entropy_rules(a: AlgorithmConfig) -> None:
     """The controller's and the token rules' own checks and those against the loss; the target
     against log V waits for the model (``entropy_control_settings`` with ``vocab_size``)."""
+    # algorithms/ loads here, not at the top: the config loads without torch (Slurm helpers, plan).
     from megatron_entropy.algorithms.policy_loss import PolicyLossSettings
     from megatron_entropy.algorithms.token_rules import check_token_rules
 

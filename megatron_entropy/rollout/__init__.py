@@ -20,6 +20,7 @@ def engine_is_shared(engine_name: str) -> bool:
 def build_engine(rollout_cfg, hf_dir: Union[str, Path], run_dir: Union[str, Path]
                  ) -> RolloutEngine:
     """The engine ``rollout.engine`` names, serving the model in ``hf_dir``."""
+    # Only the chosen engine's module loads: transformers for one, aiohttp for the others.
     if rollout_cfg.engine == "inprocess":
         import torch
 

@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Optional, Union
 
 import torch
+import transformers
+from transformers import AutoModelForCausalLM, DynamicCache
 
 from megatron_entropy.data.dataset import load_tokenizer
 from megatron_entropy.rollout.base import Completion, NamedTensors, RolloutEngine, SamplingParams
@@ -81,8 +83,6 @@ class InProcessEngine(RolloutEngine):
 
     def __init__(self, hf_dir: Union[str, Path], dtype: str = "fp32", batch_size: int = 64,
                  device: Union[str, torch.device] = "cpu"):
-        from transformers import AutoModelForCausalLM
-
         if dtype not in DTYPES:
             raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
         if batch_size < 1:
@@ -93,8 +93,6 @@ class InProcessEngine(RolloutEngine):
                                     "needs a Hugging Face model folder")
         self.device = torch.device(device)
         self.batch_size = batch_size
-        import transformers
-
         # transformers 4.56 renamed torch_dtype to dtype.
         dtype_kw = "dtype" if _version(transformers.__version__) >= (4, 56) else "torch_dtype"
         self.model = AutoModelForCausalLM.from_pretrained(
@@ -122,8 +120,6 @@ class InProcessEngine(RolloutEngine):
         return out.logits[:, -1, :].float()
 
     def _new_cache(self):
-        from transformers import DynamicCache
-
         try:
             return DynamicCache(config=self.model.config)
         except TypeError:  # transformers < 4.56
