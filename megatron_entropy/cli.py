@@ -13,6 +13,10 @@ import warnings
 from pathlib import Path
 from typing import Callable, Optional
 
+# Everything else loads inside the command that needs it: `--help` and the config and model
+# checks run without torch, and `train` loads torch and Megatron only after installing the
+# preemption handler.
+
 # Errors that are the user's to fix: printed as one line, exit code 2, no traceback.
 USER_ERRORS: tuple[type[BaseException], ...] = (FileNotFoundError,)
 

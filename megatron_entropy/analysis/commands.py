@@ -17,6 +17,9 @@ def add_plot_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="folder for the PNGs (default: RUN_DIR/plots)")
 
 
+# Each command imports its modules when it runs, so that `megatron-entropy --help` stays fast.
+
+
 def run_plot(args: argparse.Namespace) -> int:
     from megatron_entropy.analysis.plots import plot_run
 

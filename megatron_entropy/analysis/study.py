@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from megatron_entropy.analysis.plots import read_metrics, series
 from megatron_entropy.config import Config, ConfigError, StudyConfig, load_config
 from megatron_entropy.trainer.checkpoint import CheckpointManager
 from megatron_entropy.trainer.preemption import PREEMPTED_EXIT_CODE
@@ -219,8 +220,6 @@ def checkpoint_step(run_dir: Path) -> int:
 
 
 def last_step(run_dir: Path) -> int:
-    from megatron_entropy.analysis.plots import read_metrics
-
     try:
         records = read_metrics(run_dir)
     except FileNotFoundError:
@@ -281,8 +280,6 @@ def _tail(path: Path, lines: int = 15) -> str:
 
 
 def _summary_line(run: StudyRun) -> str:
-    from megatron_entropy.analysis.plots import read_metrics, series
-
     records = read_metrics(run.run_dir)
     parts = []
     for key, short in (("entropy/seq_mean", "H"), ("val/acc/mean", "val")):
@@ -313,7 +310,7 @@ def _train(run: StudyRun, config_path: str, lock_fd: int, interrupt: _Interrupt
 def execute(plan: StudyPlan, echo: Callable[[str], None] = print) -> int:
     """Run every run of the plan that has not finished, then write the report. Returns 0, or
     75 when interrupted (run the same command again to go on)."""
-    from megatron_entropy.analysis.study_report import write_report
+    from megatron_entropy.analysis.study_report import write_report  # it imports this module
 
     plan.out.mkdir(parents=True, exist_ok=True)
     lock_fd = _lock(plan.out, echo)
