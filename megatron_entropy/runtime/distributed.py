@@ -15,8 +15,7 @@ from megatron.core import parallel_state, tensor_parallel
 
 from megatron_entropy.config import ConfigError
 from megatron_entropy.runtime import cpu_compat
-from megatron_entropy.runtime.launch_env import (LaunchEnv, ParallelLayoutError,  # noqa: F401
-                                                  check_layout, detect_launch_env,
+from megatron_entropy.runtime.launch_env import (LaunchEnv, check_layout, detect_launch_env,
                                                   raise_open_files_limit)
 
 
