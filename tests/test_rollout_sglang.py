@@ -356,24 +356,26 @@ def test_a_slow_server_that_makes_progress_is_not_restarted(models, tmp_path, wa
     and one that has not completed any since it came up is governed by startup_timeout_s. So no
     restart, and every sample comes back once (before the pool judged liveness by progress, the
     unanswered probes alone killed and restarted it)."""
-    # Probes get 3 s and are answered only after 10 s while the server decodes; requests take
-    # ~2 s (40 tokens at 0.05 s), 4 at a time, so a completion comes every ~0.5 s, well inside
-    # 3 s even on a busy machine; the warm-up holds the first answer 8 s.
-    cfg = make_cfg(launch=1, health_check_interval_s=0.5, health_timeout_s=3.0,
-                   launch_command=fake_command(delay=0.05, busy_health_delay=10.0,
+    # Probes get 6 s and are answered only after 12 s while the server decodes. Requests take
+    # ~0.8 s (40 tokens at 0.02 s), 4 at a time; they may all finish together, so a sign of life
+    # comes every ~0.8 s: a 7x margin for a busy machine (with 3 s against 2 s requests, the
+    # suite on a loaded machine once went 3 s without one). The 48 requests take ~10 s, so
+    # probes do go unanswered for longer than 6 s; the warm-up holds the first answer 8 s.
+    cfg = make_cfg(launch=1, health_check_interval_s=0.5, health_timeout_s=6.0,
+                   launch_command=fake_command(delay=0.02, busy_health_delay=12.0,
                                                warmup=warmup))
     eng = SGLangEngine(cfg, str(models["a"]), str(tmp_path))
     try:
         server = eng.pool.servers[0]
         pid = server.process.pid
-        prompts = [[10 + i, 20 + i] for i in range(8)]
+        prompts = [[10 + i, 20 + i] for i in range(24)]
         out = eng.generate(prompts, SamplingParams(n=2, max_new_tokens=40, temperature=1.0,
                                                    seed=3))
-        assert [len(row) for row in out] == [2] * 8
+        assert [len(row) for row in out] == [2] * 24
         metrics = eng.metrics()
         assert metrics["rollout/server_restarts"] == 0 and metrics["rollout/retries"] == 0
         assert server.restarts == 0 and server.process.pid == pid and server.state == "up"
-        assert metrics["rollout/server0/requests"] == 16
+        assert metrics["rollout/server0/requests"] == 48
     finally:
         eng.shutdown()
 

@@ -289,7 +289,8 @@ def test_cli_first_screen_shows_the_run_not_megatrons_start_up_notes(model_dir, 
         assert line not in screen
 
 
-STABLE = ("time/", "perf/", "weight_sync/seconds", "rollout/tokens_per_s")
+STABLE = ("time/", "perf/", "weight_sync/seconds", "weight_check/seconds",
+          "rollout/tokens_per_s")
 
 
 QUICKSTART = REPO / "examples" / "quickstart.yaml"
