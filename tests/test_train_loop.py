@@ -216,8 +216,8 @@ def test_bf16_run_with_the_distributed_optimizer_resumes_across_a_change_of_dp(m
     entropy bonus gives gradients whatever the rewards of the random model), and its checkpoint
     resumes at DP=1 x TP=2 (optimizer state resharded) for another step."""
     extra = dict(model={"dtype": "bf16"}, algorithm={"entropy_coef": 0.01})
-    cfg = _config(model_dir, tmp_path, "bf16", parallel={"tensor": 1}, trainer={"steps": 1},
-                  **extra)
+    cfg = _config(model_dir, tmp_path, "bf16", parallel={"tensor": 1},
+                  trainer={"steps": 1, "distributed_optimizer": True}, **extra)
     run_distributed(train_from_dict, 2, cfg, timeout=300)
     state = json.loads((tmp_path / "bf16" / "checkpoints" / "step_00000001"
                         / "trainer_state.json").read_text())
