@@ -69,6 +69,14 @@ def _update_worker(loss: str, scope: str, selection_logprobs: str,
 UPDATES = 4  # ppo_epochs x mini_batches_per_step
 
 
+def _rounding_paths(samples) -> tuple:
+    """The rounding paths (tests/tolerance.py) of one log-prob of the tiny model over the
+    longest sample, and of one gradient (that path plus every response token of the step)."""
+    logp_path = transformer_terms(arch_from_hf_config(tiny_hf_config("qwen2")),
+                                  max(s.length for s in samples), log_softmax=True)
+    return logp_path, grad_terms(logp_path, sum(len(s.response_ids) for s in samples))
+
+
 @pytest.mark.parametrize("loss,selection", [("kl_cov", "fresh"), ("kl_cov", "recompute"),
                                             ("clip_cov", "fresh"), ("clip_cov", "recompute")])
 def test_global_scope_update_is_independent_of_the_dp_split(loss, selection):
@@ -79,10 +87,7 @@ def test_global_scope_update_is_independent_of_the_dp_split(loss, selection):
     # shapes) and the grads are summed in another order: the same math up to rounding along
     # the path of a log-prob (tests/tolerance.py) and of a gradient (+ every token of the step).
     samples = random_samples(0)
-    longest = max(s.length for s in samples)
-    logp_path = transformer_terms(arch_from_hf_config(tiny_hf_config("qwen2")), longest,
-                                  log_softmax=True)
-    path = grad_terms(logp_path, sum(len(s.response_ids) for s in samples))
+    logp_path, path = _rounding_paths(samples)
     assert m1["selected_frac"] > 0
     assert m1["selected_frac"] == m2["selected_frac"]  # the same tokens: a ratio of counts
     # Cov = (A - mean A)(logp - mean logp): each logp and their mean move by rounding.
@@ -107,9 +112,7 @@ def test_distributed_optimizer_at_dp2_equals_the_plain_optimizer_at_dp1():
     (w2, m2, _), (w2b, _, _) = run_distributed(_update_worker, 2, "kl_cov", "global", "recompute",
                                                distributed_optimizer=True)
     samples = random_samples(0)
-    logp_path = transformer_terms(arch_from_hf_config(tiny_hf_config("qwen2")),
-                                  max(s.length for s in samples), log_softmax=True)
-    path = grad_terms(logp_path, sum(len(s.response_ids) for s in samples))
+    _, path = _rounding_paths(samples)
     assert set(m2["optimizers"]) == {"DistributedOptimizer"} != set(m1["optimizers"])
     assert m1["selected_frac"] == m2["selected_frac"]
     for name in w1:
@@ -140,9 +143,7 @@ def test_a_sequence_without_response_tokens_changes_no_update(mode):
     ((we, _, _),) = run_distributed(_update_worker, 1, "ppo_clip", "micro_batch", "recompute",
                                     mode, True, 48)
     samples = random_samples(0)
-    logp_path = transformer_terms(arch_from_hf_config(tiny_hf_config("qwen2")),
-                                  max(s.length for s in samples), log_softmax=True)
-    path = grad_terms(logp_path, sum(len(s.response_ids) for s in samples))
+    _, path = _rounding_paths(samples)
     for name in w:
         torch.testing.assert_close(we[name], w[name], rtol=0, msg=name,
                                    atol=update_tol(w[name], w0[name], UPDATES, path))
@@ -223,9 +224,7 @@ def test_token_rule_update_equals_its_formula_and_ignores_the_split(rule):
         assert 0 < ref["entropy_rule/adv_bonus_capped_frac"] < 1  # both branches of the min
         assert m1["selected_frac"] == m2["selected_frac"] > 0
     samples = random_samples(0)
-    logp_path = transformer_terms(arch_from_hf_config(tiny_hf_config("qwen2")),
-                                  max(s.length for s in samples), log_softmax=True)
-    path = grad_terms(logp_path, sum(len(s.response_ids) for s in samples))
+    _, path = _rounding_paths(samples)
     for name in w1:
         torch.testing.assert_close(w2[name], w1[name], rtol=0, msg=name,
                                    atol=update_tol(w1[name], w0[name], UPDATES, path))
