@@ -7,11 +7,14 @@
 # (into the current Python, as the README's install does), the vLLM CPU serving stack in its own
 # venv (.ci/setup-vllm.sh), Debian's Slurm and munge (.ci/setup-slurm.sh, needs root and apt) and
 # the SmolLM2-135M test model (.ci/setup-smollm2.sh). The vLLM venv (minutes on a fresh machine,
-# mostly download and unpacking) builds in the background while the tests that do not need it
-# run; the tests marked `vllm` run once it is there. pytest runs with
-# MEGATRON_ENTROPY_REQUIRE_ALL_TESTS=1, under which a test whose prerequisite is missing fails
-# with the reason instead of being skipped (tests/require_all.py). Plain `python -m pytest tests`
-# may still skip such tests, for quick local runs.
+# mostly download and unpacking) builds in the background. The tests then run as two pytest
+# processes at once, because much of the suite waits (process start-up, which is single-threaded
+# imports, Slurm scheduling, servers coming up) rather than computes: the Slurm jobs followed by
+# the tests marked `vllm` (once the venv is there), beside everything else. Each test's own ranks
+# run one thread each, and no test of one stream looks at the other's processes, ports or files.
+# pytest runs with MEGATRON_ENTROPY_REQUIRE_ALL_TESTS=1, under which a test whose prerequisite is
+# missing fails with the reason instead of being skipped (tests/require_all.py). Plain
+# `python -m pytest tests` may still skip such tests, for quick local runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 total=$SECONDS
@@ -26,11 +29,25 @@ part() {  # part NAME COMMAND...: run one part, say how long it took; its exit c
 }
 
 vllm_log=$(mktemp)
-trap 'rm -f "$vllm_log"' EXIT
+vllm_rc=$(mktemp)  # its exit code, once it is done (the stream that waits for it is no parent)
+servers_log=$(mktemp)
+stop_tree() {  # stop_tree PID: a background part and everything it started (no test outlives us)
+  local status
+  for status in $(grep -l "^PPid:[[:space:]]*$1\$" /proc/[0-9]*/status 2>/dev/null); do
+    stop_tree "$(basename "$(dirname "$status")")"
+  done
+  kill "$1" 2>/dev/null || true
+}
+cleanup() {
+  local job
+  for job in $(jobs -p); do stop_tree "$job"; done
+  rm -f "$vllm_log" "$vllm_rc" "$servers_log"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
 echo "== vLLM CPU venv (.ci/setup-vllm.sh): in the background"
 vllm_start=$SECONDS
-bash .ci/setup-vllm.sh >"$vllm_log" 2>&1 &
-vllm_pid=$!
+(rc=0; bash .ci/setup-vllm.sh >"$vllm_log" 2>&1 || rc=$?; echo "$rc" >"$vllm_rc") &
 
 part "package + test extras (pip install -c constraints-cpu.txt -e .[test])" \
   python -m pip install -q -c constraints-cpu.txt -e ".[test]"
@@ -38,21 +55,32 @@ part "Slurm + munge (.ci/setup-slurm.sh)" bash .ci/setup-slurm.sh
 part "SmolLM2-135M test model (.ci/setup-smollm2.sh)" bash .ci/setup-smollm2.sh
 
 export MEGATRON_ENTROPY_REQUIRE_ALL_TESTS=1
-status=0
-tests() {  # tests MARKERS [pytest args]: one pytest run; "no test selected" (5) is no failure
-  local markers=$1 rc=0
-  shift
+tests() {  # tests SELECTION... : one pytest run; "no test selected" (5) is no failure
+  local rc=0
   # --durations: the slowest tests in every log, to keep the suite's time in view
-  part "python -m pytest -q tests -m '$markers' $*" python -m pytest -q --durations=15 tests \
-    -m "$markers" "$@" || rc=$?
-  if [ "$rc" -ne 0 ] && [ "$rc" -ne 5 ]; then status=$rc; fi
+  part "python -m pytest -q $(printf '%q ' "$@")" python -m pytest -q --durations=15 "$@" || rc=$?
+  if [ "$rc" -eq 5 ]; then rc=0; fi
+  return "$rc"
 }
 
-tests "not vllm" "$@"
-vllm_status=0
-wait "$vllm_pid" || vllm_status=$?
-cat "$vllm_log"
-echo "== vLLM CPU venv: ready $((SECONDS - vllm_start)) s after it started (exit code $vllm_status)"
-tests vllm "$@"
+servers() {  # the second stream: the Slurm jobs, then (once the venv is there) the vLLM tests
+  local rc=0
+  tests tests/test_slurm_jobs.py -m "not vllm" "$@" || rc=$?
+  while [ ! -s "$vllm_rc" ]; do sleep 2; done
+  cat "$vllm_log"
+  echo "== vLLM CPU venv: ready $((SECONDS - vllm_start)) s after it started (exit code $(cat "$vllm_rc"))"
+  tests tests -m vllm "$@" || rc=$?
+  return "$rc"
+}
+
+echo "== the Slurm jobs and the vLLM tests: in the background (their log follows the rest's)"
+servers "$@" >"$servers_log" 2>&1 &
+servers_pid=$!
+status=0
+tests tests -m "not vllm" --ignore=tests/test_slurm_jobs.py "$@" || status=$?
+servers_status=0
+wait "$servers_pid" || servers_status=$?
+cat "$servers_log"
+if [ "$status" -eq 0 ]; then status=$servers_status; fi
 echo "== tests/run.sh: $((SECONDS - total)) s in all; exit code $status"
 exit $status

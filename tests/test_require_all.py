@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from require_all import REQUIRE_ALL
 
 TESTS = Path(__file__).resolve().parent
@@ -41,10 +42,15 @@ def test_a_skip_fails_with_its_reason_when_every_test_is_required(tmp_path):
     assert "may not be skipped, but it was: Skipped: no cheese" in strict.stdout
 
 
+# The three pytest runs of tests/run.sh, told apart by their arguments (first match wins).
+RUNS = {"slurm": "tests/test_slurm_jobs.py -m not vllm", "vllm": "-m vllm",
+        "main": "-m not vllm --ignore=tests/test_slurm_jobs.py"}
+
+
 def _stub_checkout(tmp: Path, pytest_exit: dict[str, int], setup_exit: int = 0) -> Path:
     """tests/run.sh in a copy of the checkout whose installers and python are stubs: pip and the
-    setup scripts succeed (or the setups exit ``setup_exit``); pytest exits ``pytest_exit[m]``
-    for ``-m m``."""
+    setup scripts succeed (or the Slurm setup exits ``setup_exit``); pytest exits
+    ``pytest_exit[run]`` for each of `RUNS` (0 if not given) and says which run it was."""
     (tmp / "tests").mkdir()
     (tmp / "tests" / "run.sh").write_text((TESTS / "run.sh").read_text())
     (tmp / ".ci").mkdir()
@@ -52,7 +58,8 @@ def _stub_checkout(tmp: Path, pytest_exit: dict[str, int], setup_exit: int = 0) 
         (tmp / ".ci" / name).write_text(f"exit {setup_exit if name == 'setup-slurm.sh' else 0}\n")
     bin_dir = tmp / "bin"
     bin_dir.mkdir()
-    cases = "".join(f'    *"-m {m} "*) exit {rc} ;;\n' for m, rc in pytest_exit.items())
+    cases = "".join(f'    *"{args} "*) echo "ran {run}"; exit {pytest_exit.get(run, 0)} ;;\n'
+                    for run, args in RUNS.items())
     python = bin_dir / "python"
     python.write_text('#!/bin/bash\nargs="$* "\ncase "$args" in\n'
                       '    *"-m pip "*) exit 0 ;;\n' + cases + "esac\nexit 0\n")
@@ -66,22 +73,23 @@ def _run_sh(tmp: Path, bin_dir: Path) -> subprocess.CompletedProcess:
                           text=True, env=env, timeout=60)
 
 
-def test_run_sh_exits_with_the_failing_pytest_runs_code(tmp_path):
-    bin_dir = _stub_checkout(tmp_path, {"not vllm": 1, "vllm": 0})
-    done = _run_sh(tmp_path, bin_dir)
-    assert done.returncode == 1, done.stdout + done.stderr
-    assert "exit code 1" in done.stdout.splitlines()[-1], done.stdout
-    # The vLLM tests still ran after the first part failed.
-    assert "python -m pytest -q tests -m 'vllm'" in done.stdout
+@pytest.mark.parametrize("failing", ["main", "slurm", "vllm"])
+def test_run_sh_exits_with_the_failing_pytest_runs_code(tmp_path, failing):
+    done = _run_sh(tmp_path, _stub_checkout(tmp_path, {failing: 3}))
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert "exit code 3" in done.stdout.splitlines()[-1], done.stdout
+    # Every run still ran, whichever failed; the two streams' logs are both there.
+    assert all(f"ran {run}" in done.stdout for run in RUNS), done.stdout
 
 
-def test_run_sh_passes_when_both_pytest_runs_pass_and_stops_on_a_failed_install(tmp_path):
+def test_run_sh_passes_when_every_pytest_run_passes_and_stops_on_a_failed_install(tmp_path):
     ok = tmp_path / "ok"
     ok.mkdir()
-    done = _run_sh(ok, _stub_checkout(ok, {"not vllm": 0, "vllm": 0}))
+    done = _run_sh(ok, _stub_checkout(ok, {"vllm": 5}))  # 5: no test selected, no failure
     assert done.returncode == 0 and "exit code 0" in done.stdout, done.stdout + done.stderr
+    assert all(f"ran {run}" in done.stdout for run in RUNS), done.stdout
     broken = tmp_path / "broken"
     broken.mkdir()
-    done = _run_sh(broken, _stub_checkout(broken, {"not vllm": 0, "vllm": 0}, setup_exit=3))
+    done = _run_sh(broken, _stub_checkout(broken, {}, setup_exit=3))
     assert done.returncode == 3, done.stdout + done.stderr
     assert "python -m pytest" not in done.stdout  # no test run after a failed install
