@@ -49,18 +49,26 @@ class RewardFunction:
         """One call: a batched function on the lists, a per-response one on their one item.
         Raises RewardResultError for a result that is no reward."""
         if self.kind.batched:
-            extra = {"sources": list(sources)} if self.takes_sources else {}
-            values = self.fn(list(responses), list(ground_truths), **extra)
-            if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
-                raise RewardResultError(f"returned {_shown(values)}; a batched reward returns a "
-                                        f"list of {len(responses)} numbers")
-            if len(values) != len(responses):
-                raise RewardResultError(f"returned {len(values)} rewards for {len(responses)} "
-                                        "responses")
-            return [_as_reward(v) for v in values]
+            return self.batch(responses, ground_truths, sources)
         (response,), (truth,), (source,) = responses, ground_truths, sources
-        extra = {"source": source} if self.takes_sources else {}
-        return [_as_reward(self.fn(response, truth, **extra))]
+        return [self.one(response, truth, source)]
+
+    def one(self, response: str, ground_truth: str, source: str) -> float:
+        value = self.fn(response, ground_truth, source=source) if self.takes_sources \
+            else self.fn(response, ground_truth)
+        return _as_reward(value)
+
+    def batch(self, responses: Sequence[str], ground_truths: Sequence[str],
+              sources: Sequence[str]) -> list[float]:
+        values = self.fn(list(responses), list(ground_truths), sources=list(sources)) \
+            if self.takes_sources else self.fn(list(responses), list(ground_truths))
+        if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+            raise RewardResultError(f"returned {_shown(values)}; a batched reward returns a "
+                                    f"list of {len(responses)} numbers")
+        if len(values) != len(responses):
+            raise RewardResultError(f"returned {len(values)} rewards for {len(responses)} "
+                                    "responses")
+        return [_as_reward(v) for v in values]
 
 
 class RewardResultError(ValueError):

@@ -18,8 +18,8 @@ import signal
 import threading
 import time
 from collections import deque
-from contextlib import contextmanager, nullcontext
-from typing import Iterator, Optional, Sequence, Union
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 from megatron_entropy.config import ConfigError, RewardConfig
 from megatron_entropy.rewards.registry import KEY, RewardResultError, resolve_reward
@@ -28,7 +28,8 @@ from megatron_entropy.rewards.workers import (TIMED_OUT, ChildExited, ChildUnava
 
 log = logging.getLogger(__name__)
 
-_Outcome = Union[list[float], str]  # the rewards of one call, or why it failed
+_Result = Union[float, list[float]]  # what one call gives: a response's reward, or a list's
+_Outcome = Union[_Result, str]  # or why the call failed
 
 
 class _Overrun(BaseException):
@@ -82,16 +83,24 @@ class RewardScorer:
             raise ValueError(f"{n} responses but {len(ground_truths)} ground truths and "
                              f"{len(sources)} sources")
         calls = self._calls(n)
-        args = [(list(responses[lo:hi]), list(ground_truths[lo:hi]), sources[lo:hi])
-                for lo, hi in calls]
-        outcomes = self._in_pool(args) if self.config.workers > 1 else \
-            [self._here(*a) for a in args]
+        if self.config.workers > 1:
+            outcomes = self._in_pool([(list(responses[lo:hi]), list(ground_truths[lo:hi]),
+                                       sources[lo:hi]) for lo, hi in calls])
+        elif self.reward.kind.batched:
+            outcomes = [self._here(self.reward.batch, responses, ground_truths, sources)] if n \
+                else []
+        else:  # the common case (the math reward): one plain call per response
+            outcomes = [self._here(self.reward.one, *args)
+                        for args in zip(responses, ground_truths, sources)]
         rewards: list[float] = []
         for (lo, hi), outcome in zip(calls, outcomes):
             if isinstance(outcome, str):
                 self._failed(outcome, hi - lo)
-                outcome = [self.config.failure_value] * (hi - lo)
-            rewards += outcome
+                rewards += [self.config.failure_value] * (hi - lo)
+            elif isinstance(outcome, list):
+                rewards += outcome
+            else:
+                rewards.append(outcome)
         return rewards
 
     def take_failures(self) -> int:
@@ -116,11 +125,14 @@ class RewardScorer:
     def _bad_result(self, message: str) -> ConfigError:
         return ConfigError(f"{KEY}={self.config.function!r} {message}")
 
-    def _here(self, responses: list[str], truths: list[str], sources: list[str]) -> _Outcome:
-        timed = not self.reward.kind.self_timed
+    def _here(self, call: Callable[..., _Result], *args: Any) -> _Outcome:
+        """``call(*args)`` in this process, under the time limit unless the function keeps its
+        own."""
         try:
-            with _time_limit(self.config.timeout_s) if timed else nullcontext():
-                return self.reward(responses, truths, sources)
+            if self.reward.kind.self_timed:
+                return call(*args)
+            with _time_limit(self.config.timeout_s):
+                return call(*args)
         except RewardResultError as e:
             raise self._bad_result(str(e)) from None
         except _Overrun:

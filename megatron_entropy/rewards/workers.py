@@ -3,7 +3,8 @@ and the reward pool's workers.
 
 Plain subprocesses, not multiprocessing: they never fork the trainer's threads, never re-run its
 main module and need no resource-tracker process that could outlive the run. A child sees the
-parent's ``sys.path`` (the same copy of this package, the user's reward module), leads its own
+parent's ``sys.path`` (the same copy of this package, the user's reward module; set from
+the command line, before the child imports anything of ours), leads its own
 process group (a kill on an overrun also ends what it started: a pool worker's math checker),
 dies with the parent (PR_SET_PDEATHSIG) and exits when its stdin closes.
 """
@@ -58,13 +59,15 @@ class LineProcess:
     def launch(self) -> None:
         """Start the child; ``wait_ready`` waits for it (launch several, then wait for each)."""
         self.kill()
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        # The child's sys.path is this one ('' = the working directory, which both share).
+        path = json.dumps([p or os.getcwd() for p in sys.path])
         self._stderr = tempfile.TemporaryFile()  # a file, not a pipe: it can never fill up
         self._proc = subprocess.Popen(
-            [sys.executable, "-c", "from megatron_entropy.rewards.workers import _child_main; "
-             "_child_main()", str(os.getpid()), *self._argv],
+            [sys.executable, "-c", "import json, sys; sys.path[:] = json.loads(sys.argv[1]); "
+             "from megatron_entropy.rewards.workers import _child_main; _child_main()", path,
+             str(os.getpid()), *self._argv],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, text=True,
-            bufsize=1, env=env, start_new_session=True)
+            bufsize=1, start_new_session=True)
 
     def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
         reply = self.read(timeout_s) if self.running else TIMED_OUT
@@ -127,8 +130,8 @@ def _die_with(parent: int) -> None:
 
 
 def _child_main() -> None:
-    """The child: argv = [parent pid, "module:function", args...]."""
-    parent, target, *args = sys.argv[1:]
+    """The child: argv = [sys.path, parent pid, "module:function", args...]."""
+    parent, target, *args = sys.argv[2:]
     _die_with(int(parent))
     module, _, name = target.partition(":")
     answers = os.fdopen(os.dup(1), "w", buffering=1)
