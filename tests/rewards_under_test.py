@@ -24,6 +24,14 @@ def hang_or_length(response: str, ground_truth: str) -> float:
     return float(len(response))
 
 
+def mark_and_hang(response: str, ground_truth: str) -> float:
+    """Creates the file named by the response, then hangs (a worker busy when its parent dies)."""
+    with open(response, "w"):
+        pass
+    time.sleep(3600)
+    return 0.0
+
+
 def raise_or_length(response: str, ground_truth: str) -> float:
     if response == "raise":
         return 1 / 0

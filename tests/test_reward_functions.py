@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -150,6 +151,8 @@ def test_a_batched_reward_gets_the_list_in_one_call_per_worker():
 ])
 def test_a_call_that_hangs_or_raises_gets_the_failure_value(function, bad, why, workers, caplog):
     scorer = _scorer(f"{HERE}:{function}", workers=workers, timeout_s=0.5, failure_value=-7.0)
+    # A timer someone else set (pytest-timeout's, when it runs) outlives the scorer's own.
+    outer, handler = signal.getitimer(signal.ITIMER_REAL)[0], signal.getsignal(signal.SIGALRM)
     try:
         with caplog.at_level(logging.WARNING, logger="megatron_entropy.rewards.scorer"):
             assert scorer(["ab", bad, "abcd", bad], ["", "", "", ""]) == [2.0, -7.0, 4.0, -7.0]
@@ -159,6 +162,9 @@ def test_a_call_that_hangs_or_raises_gets_the_failure_value(function, bad, why, 
         warnings = [r.getMessage() for r in caplog.records]
         assert len(warnings) == 1, warnings  # the first failure only
         assert why in warnings[0] and "reward.failure_value=-7" in warnings[0]
+        left = signal.getitimer(signal.ITIMER_REAL)[0]
+        assert signal.getsignal(signal.SIGALRM) is handler
+        assert 0 < left <= outer if outer else left == 0
     finally:
         scorer.close()
 
@@ -203,26 +209,32 @@ def _gone(pids: set[int], within_s: float = 30.0) -> bool:
 
 
 def test_workers_die_with_their_process(tmp_path):
-    """A trainer killed outright (SIGKILL: no close(), no atexit) takes its workers along."""
+    """A trainer killed outright (SIGKILL: no close(), no atexit) while its workers are busy in a
+    call (so they do not see their stdin close) takes them along."""
     script = textwrap.dedent(f"""
-        import os, sys, time
+        import sys
         sys.path[:0] = {sys.path!r}
         from megatron_entropy.config import RewardConfig
         from megatron_entropy.rewards import RewardScorer
-        scorer = RewardScorer(RewardConfig(function="{HERE}:worker_pid", workers=2))
-        print(" ".join(str(int(p)) for p in scorer(["a", "b"], ["", ""])), flush=True)
-        time.sleep(3600)
+        hang = RewardScorer(RewardConfig(function="{HERE}:mark_and_hang", workers=2,
+                                         timeout_s=3600))
+        hang(["busy0", "busy1"], ["", ""])
     """)
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
-                            cwd=tmp_path)
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=tmp_path)
     try:
-        pids = {int(p) for p in proc.stdout.readline().split()}
-        assert pids and proc.pid not in pids and all(Path(f"/proc/{p}").exists() for p in pids)
+        deadline = time.monotonic() + 60
+        while not ((tmp_path / "busy0").exists() and (tmp_path / "busy1").exists()):
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        workers = _children(proc.pid)
+        assert len(workers) == 2
     finally:
         proc.kill()
         proc.wait()
-        proc.stdout.close()
-    assert _gone(pids)
+    gone = _gone(workers)
+    for pid in workers - {p for p in workers if _state(p) in ("gone", "Z")}:
+        os.kill(pid, signal.SIGKILL)  # a failed check leaves nothing behind either
+    assert gone
 
 
 def test_a_worker_that_dies_in_a_call_fails_that_call_and_is_replaced(caplog):

@@ -170,8 +170,16 @@ class RewardScorer:
                 if not worker.running:  # killed after an overrun
                     self._start_workers()
                 call = todo.popleft()
-                worker.send(args[call])
+                try:
+                    worker.send(args[call])
+                except OSError as e:  # it died since the check above
+                    worker.kill()
+                    outcomes[call] = f"the reward worker died ({type(e).__name__})"
+                    idle.append(worker)
+                    continue
                 busy[worker] = (call, time.monotonic() + self.config.timeout_s)
+            if not busy:
+                continue
             wait = min(deadline for _, deadline in busy.values()) - time.monotonic()
             ready, _, _ = select.select(list(busy), [], [], max(wait, 0.0))
             for worker in ready:
@@ -206,7 +214,7 @@ class RewardScorer:
                         self.config.function, why, responses, self.config.failure_value)
 
 
-def worker_handler(spec: str):
+def worker_handler(spec: str) -> Callable[[list], dict]:
     """In a pool worker: resolve ``spec``, then score one call per request (rewards/workers.py).
     The answer is {"rewards": [...]}, {"error": why it failed} or {"invalid": a result that is no
     reward}."""

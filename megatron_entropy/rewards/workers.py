@@ -99,8 +99,8 @@ class LineProcess:
         line = self._proc.stdout.readline()
         if not line:
             code = self._proc.wait()
-            raise ChildExited(f"exit code {code}" + (f": {tail}" if (tail := self.stderr_tail())
-                                                     else ""))
+            tail = self.stderr_tail(500)
+            raise ChildExited(f"exit code {code}" + (f": {tail}" if tail else ""))
         return json.loads(line)
 
     def stderr_tail(self, chars: int = 2000) -> str:
