@@ -23,8 +23,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 from megatron_entropy.config import ConfigError, RewardConfig
 from megatron_entropy.rewards.registry import KEY, RewardResultError, resolve_reward
-from megatron_entropy.rewards.workers import (TIMED_OUT, ChildExited, ChildUnavailable,
-                                              LineProcess)
+from megatron_entropy.rewards.workers import ChildExited, ChildUnavailable, LineProcess
 
 log = logging.getLogger(__name__)
 
