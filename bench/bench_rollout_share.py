@@ -33,7 +33,7 @@ def _worker(tensor: int, shared: bool) -> dict:
     import torch.distributed as dist
 
     from megatron_entropy.data import PromptSampler, load_prompt_dataset, load_tokenizer
-    from megatron_entropy.rewards import math_rewards
+    from megatron_entropy.rewards import RewardScorer
     from megatron_entropy.rollout import build_engine
     from megatron_entropy.rollout.base import SamplingParams
     from megatron_entropy.trainer.rollouts import collect_step_groups
@@ -48,8 +48,8 @@ def _worker(tensor: int, shared: bool) -> dict:
     step = collect_step_groups(
         engine, lambda n: [data[i] for i in sampler.next_indices(n)],
         SamplingParams(n=r.n_samples, temperature=r.temperature, max_new_tokens=r.max_new_tokens,
-                       seed=r.seed), math_rewards, shared, d.prompts_per_step, d.dynamic_sampling,
-        d.max_refill_rounds)
+                       seed=r.seed), RewardScorer(cfg.reward), shared, d.prompts_per_step,
+        d.dynamic_sampling, d.max_refill_rounds)
     return {"bytes_received": step.bytes_received, "share_bytes": len(pickle.dumps(step.share)),
             "kept_groups": len(step.kept), "generated_groups": len(step.generated)}
 

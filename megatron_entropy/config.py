@@ -251,6 +251,20 @@ class DataConfig:
 
 
 @dataclass
+class RewardConfig:
+    """The reward of every response (megatron_entropy/rewards/)."""
+
+    function: str = _f("math", help="a registered reward (math), package.module:function or "
+                                    "path/to/file.py:function")
+    workers: int = _f(1, ge=0, help="processes that score in parallel; 0 or 1 = in the process "
+                                    "that generated the responses")
+    timeout_s: float = _f(60.0, gt=0, help="limit of one call (one response; batched: one "
+                                           "list); an overrun, like an exception, gives "
+                                           "failure_value")
+    failure_value: float = _f(0.0, help="the reward of a response whose call failed")
+
+
+@dataclass
 class TrainerConfig:
     steps: int = _f(100, ge=1)
     lr: float = _f(1e-6, gt=0)
@@ -388,6 +402,7 @@ class Config:
     rollout: RolloutConfig = _f(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = _f(default_factory=AlgorithmConfig)
     data: DataConfig = _f(default_factory=DataConfig)
+    reward: RewardConfig = _f(default_factory=RewardConfig)
     trainer: TrainerConfig = _f(default_factory=TrainerConfig)
     logging: LoggingConfig = _f(default_factory=LoggingConfig)
     cluster: ClusterConfig = _f(default_factory=ClusterConfig)

@@ -176,7 +176,7 @@ def _dp_share_worker(model_dir: str, tensor: int, pipeline: int, shared: bool):
     rounds = [[PromptItem(tok.encode(f"{r} + {i} ="), str(r + i), f"src{i % 2}", "")
                for i in range(6)] for r in range(4)]
 
-    def reward_fn(texts, answers):  # a function of the text with variance inside most groups
+    def reward_fn(texts, answers, sources):  # of the text, with variance inside most groups
         return [float(len(t) % 3 == 0) for t in texts]
 
     sampling = SamplingParams(n=3, temperature=1.0, max_new_tokens=6, seed=11)
@@ -253,6 +253,22 @@ def test_model_is_built_for_model_seq_length(model_dir, tmp_path):
     full = cfg["rollout"]["max_prompt_tokens"] + cfg["rollout"]["max_new_tokens"]
     assert cfg["model"]["seq_length"] > full  # what the trainer used instead
     assert run_distributed(_model_sequence_length, 1, cfg) == [cfg["model"]["seq_length"]]
+
+
+def test_the_configured_reward_scores_training_and_validation(model_dir, tmp_path):
+    """reward.function = the example format reward (examples/rewards_format.py), scored in two
+    worker processes, for the rollouts and the validation: the run logs its rewards, which are
+    -1 for a response without a boxed answer, where the math reward is never below 0."""
+    cfg = _config(model_dir, tmp_path, "fmt", parallel={"tensor": 1},
+                  reward={"function": f"{REPO / 'examples' / 'rewards_format.py'}:format_reward",
+                          "workers": 2},
+                  data={"arithmetic": {"num_val": 4}},
+                  trainer={"steps": 1, "val_before_train": True})
+    run_distributed(train_from_dict, 1, cfg, timeout=300)
+    rows = _metrics(tmp_path, "fmt")
+    assert [r["step"] for r in rows] == [0, 1]
+    assert -1 <= rows[0]["val/reward/mean"] < 0 and rows[0]["val/reward/failures"] == 0
+    assert -1 <= rows[1]["reward/mean"] < 0 and rows[1]["reward/failures"] == 0
 
 
 def _cli(config: Path, *overrides: str, log: Path) -> subprocess.Popen:

@@ -9,23 +9,19 @@ makes it raise; only a checker that cannot start at all does (CheckerUnavailable
 from __future__ import annotations
 
 import atexit
-import json
 import logging
-import os
 import re
-import select
-import subprocess
-import sys
-import tempfile
 import threading
-from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
+
+from megatron_entropy.rewards.registry import register_reward
+from megatron_entropy.rewards.workers import (STARTUP_TIMEOUT_S, TIMED_OUT, ChildExited,
+                                              ChildUnavailable, LineProcess)
 
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*")
 _INT = re.compile(r"[+-]?\d+")
 MAX_ANSWER_CHARS = 512  # longer "answers" are not math answers
 TIMEOUT_S = 5.0
-STARTUP_TIMEOUT_S = 120.0
 
 
 class _DropTimeoutNotices(logging.Filter):
@@ -71,55 +67,33 @@ class CheckerUnavailable(RuntimeError):
 class _Checker:
     """math-verify in a separate, long-lived process that is killed when a check overruns:
     sympy can spend unbounded time inside C code (``9^{9^{9^9}}``), where neither a signal nor a
-    thread can stop it. A plain subprocess (not multiprocessing) so that it never forks torch's
-    threads nor re-runs the caller's main module. Started on first use; it exits when its stdin
-    closes."""
+    thread can stop it (rewards/workers.py: a plain subprocess that dies with this one). Started
+    on first use."""
 
     def __init__(self) -> None:
-        self._proc: Optional[subprocess.Popen] = None
-        self._stderr = None
+        self._child = LineProcess("megatron_entropy.rewards.math:_checker_handler")
         self._lock = threading.Lock()
-
-    def _read_line(self, timeout_s: float) -> Optional[str]:
-        ready, _, _ = select.select([self._proc.stdout], [], [], timeout_s)
-        return self._proc.stdout.readline().strip() if ready else None
-
-    def _start(self) -> None:
-        # The child imports the same copy of the package as this process (a checkout or a
-        # worktree, installed or not), not whichever copy happens to be installed.
-        root = str(Path(__file__).resolve().parents[2])
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-            p for p in (root, os.environ.get("PYTHONPATH")) if p)}
-        self._stderr = tempfile.TemporaryFile()  # a file, not a pipe: it can never fill up
-        self._proc = subprocess.Popen(
-            [sys.executable, "-c", "from megatron_entropy.rewards.math import _serve; _serve()"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, text=True,
-            bufsize=1, env=env)
-        if self._read_line(STARTUP_TIMEOUT_S) != "ready":
-            self._stderr.seek(0)
-            log = self._stderr.read().decode(errors="replace")[-2000:]
-            self.close()
-            raise CheckerUnavailable(f"the math-verify checker process did not start:\n{log}")
 
     def check(self, gold: str, answer: str, timeout_s: float) -> bool:
         with self._lock:
-            if self._proc is None or self._proc.poll() is not None:
-                self._start()
-            self._proc.stdin.write(json.dumps([gold, answer]) + "\n")
-            self._proc.stdin.flush()
-            line = self._read_line(timeout_s)
-            if line is None:
-                self.close()  # overran: kill it, the next check starts a fresh one
+            if not self._child.running:
+                try:
+                    self._child.start(STARTUP_TIMEOUT_S)
+                except ChildUnavailable as e:
+                    raise CheckerUnavailable(
+                        f"the math-verify checker process did not start:\n{e}") from None
+            self._child.send([gold, answer])
+            try:
+                verdict = self._child.read(timeout_s)
+            except ChildExited:
+                verdict = TIMED_OUT
+            if verdict is TIMED_OUT:
+                self.close()  # overran (or died): the next check starts a fresh one
                 return False
-            return line == "1"
+            return verdict is True
 
     def close(self) -> None:
-        if self._proc is not None:
-            self._proc.kill()
-            self._proc.wait()
-            for f in (self._proc.stdin, self._proc.stdout, self._stderr):
-                f.close()
-            self._proc = self._stderr = None
+        self._child.kill()
 
 
 _checker = _Checker()
@@ -142,6 +116,7 @@ def _verify(gold: str, answer: str) -> bool:
     return bool(verify(gold_parsed, pred_parsed, timeout_seconds=None))
 
 
+@register_reward("math", self_timed=True)
 def math_reward(response: str, ground_truth: str, timeout_s: float = TIMEOUT_S) -> float:
     """1.0 if the last boxed answer of ``response`` equals ``ground_truth``, else 0.0."""
     try:
@@ -165,14 +140,14 @@ def math_rewards(responses: Sequence[str], ground_truths: Sequence[str]) -> list
     return [math_reward(r, g) for r, g in zip(responses, ground_truths)]
 
 
-def _serve() -> None:
-    """The checker process: one JSON [gold, answer] per input line, "1" or "0" per output line."""
-    _verify("1", "1")  # import math-verify and sympy before saying ready
-    print("ready", flush=True)
-    for line in sys.stdin:
+def _checker_handler() -> Callable[[list[str]], bool]:
+    """In the checker process: import math-verify and sympy (before the process says it is
+    ready), then judge one [gold, answer] per request."""
+    _verify("1", "1")
+
+    def judge(request: list[str]) -> bool:
         try:
-            gold, answer = json.loads(line)
-            ok = _verify(gold, answer)
+            return _verify(*request)
         except Exception:  # noqa: BLE001 - unparsable answers are wrong answers
-            ok = False
-        print("1" if ok else "0", flush=True)
+            return False
+    return judge

@@ -28,7 +28,7 @@ from megatron_entropy.models.arch import load_arch
 from megatron_entropy.models.bridge import export_hf_weights, load_hf_weights
 from megatron_entropy.models.builder import build_gpt_model
 from megatron_entropy.models.megatron_checkpoint import load_model_weights, read_arch
-from megatron_entropy.rewards import math_rewards
+from megatron_entropy.rewards import RewardScorer
 from megatron_entropy.rollout import build_engine, engine_is_shared
 from megatron_entropy.rollout.base import SamplingParams
 from megatron_entropy.runtime import init_distributed, set_seed, shutdown
@@ -88,6 +88,12 @@ def _device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
+def _summed_over_ranks(value: float) -> float:
+    total = torch.tensor([float(value)], dtype=torch.float64, device=_device())
+    dist.all_reduce(total)
+    return float(total)
+
+
 def _reduce_token_metrics(samples: list, group) -> dict[str, float]:
     """Entropy (token mean, mean of per-sequence means, per source) and train/rollout drift,
     summed over this DP rank's samples and the DP group."""
@@ -142,6 +148,7 @@ class Trainer:
         set_seed(cfg.trainer.seed)
         self.ps = ps
         self.roles = Roles.here(shared_engine=engine_is_shared(cfg.rollout.engine))
+        self.reward = RewardScorer(cfg.reward)
         self.rank0 = self.roles.rank0
         if self.rank0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -284,7 +291,7 @@ class Trainer:
         d = self.cfg.data
         return collect_step_groups(
             self.engine, lambda n: [self.train_data[i] for i in self.sampler.next_indices(n)],
-            self.sampling_params(step), math_rewards, self.roles.shared_engine, d.prompts_per_step,
+            self.sampling_params(step), self.reward, self.roles.shared_engine, d.prompts_per_step,
             d.dynamic_sampling, d.max_refill_rounds, between_rounds=self._check_inside_step)
 
     def _check_inside_step(self) -> None:
@@ -340,9 +347,10 @@ class Trainer:
         if len(self.val_data) == 0:
             return {}
         _, groups, _ = generate_round(self.engine, list(self.val_data),
-                                      self.sampling_params(step, validation=True), math_rewards,
+                                      self.sampling_params(step, validation=True), self.reward,
                                       self.roles.shared_engine)
-        return rollout_metrics(groups, prefix="val/")
+        return {**rollout_metrics(groups, prefix="val/"),
+                "val/reward/failures": _summed_over_ranks(self.reward.take_failures())}
 
     def save(self, step: int) -> None:
         self.ckpt.save(step, self.model, self.actor.optimizer,
@@ -373,7 +381,8 @@ class Trainer:
                 self._leave_inside_step(step, sampler_state, str(stop))
             mine = groups_to_samples(rolled, cfg.algorithm.advantage,
                                      cfg.algorithm.norm_adv_by_std)
-            metrics = {**rollout_metrics(rolled.generated), **rolled.metrics}
+            metrics = {**rollout_metrics(rolled.generated), **rolled.metrics,
+                       "reward/failures": _summed_over_ranks(self.reward.take_failures())}
             if rolled.kept:
                 with timer("recompute"):
                     self.actor.recompute(mine)
@@ -425,6 +434,7 @@ class Trainer:
 
     def close(self) -> None:
         self.logger.close()
+        self.reward.close()
         if self.engine is not None:
             self.engine.shutdown()
 

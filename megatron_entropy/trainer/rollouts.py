@@ -82,7 +82,8 @@ def _owner(group_index: int, dp_size: int) -> int:
 
 
 def generate_round(engine: Optional[RolloutEngine], items: Sequence[PromptItem],
-                   sampling: SamplingParams, reward_fn: Callable[[list[str], list[str]], list[float]],
+                   sampling: SamplingParams,
+                   reward_fn: Callable[[list[str], list[str], list[str]], list[float]],
                    shared: bool) -> tuple[dict[int, Group], list[GroupStats], int]:
     """Generate and score ``sampling.n`` completions for each item. Returns the groups this rank
     generated (by item index), every item's `GroupStats` (on every rank, in item order) and the
@@ -102,7 +103,8 @@ def generate_round(engine: Optional[RolloutEngine], items: Sequence[PromptItem],
         outputs = engine.generate([items[i].prompt_ids for i in mine], sampling)
         texts = [c.text for out in outputs for c in out]
         answers = [items[i].answer for i, out in zip(mine, outputs) for _ in out]
-        rewards = reward_fn(texts, answers)
+        sources = [items[i].source for i, out in zip(mine, outputs) for _ in out]
+        rewards = reward_fn(texts, answers, sources)
         k = 0
         for i, out in zip(mine, outputs):
             local[i] = Group(items[i], out, rewards[k:k + len(out)])
