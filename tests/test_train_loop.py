@@ -84,7 +84,10 @@ EXPECTED_KEYS = {"reward/mean", "acc/mean", "entropy/token_mean", "entropy/seq_m
 @pytest.mark.parametrize("tensor,pipeline", [(2, 1), (1, 2)])
 def test_run_writes_finite_metrics_and_engine_matches_actor(model_dir, drift_tol, tmp_path,
                                                             tensor, pipeline):
-    cfg = _config(model_dir, tmp_path, "tp2", parallel={"tensor": tensor, "pipeline": pipeline})
+    # At PP=2 with truncated IS: the correction runs on every stage, its metrics on the last.
+    correction = {"rollout_correction": {"mode": "tis"}} if pipeline == 2 else {}
+    cfg = _config(model_dir, tmp_path, "tp2", parallel={"tensor": tensor, "pipeline": pipeline},
+                  algorithm=correction)
     run_distributed(train_from_dict, 2, cfg, timeout=300)
     rows = _metrics(tmp_path, "tp2")
     assert [r["step"] for r in rows] == [1, 2, 3]
@@ -101,6 +104,9 @@ def test_run_writes_finite_metrics_and_engine_matches_actor(model_dir, drift_tol
         # Right after each weight sync the engine samples with the actor's weights: its
         # log-probs of the sampled tokens equal the actor's recompute (temperature 1).
         assert r["rollout/logprob_drift_max"] <= drift_tol
+        if correction:  # weights e^(+-drift), within drift_tol of 1 (to first order)
+            assert abs(r["rollout_corr/weight_max"] - 1) <= 2 * drift_tol
+            assert abs(r["rollout_corr/weight_mean"] - 1) <= 2 * drift_tol
         # max_new_tokens=12 cuts responses: truncated, marked, and trained on, not a crash
         assert r["response/length_max"] <= 12
     assert any(r["response/truncated_frac"] > 0 for r in rows)

@@ -22,7 +22,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from megatron_entropy.algorithms.policy_loss import PolicyLossSettings
-from megatron_entropy.config import Config, save_run_config, token_rule_settings
+from megatron_entropy.config import (Config, rollout_correction_settings, save_run_config,
+                                     token_rule_settings)
 from megatron_entropy.data import PromptSampler, data_notes, load_prompt_dataset, load_tokenizer
 from megatron_entropy.models.arch import load_arch
 from megatron_entropy.models.bridge import export_hf_weights, load_hf_weights
@@ -196,7 +197,8 @@ class Trainer:
                           mini_batches_per_step=cfg.trainer.mini_batches_per_step,
                           ppo_epochs=cfg.trainer.ppo_epochs, cov_scope=a.cov_scope,
                           global_selection_logprobs=a.global_selection_logprobs,
-                          seed=cfg.trainer.seed, token_rules=token_rule_settings(a)),
+                          seed=cfg.trainer.seed, token_rules=token_rule_settings(a),
+                          rollout_correction=rollout_correction_settings(a)),
             ref_model=ref_model)
         self.controller = build_controller(a, self.arch.vocab_size)
 
