@@ -104,6 +104,12 @@ def test_run_writes_finite_metrics_and_engine_matches_actor(model_dir, drift_tol
         # Right after each weight sync the engine samples with the actor's weights: its
         # log-probs of the sampled tokens equal the actor's recompute (temperature 1).
         assert r["rollout/logprob_drift_max"] <= drift_tol
+        sources = [k[len("rollout/"):-len("/logprob_drift_p50")] for k in r
+                   if re.fullmatch(r"rollout/.+/logprob_drift_p50", k)]
+        assert sources
+        for src in sources:
+            p50, p90, p99 = (r[f"rollout/{src}/logprob_drift_p{q}"] for q in (50, 90, 99))
+            assert p50 <= p90 <= p99 <= r["rollout/logprob_drift_max"]
         if correction:  # weights e^(+-drift), within drift_tol of 1 (to first order)
             assert abs(r["rollout_corr/weight_max"] - 1) <= 2 * drift_tol
             assert abs(r["rollout_corr/weight_mean"] - 1) <= 2 * drift_tol
@@ -124,6 +130,10 @@ def test_resume_on_another_layout(model_dir, drift_tol, tmp_path):
     rows = _metrics(tmp_path, "relayout")
     assert [r["step"] for r in rows] == [1, 2]
     assert rows[1]["rollout/logprob_drift_max"] <= drift_tol
+    # The drift's trend window came back with the checkpoint: step 2's slope spans steps 1-2.
+    assert "rollout/logprob_drift_slope" not in rows[0]
+    assert rows[1]["rollout/logprob_drift_slope"] == pytest.approx(
+        rows[1]["rollout/logprob_drift"] - rows[0]["rollout/logprob_drift"], rel=1e-9, abs=1e-18)
 
 
 def _gather_everything_reference(engine, rounds, sampling, reward_fn, shared, target_groups):
