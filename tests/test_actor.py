@@ -380,3 +380,32 @@ def test_rollout_correction_update_equals_its_formula(loss):
             assert metrics["rollout_corr/weight_max"] == CORRECTIONS[loss][name].get("tis_cap",
                                                                                      2.0)
         assert metrics["rollout_corr/s/kl_k3"] == metrics["rollout_corr/kl_k3"] > 0
+
+
+def test_rollout_correction_needs_engine_logprobs_unless_it_is_off():
+    """A sample without an engine log-prob per token: mode tis names the key and the samples;
+    mode none (metrics only) skips that micro-batch, as it skips one with a NaN log-prob."""
+    from megatron_entropy.algorithms.policy_loss import PolicyLossSettings
+    from megatron_entropy.algorithms.rollout_correction import RolloutCorrectionSettings
+    from megatron_entropy.trainer.actor import Actor, ActorSettings
+    from megatron_entropy.trainer.batch import pack_micro_batches
+
+    samples = random_samples(0)
+    for s in samples:
+        s.old_logprobs = torch.full((len(s.response_ids),), -1.0)
+    samples[0].engine_logprobs = samples[0].engine_logprobs[:-1]
+    samples[3].engine_logprobs[2] = float("nan")
+
+    def correct(mode):
+        actor = Actor(None, [], None, None, PolicyLossSettings(),
+                      ActorSettings(rollout_correction=RolloutCorrectionSettings(mode=mode)))
+        mbs = pack_micro_batches(samples, 24)
+        return mbs, actor._correct_rollouts(mbs, samples)
+
+    with pytest.raises(ValueError, match=r"^algorithm\.rollout_correction\.mode=tis needs the "
+                                         r"engine's log-prob of every response token; samples "
+                                         r"\[0(, \d+)*\] lack some"):
+        correct("tis")
+    mbs, corrections = correct("none")
+    skipped = [mb.index for mb in mbs if 0 in mb.sample_ids or 3 in mb.sample_ids]
+    assert skipped and sorted(corrections) == [mb.index for mb in mbs if mb.index not in skipped]

@@ -56,8 +56,9 @@ def ref_corrected_terms(s: PolicyLossSettings, st: RolloutCorrectionSettings, lp
                         engine, rows, seed: int):
     """The corrected policy-gradient terms over 1-D lists of valid tokens (the step's, in
     order; ``lp_all`` carries the gradient): (per-token terms of the kept tokens, their rows,
-    the kept flags, Clip-Cov's/KL-Cov's chosen among the kept). mis: the kept tokens are the whole population, Cov's included; tis: the
-    terms times the weight. ``seed`` drives Clip-Cov's draw."""
+    the kept flags, Clip-Cov's/KL-Cov's chosen among the kept). mis: the kept tokens are the
+    whole population, Cov's included; tis: the terms times the weight. ``seed`` drives
+    Clip-Cov's draw."""
     weight, kept = ref_correction(st, old, engine, rows)
     lp, old_k, adv_k = lp_all[kept], old[kept], adv[kept]
     chosen, _ = ref_select(s, lp, old_k, adv_k, seed=seed)

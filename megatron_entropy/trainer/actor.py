@@ -283,17 +283,19 @@ class Actor:
     def _correct_rollouts(self, mbs: list[MicroBatch], samples: Sequence[Sample]
                           ) -> dict[int, RolloutCorrection]:
         """The rollout correction of each micro-batch; ``mis``'s mask replaces ``mb.mask`` (on
-        every rank, before the step normalizer). Micro-batches without engine log-probs are
-        left out when the mode is ``none`` (no metrics) and an error otherwise."""
+        every rank, before the step normalizer). Micro-batches without (finite) engine
+        log-probs are left out when the mode is ``none`` (it only logs metrics: a run without
+        correction never stops for them) and an error otherwise."""
         settings = self.settings.rollout_correction
         out = {}
         for mb in mbs:
-            if mb.engine_logprobs is None:
-                if settings.mode != "none":
-                    raise ValueError(f"algorithm.rollout_correction.mode={settings.mode} needs "
-                                     "the engine's log-prob of every response token; samples "
-                                     f"{mb.sample_ids} lack some")
+            if settings.mode == "none" and (mb.engine_logprobs is None or not bool(
+                    torch.isfinite(mb.engine_logprobs[mb.mask.bool()]).all())):
                 continue
+            if mb.engine_logprobs is None:
+                raise ValueError(f"algorithm.rollout_correction.mode={settings.mode} needs the "
+                                 "engine's log-prob of every response token; samples "
+                                 f"{mb.sample_ids} lack some")
             out[mb.index] = correct_rollout(settings, mb.fields["old_logprobs"],
                                             mb.engine_logprobs, mb.mask,
                                             [samples[i].source for i in mb.sample_ids])
