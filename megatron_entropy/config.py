@@ -173,6 +173,21 @@ class TokenRulesConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    """Train/rollout mismatch correction from the engine's log-probs
+    (algorithms/rollout_correction.py); rho = exp(recompute - engine) per token."""
+
+    mode: Literal["none", "tis", "mis"] = _f(
+        "none", help="none; tis: pg term x min(rho, tis_cap); mis: tokens with rho outside "
+                     "[mis_low, mis_high] leave the loss and its denominator")
+    level: Literal["token", "geometric"] = _f(
+        "token", help="geometric: rho = exp(mean log rho) over the sequence, for all its tokens")
+    tis_cap: float = _f(2.0, gt=0, help="tis: the weight's cap C")
+    mis_low: float = _f(0.5, ge=0, le=1, help="mis: smallest rho kept (inclusive)")
+    mis_high: float = _f(2.0, ge=1, help="mis: largest rho kept (inclusive)")
+
+
+@dataclass
 class AlgorithmConfig:
     loss: Literal["ppo_clip", "clip_cov", "kl_cov"] = "kl_cov"
     advantage: Literal["grpo", "drgrpo", "rloo"] = "grpo"
@@ -198,6 +213,7 @@ class AlgorithmConfig:
     logprob_chunk_tokens: int = _f(1024, ge=1)
     entropy_control: EntropyControlConfig = _f(default_factory=EntropyControlConfig)
     token_rules: TokenRulesConfig = _f(default_factory=TokenRulesConfig)
+    rollout_correction: RolloutCorrectionConfig = _f(default_factory=RolloutCorrectionConfig)
 
 
 @dataclass
@@ -593,6 +609,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"algorithm.clip_cov_lb ({a.clip_cov_lb}) must be below "
                           f"algorithm.clip_cov_ub ({a.clip_cov_ub})")
     _validate_entropy_rules(a)
+    rollout_correction_settings(a)
     ar = cfg.data.arithmetic
     if ar.min_ops > ar.max_ops:
         raise ConfigError(f"data.arithmetic.min_ops ({ar.min_ops}) must be <= "
@@ -643,6 +660,15 @@ def token_rule_settings(a: AlgorithmConfig) -> "TokenRuleSettings":
         return TokenRuleSettings(**dataclasses.asdict(a.token_rules))
     except SettingError as e:
         raise ConfigError(f"algorithm.token_rules.{e}") from None
+
+
+def rollout_correction_settings(a: AlgorithmConfig) -> "RolloutCorrectionSettings":
+    from megatron_entropy.algorithms.rollout_correction import RolloutCorrectionSettings
+
+    try:
+        return RolloutCorrectionSettings(**dataclasses.asdict(a.rollout_correction))
+    except SettingError as e:
+        raise ConfigError(f"algorithm.rollout_correction.{e}") from None
 
 
 def entropy_control_settings(a: AlgorithmConfig, vocab_size: Optional[int] = None

@@ -20,12 +20,14 @@ def _update_worker(loss: str, scope: str, selection_logprobs: str,
                    loss_agg_mode: str = "token-mean", empty_response: bool = False,
                    micro_batch_tokens: int = 24, rules: dict | None = None,
                    clip_ratio: float = 1.0, temperature: float = 1.0,
-                   distributed_optimizer: bool = False):
+                   distributed_optimizer: bool = False, correction: dict | None = None):
     """One RL step's updates (2 epochs x 2 mini-batches) of the tiny model on ``random_samples(0)`` (plus
     a sample with an empty response, last), with the token rules ``rules`` (TokenRuleSettings
-    fields); returns the weights after, the metrics (and this rank's recompute entropies), the
-    weights before."""
+    fields) and the rollout correction ``correction`` (RolloutCorrectionSettings fields; engine
+    log-probs from ``drift_engine_logprobs``); returns the weights after, the metrics (and this
+    rank's recompute entropies), the weights before."""
     from megatron_entropy.algorithms.policy_loss import PolicyLossSettings
+    from megatron_entropy.algorithms.rollout_correction import RolloutCorrectionSettings
     from megatron_entropy.algorithms.token_rules import TokenRuleSettings
     from megatron_entropy.models.sharding import full_state_dict
     from megatron_entropy.trainer.actor import Actor, ActorSettings
@@ -51,12 +53,16 @@ def _update_worker(loss: str, scope: str, selection_logprobs: str,
                   ActorSettings(logprob_impl="fused", micro_batch_tokens=micro_batch_tokens,
                                 temperature=temperature, mini_batches_per_step=2, ppo_epochs=2, cov_scope=scope,
                                 global_selection_logprobs=selection_logprobs, seed=5,
-                                token_rules=TokenRuleSettings(**(rules or {}))))
+                                token_rules=TokenRuleSettings(**(rules or {})),
+                                rollout_correction=RolloutCorrectionSettings(
+                                    **(correction or {}))))
     samples = random_samples(0)
     if empty_response:
         samples.append(replace(samples[0], response_ids=[], engine_logprobs=[]))
     mine = dp_share(samples)
     actor.recompute(mine)
+    if correction:
+        drift_engine_logprobs(mine)
     metrics = actor.update(mine, step=1)
     # The largest |log-prob| the selection saw, the scale of its rounding.
     metrics["max_abs_logp"] = float(torch.cat([s.old_logprobs for s in mine]).abs().max())
@@ -68,6 +74,18 @@ def _update_worker(loss: str, scope: str, selection_logprobs: str,
 
 UPDATES = 4  # ppo_epochs x mini_batches_per_step
 
+# The engine's log-probs in the correction tests: the recompute minus a shift that depends on
+# the token and its position only (so on no split of the step), rho = e^shift: kept and
+# rejected by mis's [0.5, 2] (ln 2 = 0.69) with a margin far above rounding, capped by tis's 2.
+SHIFTS = (0.0, 0.3, -0.3, 1.0, -1.0)
+
+
+def drift_engine_logprobs(samples) -> None:
+    for s in samples:
+        shift = torch.tensor([SHIFTS[(t + i) % len(SHIFTS)] for i, t in enumerate(s.response_ids)],
+                             dtype=torch.float64)
+        s.engine_logprobs = (s.old_logprobs.double() - shift).tolist()
+
 
 def _rounding_paths(samples) -> tuple:
     """The rounding paths (tests/tolerance.py) of one log-prob of the tiny model over the
@@ -77,11 +95,20 @@ def _rounding_paths(samples) -> tuple:
     return logp_path, grad_terms(logp_path, sum(len(s.response_ids) for s in samples))
 
 
-@pytest.mark.parametrize("loss,selection", [("kl_cov", "fresh"), ("kl_cov", "recompute"),
-                                            ("clip_cov", "fresh"), ("clip_cov", "recompute")])
-def test_global_scope_update_is_independent_of_the_dp_split(loss, selection):
-    ((w1, m1, w0),) = run_distributed(_update_worker, 1, loss, "global", selection)
-    (w2, m2, _), (w2b, _, _) = run_distributed(_update_worker, 2, loss, "global", selection)
+@pytest.mark.parametrize("loss,selection,correction", [
+    ("kl_cov", "fresh", None), ("kl_cov", "recompute", None), ("clip_cov", "fresh", None),
+    ("clip_cov", "recompute", None), ("kl_cov", "recompute", "mis")],
+    ids=["kl_cov-fresh", "kl_cov-recompute", "clip_cov-fresh", "clip_cov-recompute",
+         "kl_cov-recompute-mis"])
+def test_global_scope_update_is_independent_of_the_dp_split(loss, selection, correction):
+    """With mis, the rejected tokens leave the step's denominator and Cov population over the
+    whole DP group, not per rank."""
+    extra = {} if correction is None else {"correction": {"mode": correction}}
+    ((w1, m1, w0),) = run_distributed(_update_worker, 1, loss, "global", selection, **extra)
+    (w2, m2, _), (w2b, _, _) = run_distributed(_update_worker, 2, loss, "global", selection,
+                                               **extra)
+    if correction:  # the same tokens rejected: a ratio of counts
+        assert 0 < m1["rollout_corr/masked_frac"] == m2["rollout_corr/masked_frac"] < 1
     ((wp, _, _),) = run_distributed(_update_worker, 1, "ppo_clip", "micro_batch", "recompute")
     # Split over 2 DP ranks the micro-batches hold other samples (other padding, other GEMM
     # shapes) and the grads are summed in another order: the same math up to rounding along
@@ -230,3 +257,155 @@ def test_token_rule_update_equals_its_formula_and_ignores_the_split(rule):
                                    atol=update_tol(w1[name], w0[name], UPDATES, path))
         torch.testing.assert_close(w2b[name], w2[name], rtol=0, atol=0, msg=name)
     assert max((w1[n] - wo[n]).abs().max() for n in w1) > 1e-4
+
+
+# Rollout correction through the actor against its one-process formula: each mode and level
+# once, mis at token level with KL-Cov (the rejected tokens leave the Cov population). Every
+# loss with every mode against the formula: tests/test_rollout_correction.py.
+CORRECTIONS = {
+    "ppo_clip": {"none": {}, "tis-geometric": dict(mode="tis", level="geometric", tis_cap=1.2),
+                 "mis-geometric": dict(mode="mis", level="geometric", mis_low=0.9,
+                                       mis_high=1.1)},
+    "kl_cov": {"none": {}, "tis-token": dict(mode="tis", level="token"),
+               "mis-token": dict(mode="mis", level="token")}}
+CORRECTION_EPOCHS = 2
+
+
+def _correction_worker(loss: str):
+    """For each of CORRECTIONS[loss], from the same initial weights: the weights after the actor's
+    2 updates of one step (1 mini-batch x 2 epochs, 24-token micro-batches, global Cov scope
+    selecting with a fresh forward) and after 2 updates whose loss is the one-process formula
+    (tests/test_rollout_correction.py) on the whole step as one micro-batch, with the same
+    optimizer; the actor's metrics; the smallest margin of the reference's selection (rounding
+    must not change it); the initial weights; the step's samples."""
+    from test_rollout_correction import ref_aggregate, ref_corrected_terms
+
+    from megatron_entropy.algorithms.policy_loss import PolicyLossSettings
+    from megatron_entropy.algorithms.rollout_correction import RolloutCorrectionSettings
+    from megatron_entropy.models.sharding import full_state_dict, load_full_state_dict
+    from megatron_entropy.trainer.actor import Actor, ActorSettings
+    from megatron_entropy.trainer.batch import pack_micro_batches
+    from megatron_entropy.trainer.model_setup import (OptimSettings, build_optimizer,
+                                                      build_trainable_model, optimizer_step)
+
+    init_megatron()
+    arch = arch_from_hf_config(tiny_hf_config("qwen2"))
+    chunks = build_trainable_model(arch, 1, 1, "fp32", "local", 64)
+    initial = full_state_dict(chunks[0])
+    s = PolicyLossSettings(loss=loss, clip_cov_ratio=0.1, clip_cov_lb=0.0, clip_cov_ub=100.0,
+                           kl_cov_ratio=0.05, kl_cov_coef=1.0, clip_ratio_low=0.05,
+                           clip_ratio_high=0.05)
+    samples = random_samples(0)
+    out, margins = {}, []
+    for name, kwargs in CORRECTIONS[loss].items():
+        st = RolloutCorrectionSettings(**kwargs)
+        weights = []
+        for path in ("actor", "reference"):
+            load_full_state_dict(chunks[0], initial)
+            optimizer, scheduler = build_optimizer(chunks, OptimSettings(
+                lr=1e-2, total_steps=CORRECTION_EPOCHS, grad_clip=0, adam_eps=1.0))
+            actor = Actor(arch, chunks, optimizer, scheduler, s, ActorSettings(
+                logprob_impl="fused", micro_batch_tokens=24, ppo_epochs=CORRECTION_EPOCHS,
+                cov_scope="global", global_selection_logprobs="fresh", seed=5,
+                rollout_correction=st))
+            actor.recompute(samples)
+            drift_engine_logprobs(samples)
+            if path == "actor":
+                metrics = actor.update(samples, step=1)
+            else:
+                (mb,) = pack_micro_batches(samples, 10 ** 6)
+                rows = mb.rows
+                old = torch.cat([x.old_logprobs for x in samples]).double()
+                adv = torch.tensor([x.advantage for x in samples for _ in x.response_ids],
+                                   dtype=torch.float64)
+                engine = torch.tensor([e for x in samples for e in x.engine_logprobs],
+                                      dtype=torch.float64)
+                for epoch in range(CORRECTION_EPOCHS):
+                    seed = ((5 * 1_000_003 + 1) * 1009 + epoch) * 101  # the actor's draw
+
+                    def loss_fn(model, output, mb, seed=seed):
+                        logp, _ = actor._token_stats(model, output, mb)
+                        per, kept_rows, kept, _ = ref_corrected_terms(
+                            s, st, logp.double(), old, adv, engine, rows, seed)
+                        margins.append(_selection_margin(s, logp.detach().double()[kept],
+                                                         adv[kept]))
+                        value = ref_aggregate(per, kept_rows, "token-mean", len(kept_rows))
+                        return value.float(), torch.tensor(mb.num_tokens, dtype=torch.int), {}
+
+                    actor._run_schedule(chunks, [mb], loss_fn, forward_only=False)
+                    optimizer_step(optimizer, scheduler, chunks)
+            weights.append(full_state_dict(chunks[0]))
+        out[name] = (*weights, metrics)
+    return out, min(margins), initial, samples
+
+
+def _selection_margin(s, logp, adv) -> float:
+    """How far the reference's Cov selection is from changing: KL-Cov, the gap between the
+    k-th and the next largest Cov; Clip-Cov, the closest Cov to the candidates' lower bound."""
+    cov = (adv - adv.mean()) * (logp - logp.mean())
+    if s.loss == "kl_cov":
+        k = max(1, int(cov.numel() * s.kl_cov_ratio))
+        top = torch.sort(cov, descending=True).values
+        return float(top[k - 1] - top[k])
+    if s.loss == "clip_cov":
+        return float((cov - s.clip_cov_lb).abs().min())
+    return float("inf")
+
+
+@pytest.mark.parametrize("loss", list(CORRECTIONS))
+def test_rollout_correction_update_equals_its_formula(loss):
+    """tis and mis at both levels through the actor (engine log-probs in the micro-batches,
+    mis's mask in the step normalizer and the global Cov population, tis's weight in the
+    loss): 2 updates equal those of the one-process formula on the whole step to rounding
+    (another packing: the path of a gradient, as the DP-split test); each correction changes
+    the update; mode none equals the formula without correction."""
+    out, margin, w0, samples = run_distributed(_correction_worker, 1, loss)[0]
+    logp_path, path = _rounding_paths(samples)
+    max_logp = float(torch.cat([s.old_logprobs for s in samples]).abs().max())
+    # Cov = (A - mean A)(logp - mean logp): each logp moves by rounding along its path.
+    cov_tol = 2 * max(abs(s.advantage) for s in samples) * 2 * rounding_tol(max_logp, logp_path)
+    assert margin > cov_tol
+    none = out["none"][0]
+    for name, (actor, reference, metrics) in out.items():
+        for p in actor:
+            torch.testing.assert_close(actor[p], reference[p], rtol=0, msg=f"{name} {p}",
+                                       atol=update_tol(reference[p], w0[p], CORRECTION_EPOCHS,
+                                                       path))
+        if name != "none":
+            assert max((actor[p] - none[p]).abs().max() for p in actor) > 1e-4, name
+        if name.startswith("mis"):
+            assert 0 < metrics["rollout_corr/masked_frac"] < 1
+        if name.startswith("tis"):
+            assert metrics["rollout_corr/clipped_frac"] > 0  # the cap binds
+            assert metrics["rollout_corr/weight_max"] == CORRECTIONS[loss][name].get("tis_cap",
+                                                                                     2.0)
+        assert metrics["rollout_corr/s/kl_k3"] == metrics["rollout_corr/kl_k3"] > 0
+
+
+def test_rollout_correction_needs_engine_logprobs_unless_it_is_off():
+    """A sample without an engine log-prob per token: mode tis names the key and the samples;
+    mode none (metrics only) skips that micro-batch, as it skips one with a NaN log-prob."""
+    from megatron_entropy.algorithms.policy_loss import PolicyLossSettings
+    from megatron_entropy.algorithms.rollout_correction import RolloutCorrectionSettings
+    from megatron_entropy.trainer.actor import Actor, ActorSettings
+    from megatron_entropy.trainer.batch import pack_micro_batches
+
+    samples = random_samples(0)
+    for s in samples:
+        s.old_logprobs = torch.full((len(s.response_ids),), -1.0)
+    samples[0].engine_logprobs = samples[0].engine_logprobs[:-1]
+    samples[3].engine_logprobs[2] = float("nan")
+
+    def correct(mode):
+        actor = Actor(None, [], None, None, PolicyLossSettings(),
+                      ActorSettings(rollout_correction=RolloutCorrectionSettings(mode=mode)))
+        mbs = pack_micro_batches(samples, 24)
+        return mbs, actor._correct_rollouts(mbs, samples)
+
+    with pytest.raises(ValueError, match=r"^algorithm\.rollout_correction\.mode=tis needs the "
+                                         r"engine's log-prob of every response token; samples "
+                                         r"\[0(, \d+)*\] lack some"):
+        correct("tis")
+    mbs, corrections = correct("none")
+    skipped = [mb.index for mb in mbs if 0 in mb.sample_ids or 3 in mb.sample_ids]
+    assert skipped and sorted(corrections) == [mb.index for mb in mbs if mb.index not in skipped]

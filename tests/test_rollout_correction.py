@@ -1,6 +1,7 @@
 """Rollout mismatch correction (algorithms/rollout_correction.py) against a one-process reference
 of its formulas written here, with each of ppo_clip, clip_cov and kl_cov; the step's split
-(micro-batches, DP=2) does not change the gradient; bad settings name the setting."""
+(micro-batches, DP=2) does not change the gradient; bad settings and config values name the
+setting / key. Through the actor: tests/test_actor.py."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from test_algorithms_policy_loss import (_agg_data, _policy_logp, make_batch, re
                                          ref_kl, ref_select, ref_token_losses, valid_list)
 
 from megatron_entropy.algorithms.aggregation import step_normalizer
+from megatron_entropy.config import ConfigError, load_config, rollout_correction_settings
 from megatron_entropy.algorithms.errors import SettingError
 from megatron_entropy.algorithms.policy_loss import (PolicyLossSettings, policy_loss,
                                                      reduce_metrics, select_tokens_global)
@@ -50,6 +52,22 @@ def ref_correction(st: RolloutCorrectionSettings, old, engine, rows):
     return None, torch.ones_like(rho, dtype=torch.bool)
 
 
+def ref_corrected_terms(s: PolicyLossSettings, st: RolloutCorrectionSettings, lp_all, old, adv,
+                        engine, rows, seed: int):
+    """The corrected policy-gradient terms over 1-D lists of valid tokens (the step's, in
+    order; ``lp_all`` carries the gradient): (per-token terms of the kept tokens, their rows,
+    the kept flags, Clip-Cov's/KL-Cov's chosen among the kept). mis: the kept tokens are the
+    whole population, Cov's included; tis: the terms times the weight. ``seed`` drives
+    Clip-Cov's draw."""
+    weight, kept = ref_correction(st, old, engine, rows)
+    lp, old_k, adv_k = lp_all[kept], old[kept], adv[kept]
+    chosen, _ = ref_select(s, lp, old_k, adv_k, seed=seed)
+    per = ref_token_losses(s, lp, old_k, adv_k, chosen)
+    if weight is not None:
+        per = per * weight[kept]
+    return per, rows[kept], kept, chosen
+
+
 CASES = [(loss, mode, level) for loss in ("ppo_clip", "clip_cov", "kl_cov")
          for mode, level in (("tis", "token"), ("tis", "geometric"), ("mis", "token"),
                              ("mis", "geometric"))]
@@ -74,17 +92,13 @@ def test_correction_equals_reference_with_every_loss(loss, mode, level, agg):
 
     m0 = d["mask"]
     rows0 = m0.nonzero()[:, 0]
-    weight, kept = ref_correction(st, valid_list(d["old"], m0), valid_list(d["engine"], m0),
-                                  rows0)
     lp_all = valid_list(d["logp"], m0).clone().requires_grad_()
-    lp = lp_all[kept]  # mis: the kept tokens are the whole population, Cov's included
-    old, adv, ref, en = (valid_list(d[k], m0)[kept] for k in ("old", "adv", "ref", "entropy"))
-    rows = rows0[kept]
+    per, rows, kept, chosen = ref_corrected_terms(
+        s, st, lp_all, *(valid_list(d[k], m0) for k in ("old", "adv", "engine")), rows0, seed=7)
+    weight, _ = ref_correction(st, valid_list(d["old"], m0), valid_list(d["engine"], m0), rows0)
+    lp = lp_all[kept]
+    ref, en = (valid_list(d[k], m0)[kept] for k in ("ref", "entropy"))
     norm = float(len(rows)) if agg == "token-mean" else float(len(rows.unique()))
-    chosen, _ = ref_select(s, lp, old, adv, seed=7)
-    per = ref_token_losses(s, lp, old, adv, chosen)
-    if weight is not None:
-        per = per * weight[kept]
     expected = ref_aggregate(per, rows, agg, norm) \
         - s.entropy_coef * ref_aggregate(en, rows, agg, norm) \
         + s.kl_coef * ref_aggregate(ref_kl(lp, ref, s.kl_type), rows, agg, norm)
@@ -228,3 +242,27 @@ def test_bad_input_raises_one_clear_error():
         correct_rollout(st, d["old"], engine, d["mask"])
     with pytest.raises(ValueError, match="sources names 2 rows"):
         correct_rollout(st, d["old"], d["engine"], d["mask"], ["a", "b"])
+
+
+@pytest.mark.parametrize("key,value,match", [
+    ("mode", "is", r"mode: 'is' is not allowed; choose one of 'none', 'tis', 'mis'"),
+    ("level", "sequence", r"level: 'sequence' is not allowed"),
+    ("tis_cap", 0, r"tis_cap: 0\.0 is out of range; it must be > 0"),
+    ("mis_low", 1.5, r"mis_low: 1\.5 is out of range; it must be <= 1"),
+    ("mis_high", 0.5, r"mis_high: 0\.5 is out of range; it must be >= 1"),
+    ("mis_hgh", 2, r"unknown config key 'algorithm\.rollout_correction\.mis_hgh'; did you mean "
+                   r"'algorithm\.rollout_correction\.mis_high'")])
+def test_config_errors_name_the_key(key, value, match):
+    with pytest.raises(ConfigError, match=match if key == "mis_hgh" else
+                       r"^algorithm\.rollout_correction\." + match):
+        load_config(data={"algorithm": {"rollout_correction": {key: value}}})
+
+
+def test_config_default_is_none_and_settings_follow_the_config():
+    assert rollout_correction_settings(load_config(data={}).algorithm) == \
+        RolloutCorrectionSettings()
+    a = load_config(overrides=["algorithm.rollout_correction.mode=mis",
+                               "algorithm.rollout_correction.level=geometric",
+                               "algorithm.rollout_correction.mis_low=0.8"]).algorithm
+    assert rollout_correction_settings(a) == RolloutCorrectionSettings(
+        mode="mis", level="geometric", mis_low=0.8)

@@ -84,7 +84,10 @@ EXPECTED_KEYS = {"reward/mean", "acc/mean", "entropy/token_mean", "entropy/seq_m
 @pytest.mark.parametrize("tensor,pipeline", [(2, 1), (1, 2)])
 def test_run_writes_finite_metrics_and_engine_matches_actor(model_dir, drift_tol, tmp_path,
                                                             tensor, pipeline):
-    cfg = _config(model_dir, tmp_path, "tp2", parallel={"tensor": tensor, "pipeline": pipeline})
+    # At PP=2 with truncated IS: the correction runs on every stage, its metrics on the last.
+    correction = {"rollout_correction": {"mode": "tis"}} if pipeline == 2 else {}
+    cfg = _config(model_dir, tmp_path, "tp2", parallel={"tensor": tensor, "pipeline": pipeline},
+                  algorithm=correction)
     run_distributed(train_from_dict, 2, cfg, timeout=300)
     rows = _metrics(tmp_path, "tp2")
     assert [r["step"] for r in rows] == [1, 2, 3]
@@ -101,6 +104,15 @@ def test_run_writes_finite_metrics_and_engine_matches_actor(model_dir, drift_tol
         # Right after each weight sync the engine samples with the actor's weights: its
         # log-probs of the sampled tokens equal the actor's recompute (temperature 1).
         assert r["rollout/logprob_drift_max"] <= drift_tol
+        sources = [k[len("rollout/"):-len("/logprob_drift_p50")] for k in r
+                   if re.fullmatch(r"rollout/.+/logprob_drift_p50", k)]
+        assert sources
+        for src in sources:
+            p50, p90, p99 = (r[f"rollout/{src}/logprob_drift_p{q}"] for q in (50, 90, 99))
+            assert p50 <= p90 <= p99 <= r["rollout/logprob_drift_max"]
+        if correction:  # weights e^(+-drift), within drift_tol of 1 (to first order)
+            assert abs(r["rollout_corr/weight_max"] - 1) <= 2 * drift_tol
+            assert abs(r["rollout_corr/weight_mean"] - 1) <= 2 * drift_tol
         # max_new_tokens=12 cuts responses: truncated, marked, and trained on, not a crash
         assert r["response/length_max"] <= 12
     assert any(r["response/truncated_frac"] > 0 for r in rows)
@@ -118,6 +130,10 @@ def test_resume_on_another_layout(model_dir, drift_tol, tmp_path):
     rows = _metrics(tmp_path, "relayout")
     assert [r["step"] for r in rows] == [1, 2]
     assert rows[1]["rollout/logprob_drift_max"] <= drift_tol
+    # The drift's trend window came back with the checkpoint: step 2's slope spans steps 1-2.
+    assert "rollout/logprob_drift_slope" not in rows[0]
+    assert rows[1]["rollout/logprob_drift_slope"] == pytest.approx(
+        rows[1]["rollout/logprob_drift"] - rows[0]["rollout/logprob_drift"], rel=1e-9, abs=1e-18)
 
 
 def _gather_everything_reference(engine, rounds, sampling, reward_fn, shared, target_groups):

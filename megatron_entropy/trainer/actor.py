@@ -17,6 +17,12 @@ Token rules (algorithms/token_rules.py) choose with a detached per-token entropy
 the training forwards. Advantage shaping uses the recompute's entropy (the policy that sampled;
 equal to the training forward's on the first update of an on-policy step), so the shaped
 advantage exists before any selection and the Cov of either scope is computed on it.
+
+Rollout correction (algorithms/rollout_correction.py) comes first in each mini-batch, on every
+rank, from the recompute's and the engine's log-probs: ``mis`` replaces each micro-batch's mask,
+so the step normalizer, the Cov population of either scope, the token rules' populations and
+the loss all leave the rejected tokens out; ``tis``'s weight is merged with the token rules'
+adjustments in the loss.
 """
 
 from __future__ import annotations
@@ -33,6 +39,9 @@ from megatron_entropy.algorithms import token_rules as rules_ops
 from megatron_entropy.algorithms.policy_loss import (PolicyLossSettings, TokenAdjustments,
                                                      policy_loss, reduce_metrics,
                                                      select_tokens_global)
+from megatron_entropy.algorithms.rollout_correction import (RolloutCorrection,
+                                                            RolloutCorrectionSettings,
+                                                            correct_rollout)
 from megatron_entropy.algorithms.token_rules import TokenRuleSettings
 from megatron_entropy.analysis.entropy_change import entropy_change_metrics
 from megatron_entropy.models.arch import ModelArch
@@ -56,6 +65,8 @@ class ActorSettings:
     global_selection_logprobs: str = "recompute"  # recompute | fresh
     seed: int = 0
     token_rules: TokenRuleSettings = field(default_factory=TokenRuleSettings)  # all off
+    rollout_correction: RolloutCorrectionSettings = field(
+        default_factory=RolloutCorrectionSettings)  # mode none: metrics only
 
 
 class StepRules:
@@ -269,6 +280,28 @@ class Actor:
                 mb.mask)
         return metrics
 
+    def _correct_rollouts(self, mbs: list[MicroBatch], samples: Sequence[Sample]
+                          ) -> dict[int, RolloutCorrection]:
+        """The rollout correction of each micro-batch; ``mis``'s mask replaces ``mb.mask`` (on
+        every rank, before the step normalizer). Micro-batches without (finite) engine
+        log-probs are left out when the mode is ``none`` (it only logs metrics: a run without
+        correction never stops for them) and an error otherwise."""
+        settings = self.settings.rollout_correction
+        out = {}
+        for mb in mbs:
+            if settings.mode == "none" and (mb.engine_logprobs is None or not bool(
+                    torch.isfinite(mb.engine_logprobs[mb.mask.bool()]).all())):
+                continue
+            if mb.engine_logprobs is None:
+                raise ValueError(f"algorithm.rollout_correction.mode={settings.mode} needs the "
+                                 "engine's log-prob of every response token; samples "
+                                 f"{mb.sample_ids} lack some")
+            out[mb.index] = correct_rollout(settings, mb.fields["old_logprobs"],
+                                            mb.engine_logprobs, mb.mask,
+                                            [samples[i].source for i in mb.sample_ids])
+            mb.mask = out[mb.index].mask
+        return out
+
     def update(self, samples: list[Sample], step: int) -> dict[str, float]:
         """ppo_epochs x mini_batches_per_step optimizer steps over this rank's samples."""
         n_mini = self.settings.mini_batches_per_step
@@ -279,10 +312,19 @@ class Actor:
             for k in range(n_mini):
                 ids = list(range(bounds[k], bounds[k + 1]))
                 mbs = pack_micro_batches(samples, self.settings.micro_batch_tokens, ids)
+                corrections = self._correct_rollouts(mbs, samples)
                 shaping = self._shape_advantages(mbs, samples)
                 normalizer = step_normalizer([mb.mask for mb in mbs],
                                              self.loss_settings.loss_agg_mode,
                                              self.ps.get_data_parallel_group())
+                if normalizer == 0 and self.settings.rollout_correction.mode == "mis":
+                    raise RuntimeError(
+                        f"step {step}: algorithm.rollout_correction.mode=mis rejected every "
+                        f"token of mini-batch {k} (ratio trainer/engine outside "
+                        f"[{self.settings.rollout_correction.mis_low}, "
+                        f"{self.settings.rollout_correction.mis_high}]): the engine and the "
+                        "trainer disagree far beyond precision; check the weight sync "
+                        "(rollout/logprob_drift) or widen mis_low/mis_high")
                 # Every draw derives from (seed, step, epoch, mini-batch, micro-batch): resumable.
                 update_seed = ((self.settings.seed * 1_000_003 + step) * 1009 + epoch) * 101 + k
                 inputs = self._selection_inputs(mbs, samples)
@@ -295,10 +337,14 @@ class Actor:
                                            self.ps.get_data_parallel_group())
 
                 def loss_fn(model, output, mb, normalizer=normalizer, selections=selections,
-                            update_seed=update_seed, step_rules=step_rules, shaping=shaping):
+                            update_seed=update_seed, step_rules=step_rules, shaping=shaping,
+                            corrections=corrections):
                     logp, ent = self._token_stats(model, output, mb)
                     entropy = mb.scatter(ent)
                     adjust, rule_metrics = step_rules.for_micro_batch(mb.index, entropy, mb.mask)
+                    if mb.index in corrections:
+                        adjust = _with_correction(adjust, corrections[mb.index], entropy.device)
+                        rule_metrics.update(corrections[mb.index].metrics)
                     gen = torch.Generator().manual_seed(update_seed * 997 + mb.index)
                     loss, metrics = policy_loss(
                         self.loss_settings, mb.scatter(logp), mb.fields["old_logprobs"],
@@ -335,6 +381,15 @@ class Actor:
         out["lr"] = opt_stats[-1]["lr"] if opt_stats else 0.0
         out["update_skipped"] = float(sum(not s["update_successful"] for s in opt_stats))
         return out
+
+
+def _with_correction(adjust: Optional[TokenAdjustments], correction: RolloutCorrection,
+                     device: torch.device) -> Optional[TokenAdjustments]:
+    """The token rules' adjustments with the rollout correction's weight (tis) merged in."""
+    if correction.adjust.weight is None:
+        return adjust
+    weight = TokenAdjustments(weight=correction.adjust.weight.to(device))
+    return weight if adjust is None else adjust.merged(weight)
 
 
 def _recomputed_entropy(mb: MicroBatch, samples: Sequence[Sample]) -> torch.Tensor:

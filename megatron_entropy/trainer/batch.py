@@ -46,6 +46,9 @@ class MicroBatch:
     sample_ids: list[int]  # index of each row in the sample list it was packed from
     index: int = 0  # position in its list of micro-batches
     fields: dict[str, torch.Tensor] = field(default_factory=dict)  # [B, R]: old_logp, ref_logp...
+    # [B, R] float64: the engine's log-prob of each response token (rollout correction); None
+    # when a sample has none for some token.
+    engine_logprobs: Optional[torch.Tensor] = None
 
     @property
     def num_tokens(self) -> int:
@@ -109,6 +112,9 @@ def _make_micro_batch(samples: list[Sample], ids: list[int], pad_id: int, index:
     for name in ("old_logprobs", "ref_logprobs"):
         if all(getattr(s, name) is not None for s in rows_s):
             mb.fields[name] = mb.scatter(torch.cat([getattr(s, name) for s in rows_s]).float())
+    if all(len(s.engine_logprobs) == len(s.response_ids) for s in rows_s):
+        mb.engine_logprobs = mb.scatter(torch.tensor(
+            [lp for s in rows_s for lp in s.engine_logprobs], dtype=torch.float64))
     return mb
 
 

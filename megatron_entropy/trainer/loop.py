@@ -22,7 +22,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from megatron_entropy.algorithms.policy_loss import PolicyLossSettings
-from megatron_entropy.config import Config, save_run_config, token_rule_settings
+from megatron_entropy.config import (Config, rollout_correction_settings, save_run_config,
+                                     token_rule_settings)
 from megatron_entropy.data import PromptSampler, data_notes, load_prompt_dataset, load_tokenizer
 from megatron_entropy.models.arch import load_arch
 from megatron_entropy.models.bridge import export_hf_weights, load_hf_weights
@@ -37,6 +38,7 @@ from megatron_entropy.trainer import preemption
 from megatron_entropy.trainer.actor import Actor, ActorSettings
 from megatron_entropy.trainer.checkpoint import (CheckpointError, CheckpointManager,
                                                  verify_checkpoint)
+from megatron_entropy.trainer.drift import DriftTrend, drift_metrics
 from megatron_entropy.trainer.entropy_control import (apply_knob, build_controller,
                                                       controller_state, restore_controller,
                                                       update_controller)
@@ -95,10 +97,9 @@ def _summed_over_ranks(value: float) -> float:
 
 
 def _reduce_token_metrics(samples: list, group) -> dict[str, float]:
-    """Entropy (token mean, mean of per-sequence means, per source) and train/rollout drift,
-    summed over this DP rank's samples and the DP group."""
+    """Entropy (token mean, mean of per-sequence means, per source), summed over this DP
+    rank's samples and the DP group."""
     sums: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
-    drift_max = 0.0
     for s in samples:
         n = len(s.response_ids)
         if n == 0:
@@ -110,20 +111,14 @@ def _reduce_token_metrics(samples: list, group) -> dict[str, float]:
                                   (f"entropy/{s.source}/seq_mean", seq_mean, 1)):
             sums[key][0] += value
             sums[key][1] += count
-        drift = (s.old_logprobs.double() - torch.tensor(s.engine_logprobs, dtype=torch.float64)).abs()
-        sums["rollout/logprob_drift"][0] += float(drift.sum())
-        sums["rollout/logprob_drift"][1] += n
-        drift_max = max(drift_max, float(drift.max()))
     gathered: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, (dict(sums), drift_max), group=group)
+    dist.all_gather_object(gathered, dict(sums), group=group)
     total: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
-    for part, _ in gathered:
+    for part in gathered:
         for k, (v, c) in part.items():
             total[k][0] += v
             total[k][1] += c
-    out = {k: v / c for k, (v, c) in total.items() if c > 0}
-    out["rollout/logprob_drift_max"] = max(m for _, m in gathered)
-    return out
+    return {k: v / c for k, (v, c) in total.items() if c > 0}
 
 
 _LOSS_METRIC_NAMES = {"cov_mean": "cov/mean", "cov_max": "cov/max",
@@ -203,9 +198,11 @@ class Trainer:
                           mini_batches_per_step=cfg.trainer.mini_batches_per_step,
                           ppo_epochs=cfg.trainer.ppo_epochs, cov_scope=a.cov_scope,
                           global_selection_logprobs=a.global_selection_logprobs,
-                          seed=cfg.trainer.seed, token_rules=token_rule_settings(a)),
+                          seed=cfg.trainer.seed, token_rules=token_rule_settings(a),
+                          rollout_correction=rollout_correction_settings(a)),
             ref_model=ref_model)
         self.controller = build_controller(a, self.arch.vocab_size)
+        self.drift = DriftTrend()
 
         self.state = RunState(rollout_seed=cfg.rollout.seed)
         if resume_from is not None:
@@ -214,6 +211,7 @@ class Trainer:
             self.state = RunState(step=saved["step"], rollout_seed=saved["rollout_seed"])
             self.sampler.load_state_dict(saved["sampler"])
             restore_controller(self.controller, saved)
+            self.drift.restore(saved)
 
         # Rollout engine: per DP leader (in-process) or one set of servers for the job.
         self.engine = build_engine(cfg.rollout, self.hf_dir, self.run_dir) \
@@ -357,7 +355,7 @@ class Trainer:
                        {"step": step, "sampler": self.sampler.state_dict(),
                         "rollout_seed": self.state.rollout_seed,
                         "scheduler": self.actor.scheduler.state_dict(),
-                        **controller_state(self.controller)},
+                        **controller_state(self.controller), **self.drift.state()},
                        self.arch, self.hf_dir)
         self.saved_step = step
 
@@ -387,6 +385,8 @@ class Trainer:
                 with timer("recompute"):
                     self.actor.recompute(mine)
                 metrics.update(_reduce_token_metrics(mine, dp_group))
+                metrics.update(drift_metrics(mine, dp_group))
+                metrics.update(self.drift.observe(step, metrics, self.logger.write))
                 apply_knob(self.controller, self.actor)
                 with timer("update"):
                     actor_metrics = self.actor.update(mine, step)
