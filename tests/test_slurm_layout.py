@@ -11,10 +11,11 @@ import pytest
 
 from megatron_entropy.config import ConfigError, load_config
 from megatron_entropy.runtime import ParallelLayoutError, expand_nodelist
-from megatron_entropy.runtime.slurm import (NotEnoughNodesError, _visible_gpus, all_healthy,
-                                            job_gpus_on_node, job_layout, layout_shell, main,
-                                            read_urls, server_bind_address, server_command,
-                                            split_nodes, step_gpus, wait_for_servers, write_url)
+from megatron_entropy.cli import main as cli_main
+from megatron_entropy.launch.slurm import (NotEnoughNodesError, _visible_gpus, all_healthy,
+                                           job_gpus_on_node, job_layout, layout_shell, read_urls,
+                                           server_bind_address, server_command, split_nodes,
+                                           step_gpus, wait_for_servers, write_url)
 
 REPO = Path(__file__).resolve().parents[1]
 SERVED = ["rollout.engine=sglang", "rollout.server.urls_file=urls.txt"]
@@ -110,10 +111,10 @@ def test_layout_command_prints_error_and_fails(tmp_path, capsys):
     conf = tmp_path / "c.yaml"
     conf.write_text("cluster: {server_nodes: 3}\nrollout: {engine: vllm, server: "
                     "{urls_file: u.txt}}\n")
-    assert main(["layout", "--nodelist", "a,b", str(conf)]) == 1
+    assert cli_main(["slurm", "layout", "--nodelist", "a,b", str(conf)]) == 1
     assert "the job has 2 nodes" in capsys.readouterr().err
-    assert main(["layout", "--nodelist", "a,b,c,d", "--job-gpus", "2", str(conf),
-                 "cluster.gpus_per_node=2"]) == 0
+    assert cli_main(["slurm", "layout", "--nodelist", "a,b,c,d", "--job-gpus", "2", str(conf),
+                     "cluster.gpus_per_node=2"]) == 0
     values = dict(line.split("=", 1) for line in capsys.readouterr().out.split())
     assert values["SERVER_NODELIST"] == "a,b,c" and values["TRAINER_NODELIST"] == "d"
     assert shlex.split(values["URLS_FILE"]) == [str(Path("u.txt").resolve())]
