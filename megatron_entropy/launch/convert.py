@@ -71,7 +71,8 @@ def add_mcore_to_hf_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_convert_args(p: argparse.ArgumentParser) -> None:
-    sub = p.add_subparsers(dest="convert_command", required=True)
+    sub = p.add_subparsers(dest="convert_command", required=True,
+                           metavar="{hf-to-mcore,mcore-to-hf}")
     add_hf_to_mcore_args(sub.add_parser("hf-to-mcore", help=HF_TO_MCORE, description=HF_TO_MCORE))
     add_mcore_to_hf_args(sub.add_parser("mcore-to-hf", help=MCORE_TO_HF, description=MCORE_TO_HF))
 

@@ -444,7 +444,8 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
 
 
 def add_slurm_args(p: argparse.ArgumentParser) -> None:
-    sub = p.add_subparsers(dest="slurm_command", required=True)
+    sub = p.add_subparsers(dest="slurm_command", required=True,
+                           metavar="{layout,serve,wait-servers}")
     lay = sub.add_parser("layout", help="print the job's node split as KEY=value lines")
     lay.add_argument("config")
     lay.add_argument("overrides", nargs="*")
