@@ -11,11 +11,12 @@ import subprocess
 import sys
 import warnings
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Mapping, Optional
 
 # Everything else loads inside the command that needs it: `--help` and the config and model
 # checks run without torch, and `train` loads torch and Megatron only after installing the
-# preemption handler.
+# preemption handler. Of the other commands' modules only the one named on the command line
+# loads (the Slurm helpers start without numpy and the analysis modules).
 
 # Errors that are the user's to fix: printed as one line, exit code 2, no traceback.
 USER_ERRORS: tuple[type[BaseException], ...] = (FileNotFoundError,)
@@ -206,23 +207,53 @@ def _check_model(cfg) -> None:
 # ------------------------------------------------------------------------------------ table
 
 
-def _commands() -> dict[str, tuple[str, Callable[[argparse.ArgumentParser], None],
-                                   Callable[[argparse.Namespace], int]]]:
+Command = tuple[str, Callable[[argparse.ArgumentParser], None],
+                Callable[[argparse.Namespace], int]]
+
+
+class _CommandTable(Mapping[str, Command]):
+    """name -> (help, add_arguments, run); a command defined in another module (``module:NAME``)
+    loads when it is looked up."""
+
+    def __init__(self, commands: dict[str, Command | str]) -> None:
+        self._commands = commands
+
+    def __getitem__(self, name: str) -> Command:
+        command = self._commands[name]
+        if isinstance(command, str):
+            module, attribute = command.split(":")
+            return getattr(importlib.import_module(module), attribute)
+        return command
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._commands)
+
+    def __len__(self) -> int:
+        return len(self._commands)
+
+
+def _commands() -> Mapping[str, Command]:
     """name -> (help, add_arguments, run). Each run imports its module lazily (fast --help)."""
-    return {
+    return _CommandTable({
         "train": ("run (or resume) an RL job from a YAML config", _add_train_args, _run_train),
-        "plan": importlib.import_module("megatron_entropy.plan").PLAN,
-        "plot": importlib.import_module("megatron_entropy.analysis.commands").PLOT,
-        "fit": importlib.import_module("megatron_entropy.analysis.commands").FIT,
-        "study": importlib.import_module("megatron_entropy.analysis.commands").STUDY,
-    }
+        "plan": "megatron_entropy.launch.plan:PLAN",
+        "slurm": "megatron_entropy.launch.slurm:SLURM",
+        "convert": "megatron_entropy.launch.convert:CONVERT",
+        "plot": "megatron_entropy.analysis.commands:PLOT",
+        "fit": "megatron_entropy.analysis.commands:FIT",
+        "study": "megatron_entropy.analysis.commands:STUDY",
+    })
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="megatron-entropy", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     commands = _commands()
-    for name, (help_text, add_args, _) in commands.items():
+    # The command is the first argument (the top level has no option but --help).
+    named = [argv[0]] if argv and argv[0] in commands else list(commands)
+    for name in named:
+        help_text, add_args, _ = commands[name]
         add_args(sub.add_parser(name, help=help_text, description=help_text))
     # Options may come anywhere, also after the dotted overrides of ``train``.
     args, extra = parser.parse_known_args(argv)

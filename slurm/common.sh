@@ -2,7 +2,7 @@
 #
 # me_layout CONFIG OVERRIDES...   eval the job's node split (RUN_DIR, LOG_DIR, SERVER_NODELIST,
 #                                 TRAINER_NODELIST, NUM_SERVERS, URLS_FILE, the GPUs each step
-#                                 asks for, ...; see megatron_entropy/runtime/slurm.py)
+#                                 asks for, ...; see megatron_entropy/launch/slurm.py)
 # me_start_servers CONFIG OVERRIDES...   start the rollout servers as one background step and
 #                                 wait until every one answers; writes $URLS_FILE
 # me_train CONFIG OVERRIDES...    run the trainer step (one task per GPU) in the background and
@@ -40,7 +40,7 @@ me_log() { echo "[$(date +%T) ${SLURM_JOB_ID:-nojob}] $*"; }
 
 me_layout() {
   local out
-  out=$("$PYTHON" -m megatron_entropy.runtime.slurm layout --nodelist "$SLURM_JOB_NODELIST" "$@") \
+  out=$("$PYTHON" -m megatron_entropy.cli slurm layout --nodelist "$SLURM_JOB_NODELIST" "$@") \
     || { me_log "the job's layout is not valid for this config (see above)"; exit 1; }
   eval "$out"
   mkdir -p "$LOG_DIR"
@@ -108,10 +108,10 @@ me_start_servers() {
     --ntasks="$NUM_SERVERS" --ntasks-per-node="$SERVERS_PER_NODE" ${opts[@]+"${opts[@]}"} \
     --kill-on-bad-exit=0 \
     --output="$LOG_DIR/server-%t.log" --open-mode=append ${SERVER_SRUN_ARGS:-} \
-    "$PYTHON" -m megatron_entropy.runtime.slurm serve --urls-dir "$URLS_DIR" "$@" &
+    "$PYTHON" -m megatron_entropy.cli slurm serve --urls-dir "$URLS_DIR" "$@" &
   ME_SERVER_PID=$!
   me_log "waiting for $NUM_SERVERS servers (logs: $LOG_DIR/server-*.log)"
-  if ! "$PYTHON" -m megatron_entropy.runtime.slurm wait-servers --urls-dir "$URLS_DIR" \
+  if ! "$PYTHON" -m megatron_entropy.cli slurm wait-servers --urls-dir "$URLS_DIR" \
       --count "$NUM_SERVERS" --out "$URLS_FILE" --timeout "$STARTUP_TIMEOUT" \
       --pid "$ME_SERVER_PID"; then
     me_log "the servers did not come up"

@@ -16,7 +16,7 @@ from tiny_models import tiny_hf_config, write_config
 from megatron_entropy.cli import main
 from megatron_entropy.config import load_config
 from megatron_entropy.models.arch import arch_from_hf_config
-from megatron_entropy.plan import kv_bytes_per_token, make_plan, stage_params, total_params
+from megatron_entropy.launch.plan import kv_bytes_per_token, make_plan, stage_params, total_params
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = sorted((REPO / "examples").glob("qwen2.5-*.yaml"))

@@ -1,6 +1,10 @@
 import ipaddress
 import os
 import resource
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -203,3 +207,49 @@ def test_open_files_soft_limit_is_raised_to_the_hard_limit():
     if hard != resource.RLIM_INFINITY:
         assert soft == hard
     assert soft > 256
+
+
+# A parent that starts a child with die_with_parent(SIGTERM) (as the study starts its runs), then
+# waits; the child marks a file on SIGTERM.
+_PARENT = """
+import functools, os, signal, subprocess, sys
+from megatron_entropy.runtime.processes import die_with_parent
+child = ("import pathlib, signal, sys, time\\n"
+         "def stop(*_): pathlib.Path(sys.argv[1]).touch(); sys.exit(0)\\n"
+         "signal.signal(signal.SIGTERM, stop)\\n"
+         "print('up', flush=True)\\n"
+         "time.sleep(600)\\n")
+proc = subprocess.Popen([sys.executable, "-c", child, sys.argv[1]],
+                        preexec_fn=functools.partial(die_with_parent, signal.SIGTERM, os.getpid()))
+print(proc.pid, flush=True)
+proc.wait()
+"""
+
+
+def test_a_child_gets_its_signal_when_the_parent_is_killed(tmp_path):
+    """die_with_parent: the parent SIGKILLed (no cleanup of its own), the child gets the signal
+    it asked for; a child whose parent is gone before it asked exits at once."""
+    marker = tmp_path / "terminated"
+    parent = subprocess.Popen([sys.executable, "-c", _PARENT, str(marker)], stdout=subprocess.PIPE,
+                              text=True)
+    lines = {parent.stdout.readline().strip(), parent.stdout.readline().strip()}  # pid, "up"
+    (child,) = {int(line) for line in lines if line.isdigit()}
+    assert "up" in lines and not marker.exists()
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 60
+    while not marker.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    try:
+        assert marker.exists()
+    finally:
+        try:
+            os.kill(child, signal.SIGKILL)  # a failed check leaves nothing behind
+        except ProcessLookupError:
+            pass
+    gone = subprocess.Popen(["true"])  # a pid that no longer runs: a parent that died already
+    gone.wait()
+    orphan = subprocess.run([sys.executable, "-c", "from megatron_entropy.runtime.processes import "
+                             f"die_with_parent; die_with_parent(parent={gone.pid}); print('ran')"],
+                            capture_output=True, text=True, timeout=60)
+    assert (orphan.returncode, orphan.stdout) == (1, "")

@@ -168,7 +168,7 @@ def processes_by_role(tmp: Path) -> dict[str, list[dict]]:
                "gpus": gpus.split("=")[1], "step_gpus": step_gpus.split("=")[1]}
         if argv[:3] == ["-m", "megatron_entropy.cli", "train"]:
             roles["trainer"].append(row)
-        elif argv[:3] == ["-m", "megatron_entropy.runtime.slurm", "serve"]:
+        elif argv[:4] == ["-m", "megatron_entropy.cli", "slurm", "serve"]:
             roles["server"].append(row)
         else:
             roles["batch"].append(row)

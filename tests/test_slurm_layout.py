@@ -1,20 +1,24 @@
 """Node splitting, the layout the sbatch scripts eval, URL files, waiting for servers (no Slurm)."""
 
 import http.server
+import json
 import re
 import shlex
 import subprocess
+import sys
 import threading
 from pathlib import Path
 
 import pytest
 
+from megatron_entropy.cli import main as cli_main
 from megatron_entropy.config import ConfigError, load_config
+from megatron_entropy.launch.slurm import (NotEnoughNodesError, _visible_gpus, all_healthy,
+                                           job_gpus_on_node, job_layout, layout_shell, read_urls,
+                                           server_bind_address, server_command, split_nodes,
+                                           step_gpus, wait_for_servers, write_url)
+from megatron_entropy.rollout.servers import ServerError
 from megatron_entropy.runtime import ParallelLayoutError, expand_nodelist
-from megatron_entropy.runtime.slurm import (NotEnoughNodesError, _visible_gpus, all_healthy,
-                                            job_gpus_on_node, job_layout, layout_shell, main,
-                                            read_urls, server_bind_address, server_command,
-                                            split_nodes, step_gpus, wait_for_servers, write_url)
 
 REPO = Path(__file__).resolve().parents[1]
 SERVED = ["rollout.engine=sglang", "rollout.server.urls_file=urls.txt"]
@@ -110,10 +114,10 @@ def test_layout_command_prints_error_and_fails(tmp_path, capsys):
     conf = tmp_path / "c.yaml"
     conf.write_text("cluster: {server_nodes: 3}\nrollout: {engine: vllm, server: "
                     "{urls_file: u.txt}}\n")
-    assert main(["layout", "--nodelist", "a,b", str(conf)]) == 1
+    assert cli_main(["slurm", "layout", "--nodelist", "a,b", str(conf)]) == 1
     assert "the job has 2 nodes" in capsys.readouterr().err
-    assert main(["layout", "--nodelist", "a,b,c,d", "--job-gpus", "2", str(conf),
-                 "cluster.gpus_per_node=2"]) == 0
+    assert cli_main(["slurm", "layout", "--nodelist", "a,b,c,d", "--job-gpus", "2", str(conf),
+                     "cluster.gpus_per_node=2"]) == 0
     values = dict(line.split("=", 1) for line in capsys.readouterr().out.split())
     assert values["SERVER_NODELIST"] == "a,b,c" and values["TRAINER_NODELIST"] == "d"
     assert shlex.split(values["URLS_FILE"]) == [str(Path("u.txt").resolve())]
@@ -240,6 +244,7 @@ def test_server_command_is_the_engines_own_with_server_tp():
     assert argv[argv.index("--tp-size") + 1] == "4" and "--weight-version" in argv
 
 
+
 @pytest.mark.parametrize("script", sorted((REPO / "slurm").glob("*.sbatch")) +
                          [REPO / "slurm" / "common.sh"], ids=lambda p: p.name)
 def test_scripts_parse(script):
@@ -265,3 +270,68 @@ def test_scripts_expand_arrays_safely_under_set_u():
                 f"slurm/{script.name}:{line}: {m.group(0)} fails under set -u when empty"
             checked += 1
     assert checked >= 3  # the guarded expansions in common.sh were seen
+
+
+def test_server_environment_is_parsed_as_the_engines_own_servers_parse_it():
+    """One parser for rollout.server.extra_env (rollout/servers.py's): the value keeps its '=',
+    and an item without one is an error naming it (a Slurm server once dropped it silently)."""
+    served = ("rollout.engine=vllm", "rollout.server.urls_file=u", "model.hf_path=/m")
+    _, env = server_command(cfg(*served, "rollout.server.extra_env=[A=1=2]"), "h", 1)
+    assert env["A"] == "1=2"
+    with pytest.raises(ServerError, match="extra_env item 'NOVALUE' must look like KEY=VALUE"):
+        server_command(cfg(*served, "rollout.server.extra_env=[NOVALUE]"), "h", 1)
+
+
+@pytest.mark.parametrize("argv, flags", [
+    (["slurm", "layout"], ["--nodelist", "--job-gpus", "config", "overrides"]),
+    (["slurm", "serve"], ["--urls-dir", "config"]),
+    (["slurm", "wait-servers"], ["--urls-dir", "--count", "--out", "--timeout", "--pid"]),
+    (["convert", "hf-to-mcore"], ["--hf-dir", "--out", "--tp", "--pp", "--dtype", "--overwrite",
+                                  "--quiet"]),
+    (["convert", "mcore-to-hf"], ["--ckpt", "--out", "--hf-config-from", "--dtype",
+                                  "--max-shard-size", "--overwrite", "--quiet"]),
+], ids=lambda v: " ".join(v) if isinstance(v, list) and v[0] in ("slurm", "convert") else "")
+def test_the_cli_fronts_the_slurm_helpers_and_conversion(argv, flags, capsys):
+    with pytest.raises(SystemExit) as done:
+        cli_main([*argv, "--help"])
+    assert done.value.code == 0
+    listed = capsys.readouterr().out
+    assert all(re.search(rf"(^|\s|\[){re.escape(f)}\b", listed) for f in flags), listed
+    with pytest.raises(SystemExit) as done:
+        cli_main(["--help"])
+    assert done.value.code == 0 and argv[0] in capsys.readouterr().out
+
+
+# Run as the sbatch scripts run it (python -m megatron_entropy.cli slurm ...); at exit, the
+# modules it loaded.
+_LOADED_AT_EXIT = """
+import atexit, json, runpy, sys
+atexit.register(lambda: print(json.dumps(sorted(sys.modules)), file=sys.stderr))
+sys.argv = ["megatron-entropy", *sys.argv[1:]]
+runpy.run_module("megatron_entropy.cli", run_name="__main__")
+"""
+
+
+def _slurm_helper_modules(*args: str, code: int) -> set[str]:
+    done = subprocess.run([sys.executable, "-c", _LOADED_AT_EXIT, "slurm", *args],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == code, done.stderr[-2000:]
+    loaded = set(json.loads(done.stderr.splitlines()[-1]))
+    assert "megatron_entropy.launch.slurm" in loaded
+    return loaded
+
+
+def test_slurm_helpers_load_only_their_command(tmp_path):
+    """The CLI loads the named command's module only: no analysis (numpy) or plan modules in a
+    Slurm helper; waiting for the servers loads no torch (the layout loads it with the config's
+    validation, algorithms/policy_loss.py)."""
+    conf = tmp_path / "c.yaml"
+    conf.write_text("parallel: {backend: gloo}\n")
+    layout = _slurm_helper_modules("layout", "--nodelist", "n[1-2]", str(conf), code=0)
+    wait = _slurm_helper_modules("wait-servers", "--urls-dir", str(tmp_path / "none"), "--count",
+                                 "1", "--out", str(tmp_path / "urls"), "--timeout", "0", code=1)
+    for loaded in (layout, wait):
+        assert not {m for m in loaded if m.startswith(("megatron_entropy.analysis",
+                                                        "megatron_entropy.launch.plan",
+                                                        "megatron_entropy.launch.convert"))}
+    assert not wait & {"torch", "numpy"}

@@ -25,8 +25,8 @@ study dies gets SIGTERM (Linux), checkpoints at the end of its step and exits.
 
 from __future__ import annotations
 
-import ctypes
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -40,6 +40,7 @@ from typing import Any, Callable, Optional
 
 from megatron_entropy.analysis.plots import read_metrics, series
 from megatron_entropy.config import Config, ConfigError, StudyConfig, load_config
+from megatron_entropy.runtime.processes import die_with_parent
 from megatron_entropy.trainer.checkpoint import CheckpointManager
 from megatron_entropy.trainer.preemption import PREEMPTED_EXIT_CODE
 
@@ -230,14 +231,6 @@ def last_step(run_dir: Path) -> int:
 # ------------------------------------------------------------------------------ running
 
 
-def _die_with_parent() -> None:
-    """In the child: SIGTERM when the study dies, so a run never outlives it (Linux only)."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
 class _Interrupt:
     """SIGTERM, SIGINT or SIGUSR1 to the study: the running train run is asked to checkpoint at
     the end of its step (SIGTERM, which its ranks handle), and the study stops after it."""
@@ -297,8 +290,10 @@ def _train(run: StudyRun, config_path: str, lock_fd: int, interrupt: _Interrupt
         log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(cmd)}\n")
         log.flush()
         # The lock's descriptor goes with the run: the lock is free only when both have ended.
+        # SIGTERM when the study dies: the run checkpoints at the end of its step and exits.
         child = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, pass_fds=(lock_fd,),
-                                 preexec_fn=_die_with_parent)
+                                 preexec_fn=functools.partial(die_with_parent, signal.SIGTERM,
+                                                              os.getpid()))
         interrupt.child = child
         try:
             code = child.wait()

@@ -11,7 +11,6 @@ dies with the parent (PR_SET_PDEATHSIG) and exits when its stdin closes.
 
 from __future__ import annotations
 
-import ctypes
 import importlib
 import json
 import os
@@ -22,9 +21,10 @@ import sys
 import tempfile
 from typing import Any, Callable, Optional
 
+from megatron_entropy.runtime.processes import die_with_parent
+
 STARTUP_TIMEOUT_S = 120.0
 _READY = "ready"
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 class ChildUnavailable(RuntimeError):
@@ -121,18 +121,10 @@ class LineProcess:
             self._proc = self._stderr = None
 
 
-def _die_with(parent: int) -> None:
-    """SIGKILL when the parent dies; exit at once if it died before that was set."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-    if os.getppid() != parent:
-        os._exit(1)
-
-
 def _child_main() -> None:
     """The child: argv = [sys.path, parent pid, "module:function", args...]."""
     parent, target, *args = sys.argv[2:]
-    _die_with(int(parent))
+    die_with_parent(parent=int(parent))
     module, _, name = target.partition(":")
     answers = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # what the handler prints goes to stderr, not between the answers

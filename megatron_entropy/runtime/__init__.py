@@ -1,7 +1,8 @@
-"""Distributed start-up, Megatron parallel state, seeding and the CPU compatibility layer.
+"""Distributed start-up, Megatron parallel state, seeding, the CPU compatibility layer and child
+processes that die with their parent (processes.py).
 
 The torch-bound parts (runtime/distributed.py) load on first use, so that the Slurm helpers
-(`python -m megatron_entropy.runtime.slurm layout / wait-servers`) start without torch."""
+(`megatron-entropy slurm layout / wait-servers`, launch/slurm.py) start without torch."""
 
 from megatron_entropy.runtime.launch_env import (LaunchEnv, ParallelLayoutError, check_layout,
                                                  detect_launch_env, expand_nodelist)

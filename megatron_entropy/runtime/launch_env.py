@@ -1,6 +1,6 @@
 """Where this process sits in the job: read from the variables torchrun or Slurm's srun set.
 
-No torch here: the Slurm helpers (runtime/slurm.py) import this module in processes that do not
+No torch here: the Slurm helpers (launch/slurm.py) import this module in processes that do not
 train (the layout, waiting for servers), whose start-up would otherwise pay torch's import."""
 
 from __future__ import annotations

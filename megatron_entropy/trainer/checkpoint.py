@@ -21,7 +21,6 @@ dist_checkpointing writes each rank's files from processes it forks; those die w
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import queue
@@ -40,13 +39,13 @@ import torch.distributed as dist
 from megatron_entropy.models.megatron_checkpoint import (CheckpointError, check_checkpoint_files,
                                                          write_checkpoint_metadata)
 from megatron_entropy.models.sharding import unwrap_model
+from megatron_entropy.runtime.processes import die_with_parent
 from megatron_entropy.trainer import preemption
 
 # Megatron loads inside the functions that use it: analysis/study.py finds and verifies
 # checkpoints with CheckpointManager in a process that never loads Megatron.
 TRAINER_STATE = "trainer_state.json"
 _COMMON_FILES = ("metadata.json", "common.pt")  # dist_checkpointing's, beside .metadata
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 # The pid of this process while it saves, else None: processes forked meanwhile are writers.
 _saving_pid: Optional[int] = None
@@ -59,10 +58,7 @@ def _writer_after_fork() -> None:
     parent, _saving_pid = _saving_pid, None
     if parent is None:
         return
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-        if os.getppid() != parent:  # the rank died before prctl took effect
-            os._exit(1)
+    die_with_parent(parent=parent)
     for sig in preemption.SIGNALS:
         signal.signal(sig, signal.SIG_DFL)
 

@@ -43,7 +43,7 @@ def main() -> int:
 
     from megatron_entropy.config import load_config
     from megatron_entropy.models.arch import arch_from_hf_config
-    from megatron_entropy.plan import GiB, make_plan
+    from megatron_entropy.launch.plan import GiB, make_plan
     from megatron_entropy.runtime import init_distributed, set_seed
     from megatron_entropy.trainer.model_setup import (OptimSettings, build_optimizer,
                                                       build_trainable_model)

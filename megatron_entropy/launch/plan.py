@@ -32,7 +32,7 @@ from megatron_entropy.config import Config, ConfigError, load_config
 from megatron_entropy.models.arch import ModelArch, UnsupportedModelError, arch_from_hf_config, \
     load_arch
 from megatron_entropy.runtime import ParallelLayoutError
-from megatron_entropy.runtime.slurm import JobLayout, NotEnoughNodesError, job_layout
+from megatron_entropy.launch.slurm import JobLayout, NotEnoughNodesError, job_layout
 
 GiB = 1024**3
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}

@@ -1,10 +1,11 @@
 """The Slurm side of a run: which nodes serve rollouts and which train, and the server URL file.
 
-The sbatch scripts in slurm/ call this module; each command reads the same config as the trainer:
+The sbatch scripts in slurm/ call it through the CLI; each command reads the same config as the
+trainer:
 
-    python -m megatron_entropy.runtime.slurm layout CONFIG [overrides]   # KEY=VALUE lines to eval
-    python -m megatron_entropy.runtime.slurm serve CONFIG [overrides]    # one server (a task)
-    python -m megatron_entropy.runtime.slurm wait-servers --urls-dir D --count N --out FILE
+    megatron-entropy slurm layout CONFIG [overrides]   # KEY=VALUE lines to eval
+    megatron-entropy slurm serve CONFIG [overrides]    # one server (a task)
+    megatron-entropy slurm wait-servers --urls-dir D --count N --out FILE
 
 A disaggregated job gives its first ``cluster.server_nodes`` nodes to rollout servers
 (``servers_per_node`` servers of ``server_gpus`` GPUs each) and the rest to the trainer (one task
@@ -17,9 +18,9 @@ file the trainer reads (``rollout.server.urls_file``). A server task ignores SIG
 from __future__ import annotations
 
 import argparse
-import ctypes
 import dataclasses
 import fcntl
+import functools
 import ipaddress
 import math
 import os
@@ -39,6 +40,7 @@ from typing import Callable, Optional, Sequence
 from megatron_entropy.config import Config, ConfigError, load_config
 from megatron_entropy.runtime.launch_env import (ParallelLayoutError, check_layout,
                                                  expand_nodelist, server_environment)
+from megatron_entropy.runtime.processes import die_with_parent
 
 
 class NotEnoughNodesError(ValueError):
@@ -289,12 +291,16 @@ def server_command(cfg: Config, host: str, port: int) -> tuple[list[str], dict[s
     server started by Slurm runs with exactly the flags of one the engine starts itself (vLLM's
     processed log-probs, SGLang's weight version). The server's tensor parallel size is
     ``cluster.server_gpus``.
+    ``rollout.server.extra_env`` is read by the parser of the servers the engines launch
+    themselves, so both kinds get the same environment (and an item without ``=`` is an error).
     """
+    # Here, not at the top: the engines import torch, and `layout`/`wait-servers` start without.
     from megatron_entropy.rollout import sglang, vllm
+    from megatron_entropy.rollout.servers import _parse_env
 
     s = dataclasses.replace(cfg.rollout.server, host=host)
     tp = cfg.cluster.server_gpus
-    env = dict(item.split("=", 1) for item in s.extra_env if "=" in item)
+    env = _parse_env(s.extra_env)
     if cfg.rollout.engine == "vllm":
         argv = vllm.server_argv(s, cfg.model.hf_path, port)
         env["VLLM_SERVER_DEV_MODE"] = "1"  # the weight reload endpoints
@@ -313,17 +319,15 @@ def server_command(cfg: Config, host: str, port: int) -> tuple[list[str], dict[s
 # finishes before its checkpoint; not SIGINT, which srun takes for its own Ctrl-C handling.
 STOP_SIGNAL = signal.SIGUSR2
 SERVER_STOP_GRACE_S = 20.0  # then the server's process group gets SIGKILL
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
-def _server_process_setup() -> None:
+def _server_process_setup(task_pid: int) -> None:
     """In the server process, before exec: keep SIGTERM and SIGUSR1 blocked (proctrack/linuxproc
     signals a task's whole process tree, and the serving stacks install handlers that stop on TERM;
     a blocked signal stays pending and never reaches them), and die with this task (SIGKILL on the
     parent's death) so that no server outlives its step."""
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGUSR1})
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    die_with_parent(signal.SIGKILL, task_pid)
 
 
 SIOCGIFADDR = 0x8915  # linux/sockios.h: an interface's IPv4 address
@@ -392,7 +396,7 @@ def serve(cfg: Config, urls_dir: os.PathLike, task: int, local_id: int,
     for sig in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, ignored)
     proc = subprocess.Popen(cmd, env=env, start_new_session=True,
-                            preexec_fn=_server_process_setup)
+                            preexec_fn=functools.partial(_server_process_setup, os.getpid()))
     stop_requested: list[float] = []
 
     def stop(signum: Optional[int], frame: object) -> None:
@@ -439,11 +443,9 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
 # ------------------------------------------------------------------------------------- CLI
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m megatron_entropy.runtime.slurm",
-                                     description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
+def add_slurm_args(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="slurm_command", required=True,
+                           metavar="{layout,serve,wait-servers}")
     lay = sub.add_parser("layout", help="print the job's node split as KEY=value lines")
     lay.add_argument("config")
     lay.add_argument("overrides", nargs="*")
@@ -461,16 +463,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     wait.add_argument("--out", required=True)
     wait.add_argument("--timeout", type=float, default=600.0)
     wait.add_argument("--pid", type=int, help="the server step's srun: fail early if it ends")
-    args = parser.parse_args(argv)
 
+
+def run_slurm(args: argparse.Namespace) -> int:
+    """One helper of the sbatch scripts; a mistake prints ``error: ...`` and returns 1."""
     try:
-        if args.command == "layout":
+        if args.slurm_command == "layout":
             if not args.nodelist:
                 raise NotEnoughNodesError("no node list: run inside a Slurm job or pass --nodelist")
             cfg = load_config(args.config, args.overrides)
             sys.stdout.write(layout_shell(cfg, expand_nodelist(args.nodelist), args.job_gpus))
             return 0
-        if args.command == "serve":
+        if args.slurm_command == "serve":
             cfg = load_config(args.config, args.overrides)
             return serve(cfg, args.urls_dir, int(os.environ.get("SLURM_PROCID", 0)),
                          int(os.environ.get("SLURM_LOCALID", 0)))
@@ -478,10 +482,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         for url in wait_for_servers(args.urls_dir, args.count, args.out, args.timeout, alive):
             print(url)
         return 0
+    # ServerError (rollout/servers.py: a bad extra_env item) is a RuntimeError.
     except (ConfigError, ParallelLayoutError, NotEnoughNodesError, RuntimeError,
             TimeoutError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+
+
+SLURM = ("helpers of the slurm/ scripts: layout (the job's node split), serve (one rollout "
+         "server), wait-servers (the URL file)", add_slurm_args, run_slurm)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -494,7 +503,3 @@ def _pid_alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
     except (OSError, IndexError):
         return True
-
-
-if __name__ == "__main__":
-    sys.exit(main())
