@@ -17,7 +17,6 @@ import threading
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 import yaml
 
@@ -29,6 +28,7 @@ from megatron_entropy.trainer.async_rollouts import (RolloutPrefetcher, RolloutP
 from megatron_entropy.trainer.rollouts import Group, LocalStep
 from harness import metrics_rows
 from serving_model import make_served_model
+from test_preemption import _kill_marked
 from test_rollout_sglang import fake_command, greedy_reference, make_cfg, models  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[1]
@@ -177,17 +177,6 @@ def test_rollout_in_flight_at_a_push_finishes_on_its_weights_tagged_and_survives
     finally:
         eng.shutdown()
     assert eng.pool._loop is None
-
-
-def _kill_marked(mark: str) -> None:
-    """Kill every process started under this test (they carry its mark in their environment):
-    the rollout server a SIGKILLed trainer leaves behind too."""
-    for p in psutil.process_iter():
-        try:
-            if p.environ().get("ME_TEST_MARK") == mark:
-                p.kill()
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            pass
 
 
 def _consumed(state: dict) -> int:

@@ -192,6 +192,7 @@ class ServerPool:
         self._inflight_total = 0
         self._busy_since: Optional[float] = None
         self._busy_s = 0.0
+        self._stopped = False  # stop() was called: no call runs, no server starts again
 
     # ------------------------------------------------------------------------- life cycle
 
@@ -287,6 +288,7 @@ class ServerPool:
         self._loop = self._loop_thread = None
 
     def stop(self) -> None:
+        self._stopped = True
         self._stop_loop()
         for server in self.servers:
             if server.launched:
@@ -421,7 +423,7 @@ class ServerPool:
 
     def _restart(self, server: Server) -> bool:
         """Launch a dead server again, at most ``max_retries`` times over the run."""
-        if server.restarts >= self.cfg.max_retries:
+        if server.restarts >= self.cfg.max_retries or self._stopped:
             return False
         self._kill(server, grace_s=2.0)
         server.restarts += 1
@@ -745,6 +747,9 @@ class ServerPool:
     def _run(self, coro: Any) -> Any:
         """Run a coroutine to completion from sync code: on the background loop when there is
         one, else here (also when a loop already runs here)."""
+        if self._stopped:
+            coro.close()
+            raise ServerError(f"the {self.kind} servers were stopped")
         if self._loop is not None:
             return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
         try:

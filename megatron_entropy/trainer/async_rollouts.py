@@ -164,6 +164,7 @@ class AsyncRollouts:
         self.engine = engine
         self.max_staleness = max_staleness
         self.prefetcher: Optional[RolloutPrefetcher] = None
+        self._idle_s = 0.0  # the trainer's wait for rollouts in this step (rank 0's)
         if not rank0:
             return
         engine.pool.run_in_background()  # a weight push may run while a rollout is in flight
@@ -182,7 +183,7 @@ class AsyncRollouts:
     def take(self, step: int, stop_check: Callable[[], None]) -> StepGroups:
         """Step ``step``'s rollouts on every rank, samples more than ``max_staleness`` versions
         older than the trained weights dropped. ``stop_check`` (every rank's collective stop check;
-        it may raise) runs while rank 0 waits. Adds ``async/*`` and ``time/trainer_idle``."""
+        it may raise) runs while rank 0 waits. Adds the ``async/*`` metrics."""
         started = time.perf_counter()
         while True:
             local, failure = None, None
@@ -201,7 +202,7 @@ class AsyncRollouts:
             if box[0] == "ready":
                 break
             stop_check()
-        idle = time.perf_counter() - started
+        self._idle_s += time.perf_counter() - started
         extra = None
         if local is not None:
             # The weights being trained are the last ones pushed (a push ends every update).
@@ -213,16 +214,24 @@ class AsyncRollouts:
         self.sampler.load_state_dict(extra["sampler"])
         rolled.dropped = extra["dropped"]
         rolled.metrics.update(extra["metrics"])
-        rolled.metrics["time/trainer_idle"] = idle
         return rolled
+
+    def pop_idle_seconds(self) -> float:
+        """Seconds the trainer waited for rollouts since the last call: in `take`, and in
+        `engine_free` for the step in production."""
+        idle, self._idle_s = self._idle_s, 0.0
+        return idle
 
     @contextlib.contextmanager
     def engine_free(self) -> Iterator[None]:
-        """For the body, rank 0's thread generates nothing (the body uses the engine)."""
+        """For the body, rank 0's thread generates nothing (the body uses the engine). Waiting
+        for the step in production counts as the trainer's idle time."""
         if self.prefetcher is None:
             yield
             return
+        started = time.perf_counter()
         with self.prefetcher.held():
+            self._idle_s += time.perf_counter() - started
             yield
 
     def close(self) -> None:

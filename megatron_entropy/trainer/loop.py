@@ -419,7 +419,9 @@ class Trainer:
                 busy = metrics.pop("rollout/engine_busy_s", None)
                 if busy is not None:  # server engines
                     metrics["time/engine_idle"] = max(0.0, time.perf_counter() - started - busy)
-            metrics.setdefault("time/trainer_idle", timer.seconds["rollout"])
+            metrics["time/trainer_idle"] = (self.async_rollouts.pop_idle_seconds()
+                                            if self.async_rollouts is not None
+                                            else timer.seconds["rollout"])
             tokens = rolled.tokens
             metrics.update(timer.as_metrics())
             metrics["time/step"] = time.perf_counter() - started
