@@ -193,6 +193,7 @@ class ServerPool:
         self._busy_since: Optional[float] = None
         self._busy_s = 0.0
         self._stopped = False  # stop() was called: no call runs, no server starts again
+        self.drain_wait_s = 0.0  # seconds drained() waited for requests in flight, in all
 
     # ------------------------------------------------------------------------- life cycle
 
@@ -693,8 +694,10 @@ class ServerPool:
 
     async def _close_gate(self) -> None:
         self._gate_open = False
+        started = time.monotonic()
         while self._inflight_total > 0:
             await asyncio.sleep(0.02)
+        self.drain_wait_s += time.monotonic() - started
 
     async def _open_gate(self) -> None:
         self._gate_open = True

@@ -217,9 +217,13 @@ class AsyncRollouts:
         return rolled
 
     def pop_idle_seconds(self) -> float:
-        """Seconds the trainer waited for rollouts since the last call: in `take`, and in
-        `engine_free` for the step in production."""
+        """Seconds the trainer waited for rollouts since the last call: in `take`, in
+        `engine_free` for the step in production, and in weight pushes for the requests in
+        flight to finish (rank 0)."""
         idle, self._idle_s = self._idle_s, 0.0
+        if self.prefetcher is not None:
+            pool = self.engine.pool
+            idle, pool.drain_wait_s = idle + pool.drain_wait_s, 0.0
         return idle
 
     @contextlib.contextmanager
