@@ -132,6 +132,13 @@ class RolloutConfig:
     weight_check_tolerance: Optional[float] = _f(
         None, gt=0, help="probe: largest mean |engine - actor| log-prob (nats) accepted; null = "
                          "derived from the engine's and the actor's dtypes")
+    max_staleness: int = _f(0, ge=0, help="server engines: > 0 generates the next steps' "
+                                          "rollouts while a step trains, on weights at most "
+                                          "this many updates old (older samples are dropped); "
+                                          "0 = synchronous")
+    inflight_at_sync: Literal["finish", "abort"] = _f(
+        "finish", help="max_staleness > 0: requests in flight at a weight push finish on the "
+                       "old weights (finish); abort (resume as partial rollouts) is not built")
 
 
 @dataclass
@@ -631,6 +638,14 @@ def validate(cfg: Config) -> None:
     if cfg.parallel.sequence_parallel and cfg.parallel.tensor == 1:
         raise ConfigError("parallel.sequence_parallel needs parallel.tensor > 1")
     _validate_study(cfg.study)
+    if r.max_staleness > 0 and r.engine == "inprocess":
+        raise ConfigError(f"rollout.max_staleness={r.max_staleness} needs a server engine "
+                          "(rollout.engine=vllm or sglang); rollout.engine=inprocess shares "
+                          "the trainer's processes, so its rollouts stay synchronous: set "
+                          "rollout.max_staleness=0")
+    if r.max_staleness > 0 and r.inflight_at_sync == "abort":
+        raise ConfigError("rollout.inflight_at_sync=abort (resume in-flight requests on the new "
+                          "weights as partial rollouts) is not built yet: use finish")
     if cfg.rollout.engine != "inprocess":
         s = cfg.rollout.server
         if not (s.urls or s.urls_file or s.launch):

@@ -175,7 +175,8 @@ def _gather_everything_reference(engine, rounds, sampling, reward_fn, shared, ta
 
 def _dp_share_worker(model_dir: str, tensor: int, pipeline: int, shared: bool):
     """Worker: one step's rollouts (dynamic sampling, refills) by DP share and by the reference
-    path, with a real in-process engine on the ranks that talk to one."""
+    path, with a real in-process engine on the ranks that talk to one; with a shared engine also
+    by the asynchronous path's rank-0 generation + distribution (the same samples)."""
     import torch.distributed as dist
 
     from harness import init_megatron
@@ -200,6 +201,18 @@ def _dp_share_worker(model_dir: str, tensor: int, pipeline: int, shared: bool):
     step = collect_step_groups(engine, lambda n: next(feed)[:n], sampling, reward_fn, shared,
                                target_groups=5, dynamic_sampling=True, max_refill_rounds=3)
     mine = groups_to_samples(step, "grpo", True)
+    if shared:  # the asynchronous path's split: rank 0 alone generates, then distributes
+        from megatron_entropy.trainer.rollouts import distribute_step, generate_step_local
+
+        feed = iter(rounds)
+        local = generate_step_local(engine, lambda n: next(feed)[:n], sampling, reward_fn,
+                                    target_groups=5, dynamic_sampling=True,
+                                    max_refill_rounds=3) if dist.get_rank() == 0 else None
+        split, _ = distribute_step(local)
+        assert groups_to_samples(split, "grpo", True) == mine
+        assert (split.kept, split.generated) == (step.kept, step.generated)
+        assert {k: v for k, v in split.metrics.items() if k != "rollout/bytes_received"} == \
+            {k: v for k, v in step.metrics.items() if k != "rollout/bytes_received"}
     ref, ref_generated, ref_bytes = _gather_everything_reference(
         engine, rounds, sampling, reward_fn, shared, 5)
     return (mine, ref, rollout_metrics(step.generated), rollout_metrics(ref_generated),

@@ -15,6 +15,11 @@ then names the server and the tail of its log. A completion the server aborted (
 paused it with mode ``abort``, or an abort request) is truncated: the engine's parser raises
 ``RequestAborted`` and the request is issued again (bounded by ``max_retries``), so an aborted
 sample is never returned.
+
+``run_in_background()`` gives the pool one event loop in a thread of its own that runs every
+call, from any thread: a rollout can be in flight while another thread pushes weights.
+``drained()`` (around each weight sync) lets no request start and waits until those in flight
+have finished, so each completion comes from the weights its server held when it was sent.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import shlex
 import signal
 import socket
 import subprocess
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -178,6 +184,16 @@ class ServerPool:
         self.aborted = 0  # completions answered as aborted, and issued again
         self._cond: Optional[asyncio.Condition] = None
         self._tasks: set[asyncio.Future] = set()
+        # run_in_background(): the loop every call runs on, and its thread.
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._loop_thread: Optional[threading.Thread] = None
+        self._gate_open = True  # closed by drained(): no request starts
+        # Requests in flight on all servers; seconds with at least one (since pop_metrics).
+        self._inflight_total = 0
+        self._busy_since: Optional[float] = None
+        self._busy_s = 0.0
+        self._stopped = False  # stop() was called: no call runs, no server starts again
+        self.drain_wait_s = 0.0  # seconds drained() waited for requests in flight, in all
 
     # ------------------------------------------------------------------------- life cycle
 
@@ -241,7 +257,40 @@ class ServerPool:
             break
         proc.poll()
 
+    def run_in_background(self) -> None:
+        """From now on every call runs on one event loop in a thread of its own, so calls from
+        different threads (a rollout, a weight sync) run concurrently; ``stop`` ends it."""
+        if self._loop is not None:
+            return
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        self._loop_thread = threading.Thread(target=loop.run_forever, name=f"{self.kind}-pool",
+                                             daemon=True)
+        self._loop_thread.start()
+
+    def _stop_loop(self) -> None:
+        """Cancel whatever runs on the background loop (a caller blocked on it gets
+        CancelledError) and end its thread."""
+        loop, thread = self._loop, self._loop_thread
+        if loop is None or thread is None:
+            return
+
+        async def cancel_all() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        with contextlib.suppress(concurrent.futures.TimeoutError, RuntimeError):
+            asyncio.run_coroutine_threadsafe(cancel_all(), loop).result(timeout=30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=30)
+        if not thread.is_alive():
+            loop.close()
+        self._loop = self._loop_thread = None
+
     def stop(self) -> None:
+        self._stopped = True
+        self._stop_loop()
         for server in self.servers:
             if server.launched:
                 self._kill(server)
@@ -375,7 +424,7 @@ class ServerPool:
 
     def _restart(self, server: Server) -> bool:
         """Launch a dead server again, at most ``max_retries`` times over the run."""
-        if server.restarts >= self.cfg.max_retries:
+        if server.restarts >= self.cfg.max_retries or self._stopped:
             return False
         self._kill(server, grace_s=2.0)
         server.restarts += 1
@@ -404,8 +453,8 @@ class ServerPool:
         return self.expected_version is None or server.weight_version == self.expected_version
 
     def _usable(self, server: Server) -> bool:
-        return (server.state == "up" and server.inflight < self.cfg.max_concurrency
-                and self.serves_current(server))
+        return (self._gate_open and server.state == "up"
+                and server.inflight < self.cfg.max_concurrency and self.serves_current(server))
 
     async def _acquire(self, targets: list[Server]) -> Server:
         assert self._cond is not None
@@ -415,9 +464,13 @@ class ServerPool:
                 if usable:
                     server = min(usable, key=lambda s: (s.inflight, s.index))
                     server.inflight += 1
+                    if self._inflight_total == 0:
+                        self._busy_since = time.monotonic()
+                    self._inflight_total += 1
                     return server
-                if not any(s.state == "starting" or (s.state == "up" and self.serves_current(s))
-                           for s in targets):
+                if self._gate_open and not any(
+                        s.state == "starting" or (s.state == "up" and self.serves_current(s))
+                        for s in targets):
                     raise ServerError(f"no {self.kind} server with weight version "
                                       f"{self.expected_version} left to send requests to:\n"
                                       + self._status())
@@ -427,6 +480,10 @@ class ServerPool:
         assert self._cond is not None
         async with self._cond:
             server.inflight -= 1
+            self._inflight_total -= 1
+            if self._inflight_total == 0 and self._busy_since is not None:
+                self._busy_s += time.monotonic() - self._busy_since
+                self._busy_since = None
             self._cond.notify_all()
 
     async def _post(self, session: aiohttp.ClientSession, server: Server, path: str,
@@ -537,12 +594,16 @@ class ServerPool:
     async def _map(self, path: str, payloads: list[dict], parse: ParseResponse,
                    targets: Optional[list[Server]]) -> list[Any]:
         targets = self.servers if targets is None else targets
-        self._cond = asyncio.Condition()
-        self._tasks = set()
-        for server in targets:  # events belong to one loop: fresh ones for this run
-            server.died = asyncio.Event()
-            if server.state == "dead":
-                server.died.set()
+        # The first map on a loop sets up the dispatch state; one running beside it (on the
+        # background loop) shares it.
+        first = self._cond is None
+        if first:
+            self._cond = asyncio.Condition()
+            self._tasks = set()
+            for server in targets:  # events belong to one loop: fresh ones for this run
+                server.died = asyncio.Event()
+                if server.state == "dead":
+                    server.died.set()
         connector = aiohttp.TCPConnector(limit=self.cfg.max_connections)
         async with aiohttp.ClientSession(connector=connector) as session:
             monitor = asyncio.ensure_future(self._monitor(session, targets))
@@ -551,10 +612,12 @@ class ServerPool:
             try:
                 return await asyncio.gather(*jobs)
             finally:
-                for task in [monitor, *jobs, *self._tasks]:
+                owned = [monitor, *jobs, *(self._tasks if first else ())]
+                for task in owned:
                     task.cancel()
-                await asyncio.gather(monitor, *jobs, *self._tasks, return_exceptions=True)
-                self._cond = None
+                await asyncio.gather(*owned, return_exceptions=True)
+                if first:
+                    self._cond = None
 
     # ------------------------------------------------------------------------ control plane
 
@@ -620,6 +683,29 @@ class ServerPool:
         return {s.index: r for s, r in zip(targets, results)}
 
     @contextlib.contextmanager
+    def drained(self) -> Iterator[None]:
+        """For the body (a weight sync): no request starts, and those in flight (a rollout
+        running in another thread) have finished, on the weights they started with."""
+        self._run(self._close_gate())
+        try:
+            yield
+        finally:
+            self._run(self._open_gate())
+
+    async def _close_gate(self) -> None:
+        self._gate_open = False
+        started = time.monotonic()
+        while self._inflight_total > 0:
+            await asyncio.sleep(0.02)
+        self.drain_wait_s += time.monotonic() - started
+
+    async def _open_gate(self) -> None:
+        self._gate_open = True
+        if self._cond is not None:
+            async with self._cond:
+                self._cond.notify_all()
+
+    @contextlib.contextmanager
     def paused(self, pause: tuple[str, Optional[dict]], resume: tuple[str, Optional[dict]],
                targets: list[Server]) -> Iterator[None]:
         """Pause ``targets`` (path, payload) for the body, then resume them. When the body
@@ -653,11 +739,22 @@ class ServerPool:
                 out[f"rollout/server{s.index}/failures"] = float(s.failures)
             s.requests, s.latency_s, s.failures = 0, 0.0, 0
         self.retries = self.aborted = 0
+        now = time.monotonic()
+        busy, self._busy_s = self._busy_s, 0.0
+        if self._busy_since is not None:
+            busy += now - self._busy_since
+            self._busy_since = now
+        out["rollout/engine_busy_s"] = busy
         return out
 
-    @staticmethod
-    def _run(coro: Any) -> Any:
-        """Run a coroutine to completion from sync code, also when a loop already runs here."""
+    def _run(self, coro: Any) -> Any:
+        """Run a coroutine to completion from sync code: on the background loop when there is
+        one, else here (also when a loop already runs here)."""
+        if self._stopped:
+            coro.close()
+            raise ServerError(f"the {self.kind} servers were stopped")
+        if self._loop is not None:
+            return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
         try:
             asyncio.get_running_loop()
         except RuntimeError:

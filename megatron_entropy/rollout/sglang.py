@@ -254,23 +254,26 @@ class SGLangEngine(ServerEngine):
             self.pool.model_dir, self.pool.launch_version = str(folder), v
         self.pool.ensure_up()
         self._inspect_servers()
-        targets = [s for s in self.pool.servers if s.state == "up"]
-        with self.pool.paused(("/pause_generation", {"mode": self.cfg.pause_mode}),
-                              ("/continue_generation", {}), targets):
-            if self.cfg.weight_sync == "disk":
-                stale = [s for s in targets if s.weight_version != v]
-                self._check(self.pool.call_all("/update_weights_from_disk", {
-                    "model_path": str(folder), "flush_cache": True, "abort_all_requests": False,
-                    "weight_version": v}, targets=stale), "/update_weights_from_disk")
-            else:
-                stats = self._broadcast(named_tensors, v, targets)
-            self._flush_cache(targets)
-        for server in targets:
-            server.weight_version = v
-        if self.router is not None:
-            self.router.weight_version = v
-        previous, self.version = self.version, version
-        self.pool.expected_version = v
+        # Our own requests in flight (a rollout in another thread) finish on the old weights.
+        with self.pool.drained():
+            targets = [s for s in self.pool.servers if s.state == "up"]
+            with self.pool.paused(("/pause_generation", {"mode": self.cfg.pause_mode}),
+                                  ("/continue_generation", {}), targets):
+                if self.cfg.weight_sync == "disk":
+                    stale = [s for s in targets if s.weight_version != v]
+                    self._check(self.pool.call_all("/update_weights_from_disk", {
+                        "model_path": str(folder), "flush_cache": True,
+                        "abort_all_requests": False, "weight_version": v}, targets=stale),
+                        "/update_weights_from_disk")
+                else:
+                    stats = self._broadcast(named_tensors, v, targets)
+                self._flush_cache(targets)
+            for server in targets:
+                server.weight_version = v
+            if self.router is not None:
+                self.router.weight_version = v
+            previous, self.version = self.version, version
+            self.pool.expected_version = v
         if self.cfg.weight_sync == "disk" and previous is not None and previous != version:
             shutil.rmtree(self.sync_root / f"weights-v{previous}", ignore_errors=True)
         return {"weight_sync/seconds": time.monotonic() - t0,

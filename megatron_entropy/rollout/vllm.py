@@ -9,7 +9,9 @@ flag (and ``VLLM_SERVER_DEV_MODE=1`` for the weight reload).
 
 Weight sync: the new HF weights are written to a folder (``save_exported_weights``), every server
 loads them with ``/collective_rpc reload_weights`` between ``/pause?mode=wait`` and ``/resume``,
-then drops its prefix cache. A server restarted later starts from the newest folder. A failed
+then drops its prefix cache. A server restarted later starts from the newest folder. Each
+completion is tagged with the version its server held (a sync waits for our requests in flight:
+``ServerPool.drained``). A failed
 reload is reported as itself (a resume that then fails too is a note on it). A completion
 answered with finish reason ``abort`` is issued again, never returned.
 """
@@ -115,7 +117,9 @@ class VLLMEngine(ServerEngine):
             raise ServerError(f"{server.describe()}: unknown finish_reason {reason!r}")
         return Completion(token_ids=ids, logprobs=logprobs, text=choice.get("text", ""),
                           finish_reason=reason,
-                          meta={"server": server.index, "weight_version": self.version})
+                          meta={"server": server.index,
+                                "weight_version": None if server.weight_version is None
+                                else int(server.weight_version)})
 
     def _generate(self, prompts: list[list[int]], sampling: SamplingParams,
                   targets: Optional[list[Server]]) -> list[list[Completion]]:
@@ -150,24 +154,26 @@ class VLLMEngine(ServerEngine):
         # A dead launched server restarts from the new folder and so needs no reload.
         self.pool.model_dir, self.pool.launch_version = str(folder), str(version)
         self.pool.ensure_up()
-        targets = [s for s in self.pool.servers if s.state == "up"]
-        # Only servers that do not already hold these weights (restarted ones do) reload.
-        stale = [s for s in targets if s.weight_version != str(version)]
-        # mode=wait: in-flight requests (other clients' too) finish first, none is aborted.
-        with self.pool.paused(("/pause?mode=wait", None), ("/resume", None), stale):
-            results = self.pool.call_all("/collective_rpc", {
-                "method": "reload_weights", "kwargs": {"weights_path": str(folder)}},
-                targets=stale)
-            self.pool.call_all("/reset_prefix_cache", targets=stale)
-        for server in stale:
-            if not isinstance(results.get(server.index), dict):
-                raise ServerError(f"{server.describe()}: reload_weights answered "
-                                  f"{results.get(server.index)!r}")
-        for server in targets:
-            server.weight_version = str(version)
-        previous = self.version
-        self.version = version
-        self.pool.expected_version = str(version)
+        # Our own requests in flight (a rollout in another thread) finish on the old weights.
+        with self.pool.drained():
+            targets = [s for s in self.pool.servers if s.state == "up"]
+            # Only servers that do not already hold these weights (restarted ones do) reload.
+            stale = [s for s in targets if s.weight_version != str(version)]
+            # mode=wait: in-flight requests (other clients' too) finish first, none is aborted.
+            with self.pool.paused(("/pause?mode=wait", None), ("/resume", None), stale):
+                results = self.pool.call_all("/collective_rpc", {
+                    "method": "reload_weights", "kwargs": {"weights_path": str(folder)}},
+                    targets=stale)
+                self.pool.call_all("/reset_prefix_cache", targets=stale)
+            for server in stale:
+                if not isinstance(results.get(server.index), dict):
+                    raise ServerError(f"{server.describe()}: reload_weights answered "
+                                      f"{results.get(server.index)!r}")
+            for server in targets:
+                server.weight_version = str(version)
+            previous = self.version
+            self.version = version
+            self.pool.expected_version = str(version)
         if previous is not None and previous != version:
             shutil.rmtree(self.sync_root / f"weights-v{previous}", ignore_errors=True)
         return {"weight_sync/seconds": time.monotonic() - t0, "weight_sync/write_seconds": t_write,

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ from megatron_entropy.runtime import init_distributed, set_seed, shutdown
 from megatron_entropy.runtime.roles import Roles
 from megatron_entropy.trainer import preemption
 from megatron_entropy.trainer.actor import Actor, ActorSettings
+from megatron_entropy.trainer.async_rollouts import AsyncRollouts
 from megatron_entropy.trainer.checkpoint import (CheckpointError, CheckpointManager,
                                                  verify_checkpoint)
 from megatron_entropy.trainer.drift import DriftTrend, drift_metrics
@@ -213,6 +215,7 @@ class Trainer:
             restore_controller(self.controller, saved)
             self.drift.restore(saved)
 
+        self.async_rollouts: Optional[AsyncRollouts] = None  # made by run() if max_staleness > 0
         # Rollout engine: per DP leader (in-process) or one set of servers for the job.
         self.engine = build_engine(cfg.rollout, self.hf_dir, self.run_dir) \
             if self.roles.talks_to_engine else None
@@ -287,6 +290,8 @@ class Trainer:
 
     def rollout(self, step: int):
         d = self.cfg.data
+        if self.async_rollouts is not None:
+            return self.async_rollouts.take(step, self._check_inside_step)
         return collect_step_groups(
             self.engine, lambda n: [self.train_data[i] for i in self.sampler.next_indices(n)],
             self.sampling_params(step), self.reward, self.roles.shared_engine, d.prompts_per_step,
@@ -337,16 +342,23 @@ class Trainer:
                    for i in range(min(r.weight_check_prompts, len(self.train_data)))]
         tolerance = r.weight_check_tolerance or probe_tolerance(engine_dtype(r),
                                                                 self.cfg.model.dtype)
-        return check_engine_weights(self.engine, self.actor, prompts,
-                                    probe_sampling(r.temperature, r.weight_check_tokens),
-                                    tolerance, when)
+        with self._engine_free():
+            return check_engine_weights(self.engine, self.actor, prompts,
+                                        probe_sampling(r.temperature, r.weight_check_tokens),
+                                        tolerance, when)
+
+    def _engine_free(self):
+        """No background rollout uses the engine during the body."""
+        return (self.async_rollouts.engine_free() if self.async_rollouts is not None
+                else contextlib.nullcontext())
 
     def validate(self, step: int) -> dict[str, float]:
         if len(self.val_data) == 0:
             return {}
-        _, groups, _ = generate_round(self.engine, list(self.val_data),
-                                      self.sampling_params(step, validation=True), self.reward,
-                                      self.roles.shared_engine)
+        with self._engine_free():
+            _, groups, _ = generate_round(self.engine, list(self.val_data),
+                                          self.sampling_params(step, validation=True),
+                                          self.reward, self.roles.shared_engine)
         return {**rollout_metrics(groups, prefix="val/"),
                 "val/reward/failures": _summed_over_ranks(self.reward.take_failures())}
 
@@ -367,6 +379,12 @@ class Trainer:
         metrics: dict[str, float] = {}
         if t.val_before_train and self.state.step == 0:
             self.logger.log(0, self.validate(0))
+        if cfg.rollout.max_staleness > 0:
+            d = cfg.data
+            self.async_rollouts = AsyncRollouts(
+                self.engine, self.train_data, self.sampler, self.sampling_params, self.reward,
+                d.prompts_per_step, d.dynamic_sampling, d.max_refill_rounds,
+                cfg.rollout.max_staleness, self.state.step + 1, t.steps, self.rank0)
         for step in range(self.state.step + 1, t.steps + 1):
             timer = PhaseTimer()
             started = time.perf_counter()
@@ -407,6 +425,12 @@ class Trainer:
                     metrics.update(self.validate(step))
             if self.engine is not None:
                 metrics.update(self.engine.metrics())
+                busy = metrics.pop("rollout/engine_busy_s", None)
+                if busy is not None:  # server engines
+                    metrics["time/engine_idle"] = max(0.0, time.perf_counter() - started - busy)
+            metrics["time/trainer_idle"] = (self.async_rollouts.pop_idle_seconds()
+                                            if self.async_rollouts is not None
+                                            else timer.seconds["rollout"])
             tokens = rolled.tokens
             metrics.update(timer.as_metrics())
             metrics["time/step"] = time.perf_counter() - started
@@ -435,8 +459,12 @@ class Trainer:
     def close(self) -> None:
         self.logger.close()
         self.reward.close()
+        if self.async_rollouts is not None:
+            self.async_rollouts.close()
         if self.engine is not None:
-            self.engine.shutdown()
+            self.engine.shutdown()  # also ends a background rollout in flight
+        if self.async_rollouts is not None:
+            self.async_rollouts.join()
 
 
 def train(cfg: Config) -> dict[str, float]:

@@ -8,6 +8,10 @@ dynamic-sampling decisions, logs the same metrics and computes the same advantag
 groups themselves (token ids, log-probs, text) then go from their holders to the DP rank that
 trains on them (whole groups, round-robin over DP ranks, as `dp_share`), and from that rank's
 leader to its TP/PP peers. No rank receives another rank's share.
+
+Asynchronous rollouts (trainer/async_rollouts.py) split the shared-engine path in two:
+`generate_step_local` (rank 0 alone, no collectives: it may run in a background thread) and
+`distribute_step` (every rank, on the main thread).
 """
 
 from __future__ import annotations
@@ -63,6 +67,8 @@ class StepGroups:
     generated: list[GroupStats]  # every generated group (all refill rounds)
     bytes_received: int = 0  # rollout data this rank received from the others
     metrics: dict[str, float] = field(default_factory=dict)
+    # (kept index, sample index) of samples not trained on (too stale: async_rollouts.py)
+    dropped: frozenset[tuple[int, int]] = frozenset()
 
     @property
     def tokens(self) -> int:
@@ -98,6 +104,22 @@ def generate_round(engine: Optional[RolloutEngine], items: Sequence[PromptItem],
         mine = list(range(len(items)))
     else:
         mine = list(range(roles.dp_rank, len(items), roles.dp_size))
+    local = _generate_groups(engine, items, mine, sampling, reward_fn)
+    payload = pickle.dumps({i: GroupStats.of(g) for i, g in local.items()})
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, payload)
+    stats: dict[int, GroupStats] = {}
+    for part in gathered:
+        stats.update(pickle.loads(part))
+    received = sum(len(part) for r, part in enumerate(gathered) if r != dist.get_rank())
+    return local, [stats[i] for i in range(len(items))], received
+
+
+def _generate_groups(engine: Optional[RolloutEngine], items: Sequence[PromptItem],
+                     mine: list[int], sampling: SamplingParams,
+                     reward_fn: Callable[[list[str], list[str], list[str]], list[float]]
+                     ) -> dict[int, Group]:
+    """Items ``mine`` generated on ``engine`` and scored, by item index (no collectives)."""
     local: dict[int, Group] = {}
     if mine:
         outputs = engine.generate([items[i].prompt_ids for i in mine], sampling)
@@ -109,14 +131,12 @@ def generate_round(engine: Optional[RolloutEngine], items: Sequence[PromptItem],
         for i, out in zip(mine, outputs):
             local[i] = Group(items[i], out, rewards[k:k + len(out)])
             k += len(out)
-    payload = pickle.dumps({i: GroupStats.of(g) for i, g in local.items()})
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, payload)
-    stats: dict[int, GroupStats] = {}
-    for part in gathered:
-        stats.update(pickle.loads(part))
-    received = sum(len(part) for r, part in enumerate(gathered) if r != dist.get_rank())
-    return local, [stats[i] for i in range(len(items))], received
+    return local
+
+
+def _round_sampling(sampling: SamplingParams, round_index: int) -> SamplingParams:
+    """Refill round ``round_index``'s sampling: its own seed."""
+    return SamplingParams(**{**vars(sampling), "seed": (sampling.seed or 0) * 31 + round_index})
 
 
 def _send_shares(held: dict[tuple[int, int], Group], kept: list[tuple[int, int]], shared: bool
@@ -174,10 +194,9 @@ def collect_step_groups(engine: Optional[RolloutEngine], next_items: Callable[[i
     while not keep.done:
         if keep.rounds:
             between_rounds()
-        round_sampling = SamplingParams(**{**vars(sampling),
-                                           "seed": (sampling.seed or 0) * 31 + keep.rounds})
         local, stats, nbytes = generate_round(engine, next_items(keep.prompts_needed()),
-                                              round_sampling, reward_fn, shared)
+                                              _round_sampling(sampling, keep.rounds), reward_fn,
+                                              shared)
         received += nbytes
         keys = [(keep.rounds, i) for i in range(len(stats))]
         held.update({(keep.rounds, i): g for i, g in local.items()})
@@ -192,9 +211,66 @@ def collect_step_groups(engine: Optional[RolloutEngine], next_items: Callable[[i
                       {**keep.metrics(), "rollout/bytes_received": float(max(per_rank))})
 
 
+@dataclass
+class LocalStep:
+    """One step's rollouts on rank 0 (shared engine), before `distribute_step`."""
+
+    held: dict[tuple[int, int], Group]  # (round, item index) -> group
+    kept: list[tuple[int, int]]  # the kept groups' keys, in order
+    stats_of: dict[tuple[int, int], GroupStats]
+    generated: list[GroupStats]  # every generated group (all refill rounds)
+    metrics: dict[str, float]  # dynamic sampling's
+    sampler_state: dict = field(default_factory=dict)  # the data position after its draws
+
+
+def generate_step_local(engine: RolloutEngine, next_items: Callable[[int], list[PromptItem]],
+                        sampling: SamplingParams, reward_fn, target_groups: int,
+                        dynamic_sampling: bool, max_refill_rounds: int,
+                        between_rounds: Callable[[], None] = lambda: None) -> LocalStep:
+    """`collect_step_groups`'s rounds with a shared engine, on rank 0 alone and without
+    collectives: the same prompts, seeds and dynamic-sampling decisions."""
+    keep = GroupFilter(target_groups, max_refill_rounds, enabled=dynamic_sampling)
+    held: dict[tuple[int, int], Group] = {}
+    generated: list[GroupStats] = []
+    stats_of: dict[tuple[int, int], GroupStats] = {}
+    while not keep.done:
+        if keep.rounds:
+            between_rounds()
+        items = next_items(keep.prompts_needed())
+        local = _generate_groups(engine, items, list(range(len(items))),
+                                 _round_sampling(sampling, keep.rounds), reward_fn)
+        keys = [(keep.rounds, i) for i in range(len(items))]
+        stats = [GroupStats.of(local[i]) for i in range(len(items))]
+        held.update(zip(keys, (local[i] for i in range(len(items)))))
+        stats_of.update(zip(keys, stats))
+        generated += stats
+        keep.add(keys, [s.rewards for s in stats])
+    kept = keep.take()
+    return LocalStep(held, kept, stats_of, generated, keep.metrics())
+
+
+def distribute_step(local: Optional[LocalStep], extra: Optional[dict] = None
+                    ) -> tuple[StepGroups, dict]:
+    """Rank 0's ``local`` step (None on the other ranks) to every rank as `collect_step_groups`
+    gives it: every group's statistics to all ranks, each kept group to its owner. ``extra``
+    (rank 0's) travels with the statistics and is returned on every rank."""
+    box = [pickle.dumps(None if local is None else (
+        local.kept, [local.stats_of[k] for k in local.kept], local.generated, local.metrics,
+        extra or {}))]
+    dist.broadcast_object_list(box, src=0)
+    received = len(box[0]) if dist.get_rank() != 0 else 0
+    kept, kept_stats, generated, metrics, extra = pickle.loads(box[0])
+    share, nbytes = _send_shares(local.held if local is not None else {}, kept, True)
+    per_rank: list = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, received + nbytes)
+    return StepGroups(share, kept_stats, generated, received + nbytes,
+                      {**metrics, "rollout/bytes_received": float(max(per_rank))}), extra
+
+
 def groups_to_samples(step: StepGroups, estimator: str, norm_by_std: bool) -> list[Sample]:
     """This DP rank's completions as Samples, each with its group's advantage computed over
-    every kept group of the step (all ranks hold every kept group's rewards)."""
+    every kept group of the step (all ranks hold every kept group's rewards); ``step.dropped``
+    samples are left out (after the advantages: their group's baseline is unchanged)."""
     rewards = [r for s in step.kept for r in s.rewards]
     if not rewards:
         return []
@@ -207,7 +283,8 @@ def groups_to_samples(step: StepGroups, estimator: str, norm_by_std: bool) -> li
     return [Sample(prompt_ids=list(g.item.prompt_ids), response_ids=list(c.token_ids),
                    engine_logprobs=list(c.logprobs), reward=r, group=gi, source=g.item.source,
                    advantage=adv[first[gi] + j])
-            for gi, g in step.share for j, (c, r) in enumerate(zip(g.completions, g.rewards))]
+            for gi, g in step.share for j, (c, r) in enumerate(zip(g.completions, g.rewards))
+            if (gi, j) not in step.dropped]
 
 
 def dp_share(samples: list[Sample]) -> list[Sample]:

@@ -1,0 +1,248 @@
+"""Bounded-staleness asynchronous rollouts (``rollout.max_staleness`` = k > 0, server engines).
+
+With a shared engine global rank 0 alone talks to the servers. A background thread on rank 0
+(`RolloutPrefetcher`) generates whole steps ahead, `generate_step_local`: generation, rewards and
+dynamic sampling, HTTP only, never a torch.distributed collective (those stay on the main thread,
+in the same order on every rank). Step s is started once the trainer has taken step s - k, so
+while step t trains the rollouts of steps up to t + k are generated, on the weights of the last
+push (version t - 1 at the oldest: `ServerPool.drained` lets requests in flight at a push finish
+on the old weights, and tags each completion with the version it was generated on). The main
+thread takes step t when it is ready (`AsyncRollouts.take`, polling every rank's stop check while
+it waits), drops samples more than k versions older than the trained weights (never the case when
+the pushes keep up; a safeguard) and distributes the rest as the synchronous path does.
+
+Data position: the producer draws prompts from its own copy of the sampler; the trainer's sampler
+takes the position after each step it takes, and checkpoints save that. The prefetched rollouts of
+unfinished steps are not saved: a resumed run generates them again from there (on newer weights),
+so no step is lost and no prompt is trained on twice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from typing import Callable, Iterator, Optional, Sequence
+
+import torch.distributed as dist
+
+from megatron_entropy.data import PromptItem, PromptSampler
+from megatron_entropy.rollout.base import Completion, RolloutEngine, SamplingParams
+from megatron_entropy.trainer.rollouts import (Group, LocalStep, StepGroups, distribute_step,
+                                               generate_step_local)
+
+
+class RolloutProducerError(RuntimeError):
+    """The background rollout thread failed; the cause is chained."""
+
+
+class _Stopped(Exception):
+    """The prefetcher was closed while it produced a step."""
+
+
+def weight_version_of(completion: Completion) -> int:
+    """The weight version (steps applied) a completion was generated with; engines tag it in
+    ``meta["weight_version"]`` (None or SGLang's "initial": the starting weights, version 0)."""
+    tag = completion.meta.get("weight_version")
+    return 0 if tag in (None, "initial") else int(tag)
+
+
+def stale_samples(kept: Sequence[Group], trained_version: int, max_staleness: int
+                  ) -> tuple[frozenset[tuple[int, int]], dict[str, float]]:
+    """(kept index, sample index) of the samples more than ``max_staleness`` versions older than
+    ``trained_version`` (not trained on), and the step's ``async/*`` metrics over every kept
+    sample."""
+    ages = [(gi, j, trained_version - weight_version_of(c))
+            for gi, g in enumerate(kept) for j, c in enumerate(g.completions)]
+    dropped = frozenset((gi, j) for gi, j, age in ages if age > max_staleness)
+    metrics = {"async/dropped_samples": float(len(dropped))}
+    if ages:
+        metrics["async/staleness_mean"] = sum(a for *_, a in ages) / len(ages)
+        metrics["async/staleness_max"] = float(max(a for *_, a in ages))
+    return dropped, metrics
+
+
+class RolloutPrefetcher:
+    """Rank 0's background thread: ``produce(step)`` for steps ``first..last`` in order, step s
+    once step s - ``depth`` is taken; `take` hands a step over, `held` pauses production."""
+
+    def __init__(self, produce: Callable[[int, Callable[[], None]], LocalStep], first: int,
+                 last: int, depth: int) -> None:
+        self._produce = produce
+        self._next, self._last, self._depth = first, last, depth
+        self._taken = first - 1
+        self._ready: dict[int, LocalStep] = {}
+        self._error: Optional[BaseException] = None
+        self._holds = 0
+        self._busy = False
+        self._stopped = False
+        self._cv = threading.Condition()
+        self._thread = threading.Thread(target=self._work, name="rollout-prefetch", daemon=True)
+        self._thread.start()
+
+    def _may_start(self) -> bool:
+        return (self._stopped or self._error is not None
+                or (self._holds == 0 and self._next <= min(self._last,
+                                                           self._taken + self._depth)))
+
+    def _check_stopped(self) -> None:
+        if self._stopped:
+            raise _Stopped()
+
+    def _work(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(self._may_start)
+                if self._stopped or self._error is not None:
+                    return
+                step, self._busy = self._next, True
+            try:
+                local = self._produce(step, self._check_stopped)
+            except BaseException as e:  # noqa: BLE001 - handed to the main thread
+                with self._cv:
+                    self._busy = False
+                    if not self._stopped:
+                        self._error = e
+                    self._cv.notify_all()
+                return
+            with self._cv:
+                self._busy = False
+                self._ready[step] = local
+                self._next += 1
+                self._cv.notify_all()
+
+    def take(self, step: int, timeout: float) -> Optional[LocalStep]:
+        """Step ``step``'s rollouts if they are ready within ``timeout`` seconds, else None;
+        raises `RolloutProducerError` if the thread failed."""
+        with self._cv:
+            self._cv.wait_for(lambda: step in self._ready or self._error is not None, timeout)
+            if step in self._ready:
+                self._taken = step
+                self._cv.notify_all()
+                return self._ready.pop(step)
+            if self._error is not None:
+                raise RolloutProducerError(
+                    f"the background rollout thread failed while generating step {self._next}: "
+                    f"{type(self._error).__name__}: {self._error}") from self._error
+            return None
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """No rollout is generated during the body (validation, weight checks use the engine)."""
+        with self._cv:
+            self._holds += 1
+            self._cv.wait_for(lambda: not self._busy)
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._holds -= 1
+                self._cv.notify_all()
+
+    def stop(self) -> None:
+        """Ask the thread to end (it stops between refill rounds; a round in flight ends when
+        the engine's pool is stopped)."""
+        with self._cv:
+            self._stopped = True
+            self._cv.notify_all()
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
+
+
+class AsyncRollouts:
+    """The trainer's side: every rank calls `take(step)` in step order; rank 0 also owns the
+    prefetcher."""
+
+    POLL_S = 0.2  # how often the ranks look at the stop flags while they wait
+
+    def __init__(self, engine: Optional[RolloutEngine], items: Sequence[PromptItem],
+                 sampler: PromptSampler, sampling_params: Callable[[int], SamplingParams],
+                 reward_fn, target_groups: int, dynamic_sampling: bool, max_refill_rounds: int,
+                 max_staleness: int, first: int, last: int, rank0: bool) -> None:
+        self.sampler = sampler
+        self.engine = engine
+        self.max_staleness = max_staleness
+        self.prefetcher: Optional[RolloutPrefetcher] = None
+        self._idle_s = 0.0  # the trainer's wait for rollouts in this step (rank 0's)
+        if not rank0:
+            return
+        engine.pool.run_in_background()  # a weight push may run while a rollout is in flight
+        draws = PromptSampler(sampler.num_items, sampler.shuffle, sampler.seed)
+        draws.load_state_dict(sampler.state_dict())
+
+        def produce(step: int, between_rounds: Callable[[], None]) -> LocalStep:
+            local = generate_step_local(
+                engine, lambda n: [items[i] for i in draws.next_indices(n)],
+                sampling_params(step), reward_fn, target_groups, dynamic_sampling,
+                max_refill_rounds, between_rounds)
+            local.sampler_state = draws.state_dict()
+            return local
+        self.prefetcher = RolloutPrefetcher(produce, first, last, max_staleness)
+
+    def take(self, step: int, stop_check: Callable[[], None]) -> StepGroups:
+        """Step ``step``'s rollouts on every rank, samples more than ``max_staleness`` versions
+        older than the trained weights dropped. ``stop_check`` (every rank's collective stop check;
+        it may raise) runs while rank 0 waits. Adds the ``async/*`` metrics."""
+        started = time.perf_counter()
+        while True:
+            local, failure = None, None
+            if self.prefetcher is not None:
+                try:
+                    local = self.prefetcher.take(step, self.POLL_S)
+                except RolloutProducerError as e:
+                    failure = e
+            box = [("failed" if failure else "ready" if local is not None else "waiting")]
+            dist.broadcast_object_list(box, src=0)
+            if box[0] == "failed":
+                if failure is not None:
+                    raise failure
+                raise RolloutProducerError("rank 0's background rollout thread failed (its "
+                                           "error is in rank 0's log)")
+            if box[0] == "ready":
+                break
+            stop_check()
+        self._idle_s += time.perf_counter() - started
+        extra = None
+        if local is not None:
+            # The weights being trained are the last ones pushed (a push ends every update).
+            trained_version = self.engine.version or 0
+            dropped, metrics = stale_samples([local.held[k] for k in local.kept],
+                                             trained_version, self.max_staleness)
+            extra = {"sampler": local.sampler_state, "dropped": dropped, "metrics": metrics}
+        rolled, extra = distribute_step(local, extra)
+        self.sampler.load_state_dict(extra["sampler"])
+        rolled.dropped = extra["dropped"]
+        rolled.metrics.update(extra["metrics"])
+        return rolled
+
+    def pop_idle_seconds(self) -> float:
+        """Seconds the trainer waited for rollouts since the last call: in `take`, in
+        `engine_free` for the step in production, and in weight pushes for the requests in
+        flight to finish (rank 0)."""
+        idle, self._idle_s = self._idle_s, 0.0
+        if self.prefetcher is not None:
+            pool = self.engine.pool
+            idle, pool.drain_wait_s = idle + pool.drain_wait_s, 0.0
+        return idle
+
+    @contextlib.contextmanager
+    def engine_free(self) -> Iterator[None]:
+        """For the body, rank 0's thread generates nothing (the body uses the engine). Waiting
+        for the step in production counts as the trainer's idle time."""
+        if self.prefetcher is None:
+            yield
+            return
+        started = time.perf_counter()
+        with self.prefetcher.held():
+            self._idle_s += time.perf_counter() - started
+            yield
+
+    def close(self) -> None:
+        """Stop the thread; call before the engine shuts down, then `join`."""
+        if self.prefetcher is not None:
+            self.prefetcher.stop()
+
+    def join(self) -> None:
+        if self.prefetcher is not None:
+            self.prefetcher.join(timeout=60)
