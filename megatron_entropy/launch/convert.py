@@ -91,17 +91,20 @@ def run_convert(args: argparse.Namespace) -> int:
             lambda: convert_hf_to_checkpoint(args.hf_dir, args.out, dtype=args.dtype,
                                              tensor=args.tp, pipeline=args.pp,
                                              overwrite=args.overwrite, progress=not args.quiet),
-            lambda stats: f"wrote {int(stats['tensors'])} tensors, "
-                          f"{stats['bytes'] / 2**20:.1f} MiB in {stats['seconds']:.1f} s (peak "
-                          f"RSS {stats['peak_rss_bytes'] / 2**30:.2f} GiB) to {args.out}")
+            lambda stats: _summary(stats, args.out))
     return run_conversion(
         lambda: convert_checkpoint_to_hf(args.ckpt, args.out, hf_config_from=args.hf_config_from,
                                          dtype=args.dtype, max_shard_bytes=args.max_shard_size,
                                          overwrite=args.overwrite, progress=not args.quiet),
-        lambda stats: f"wrote {int(stats['tensors'])} tensors, {stats['bytes'] / 2**20:.1f} MiB "
-                      f"in {int(stats['shards'])} shard(s), {stats['seconds']:.1f} s (peak RSS "
-                      f"{stats['peak_rss_bytes'] / 2**30:.2f} GiB) to {args.out}")
+        lambda stats: _summary(stats, args.out))
 
+
+def _summary(stats: dict[str, float], out: str) -> str:
+    """The line a finished conversion prints (the shard count where the output has shards)."""
+    shards = f"{int(stats['shards'])} shard(s), " if "shards" in stats else ""
+    return (f"wrote {int(stats['tensors'])} tensors, {stats['bytes'] / 2**20:.1f} MiB in "
+            f"{shards}{stats['seconds']:.1f} s (peak RSS {stats['peak_rss_bytes'] / 2**30:.2f} "
+            f"GiB) to {out}")
 
 CONVERT = ("checkpoint conversion: hf-to-mcore (HF folder -> Megatron dist checkpoint), "
            "mcore-to-hf (back to HF)", add_convert_args, run_convert)
