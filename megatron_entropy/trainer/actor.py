@@ -252,7 +252,7 @@ class Actor:
         else:
             if not self.ps.is_pipeline_last_stage():
                 return None
-            logps = [mb.fields["old_logprobs"] for mb in mbs]
+            logps = [mb.old_logprobs for mb in mbs]
             ents = [_recomputed_entropy(mb, samples) for mb in mbs]
         return [lp.to(self.device) for lp in logps], [h.to(self.device) for h in ents]
 
@@ -264,7 +264,7 @@ class Actor:
         # On the device of the loss (and of NCCL's collectives).
         dev = [to_device(mb, self.device) for mb in mbs]
         return select_tokens_global(
-            self.loss_settings, inputs[0], [mb.fields["old_logprobs"] for mb in dev],
+            self.loss_settings, inputs[0], [mb.old_logprobs for mb in dev],
             [mb.advantages for mb in dev], [mb.mask for mb in dev],
             dp_group=self.ps.get_data_parallel_group(), seed=seed)
 
@@ -296,7 +296,7 @@ class Actor:
                 raise ValueError(f"algorithm.rollout_correction.mode={settings.mode} needs the "
                                  "engine's log-prob of every response token; samples "
                                  f"{mb.sample_ids} lack some")
-            out[mb.index] = correct_rollout(settings, mb.fields["old_logprobs"],
+            out[mb.index] = correct_rollout(settings, mb.old_logprobs,
                                             mb.engine_logprobs, mb.mask,
                                             [samples[i].source for i in mb.sample_ids])
             mb.mask = out[mb.index].mask
@@ -347,9 +347,9 @@ class Actor:
                         rule_metrics.update(corrections[mb.index].metrics)
                     gen = torch.Generator().manual_seed(update_seed * 997 + mb.index)
                     loss, metrics = policy_loss(
-                        self.loss_settings, mb.scatter(logp), mb.fields["old_logprobs"],
+                        self.loss_settings, mb.scatter(logp), mb.old_logprobs,
                         mb.advantages, mb.mask, normalizer=normalizer, entropy=entropy,
-                        ref_logp=mb.fields.get("ref_logprobs"),
+                        ref_logp=mb.ref_logprobs,
                         selection=None if selections is None else selections[mb.index],
                         generator=gen, adjust=adjust)
                     metrics.update(rule_metrics, **shaping.get(mb.index, {}))

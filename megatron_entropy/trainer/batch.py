@@ -8,7 +8,7 @@ response in the micro-batch).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -45,7 +45,10 @@ class MicroBatch:
     advantages: torch.Tensor  # [B, R] the sequence's advantage on each of its tokens
     sample_ids: list[int]  # index of each row in the sample list it was packed from
     index: int = 0  # position in its list of micro-batches
-    fields: dict[str, torch.Tensor] = field(default_factory=dict)  # [B, R]: old_logp, ref_logp...
+    # [B, R] float: the actor's log-probs before the update and the reference model's (KL
+    # penalty), from the samples' own; None when a sample lacks them.
+    old_logprobs: Optional[torch.Tensor] = None
+    ref_logprobs: Optional[torch.Tensor] = None
     # [B, R] float64: the engine's log-prob of each response token (rollout correction); None
     # when a sample has none for some token.
     engine_logprobs: Optional[torch.Tensor] = None
@@ -109,13 +112,19 @@ def _make_micro_batch(samples: list[Sample], ids: list[int], pad_id: int, index:
         targets=torch.tensor(tgt, dtype=torch.long), rows=torch.tensor(rr, dtype=torch.long),
         cols=torch.tensor(cc, dtype=torch.long), mask=mask, advantages=adv, sample_ids=list(ids),
         index=index)
-    for name in ("old_logprobs", "ref_logprobs"):
-        if all(getattr(s, name) is not None for s in rows_s):
-            mb.fields[name] = mb.scatter(torch.cat([getattr(s, name) for s in rows_s]).float())
+    mb.old_logprobs = _per_token(mb, [s.old_logprobs for s in rows_s])
+    mb.ref_logprobs = _per_token(mb, [s.ref_logprobs for s in rows_s])
     if all(len(s.engine_logprobs) == len(s.response_ids) for s in rows_s):
         mb.engine_logprobs = mb.scatter(torch.tensor(
             [lp for s in rows_s for lp in s.engine_logprobs], dtype=torch.float64))
     return mb
+
+
+def _per_token(mb: MicroBatch, values: list[Optional[torch.Tensor]]) -> Optional[torch.Tensor]:
+    """The rows' per-response-token values laid out [B, R]; None unless every row has them."""
+    if any(v is None for v in values):
+        return None
+    return mb.scatter(torch.cat(values).float())
 
 
 def to_device(mb: MicroBatch, device: torch.device) -> MicroBatch:
@@ -123,5 +132,4 @@ def to_device(mb: MicroBatch, device: torch.device) -> MicroBatch:
         return mb
     moved = {k: v.to(device, non_blocking=True) for k, v in vars(mb).items()
              if isinstance(v, torch.Tensor)}
-    fields = {k: v.to(device, non_blocking=True) for k, v in mb.fields.items()}
-    return MicroBatch(**{**vars(mb), **moved, "fields": fields})
+    return MicroBatch(**{**vars(mb), **moved})
