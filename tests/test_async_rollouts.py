@@ -22,9 +22,12 @@ import yaml
 
 from megatron_entropy.config import ConfigError, load_config
 from megatron_entropy.rollout.base import Completion, SamplingParams
+from megatron_entropy.rollout.servers import (finished_before_resume, join_completions,
+                                              version_runs)
 from megatron_entropy.rollout.sglang import SGLangEngine
 from megatron_entropy.trainer.async_rollouts import (RolloutPrefetcher, RolloutProducerError,
-                                                     stale_samples, weight_version_of)
+                                                     stale_samples, token_versions,
+                                                     weight_version_of)
 from megatron_entropy.trainer.rollouts import Group, LocalStep
 from harness import metrics_rows
 from serving_model import make_served_model
@@ -46,7 +49,8 @@ def test_version_tags_and_the_staleness_filter():
     dropped, metrics = stale_samples(groups, trained_version=5, max_staleness=2)
     assert dropped == {(1, 0), (1, 1)}
     assert metrics == {"async/dropped_samples": 2.0, "async/staleness_mean": 2.5,
-                       "async/staleness_max": 5.0}
+                       "async/staleness_max": 5.0, "async/partial_samples": 0.0,
+                       "async/resumed_tokens": 0.0}
     dropped, metrics = stale_samples(groups, trained_version=5, max_staleness=5)
     assert dropped == frozenset() and metrics["async/dropped_samples"] == 0.0
 
@@ -118,14 +122,57 @@ def test_prefetcher_is_held_while_the_engine_is_used_elsewhere():
         prefetcher.join(10)
 
 
-def test_max_staleness_needs_a_server_engine_and_inflight_abort_is_not_built():
+def test_max_staleness_needs_a_server_engine_and_inflight_abort_no_router():
     with pytest.raises(ConfigError, match=r"rollout.max_staleness=1 needs a server engine.*"
                                           r"rollout.engine=inprocess"):
         load_config(data={"rollout": {"max_staleness": 1}})
     server = {"engine": "sglang", "max_staleness": 1, "server": {"launch": 1}}
     load_config(data={"rollout": server})
-    with pytest.raises(ConfigError, match="rollout.inflight_at_sync=abort .* is not built yet"):
-        load_config(data={"rollout": {**server, "inflight_at_sync": "abort"}})
+    load_config(data={"rollout": {**server, "inflight_at_sync": "abort"}})
+    routed = {**server, "inflight_at_sync": "abort",
+              "server": {"urls": ["http://127.0.0.1:1"], "router_url": "http://127.0.0.1:2"}}
+    with pytest.raises(ConfigError, match="inflight_at_sync=abort .* rollout.server.router_url"):
+        load_config(data={"rollout": routed})
+
+
+def _part(ids, version, text="", reason="abort") -> Completion:
+    return Completion(list(ids), [-0.1 * t for t in ids], text, reason,
+                      meta={"server": 0, "weight_version": version})
+
+
+def test_partial_rollouts_join_with_per_token_versions_and_count_as_their_oldest_token():
+    # Aborted after 2 tokens on the starting weights, again after 1 on version 1 (a second
+    # push), finished on version 2; a sample of another group was never aborted.
+    joined = join_completions(join_completions(_part([7, 8], "initial", "ab"),
+                                               _part([9], "1", "c")),
+                              _part([10, 11], "2", "de", "length"))
+    assert joined.token_ids == [7, 8, 9, 10, 11] and joined.text == "abcde"
+    assert joined.logprobs == [-0.1 * t for t in (7, 8, 9, 10, 11)]
+    assert joined.finish_reason == "length" and joined.meta["resumed"] == 2
+    assert version_runs(joined) == [("initial", 2), ("1", 1), ("2", 2)]
+    assert token_versions(joined) == [0, 0, 1, 2, 2]
+    # An abort that found the request still waiting left no token: no run of its own.
+    assert version_runs(join_completions(_part([], "1"), _part([5], "2", reason="stop"))) \
+        == [("2", 1)]
+    whole = _part([3, 4], "2", reason="stop")
+    assert version_runs(whole) == [("2", 2)] and token_versions(whole) == [2, 2]
+    # Staleness counts the oldest token: trained weights v2 -> ages 2 and 0.
+    dropped, metrics = stale_samples([Group(None, [joined], [1.0]), Group(None, [whole], [0.0])],
+                                     trained_version=2, max_staleness=1)
+    assert dropped == {(0, 0)}
+    assert metrics == {"async/dropped_samples": 1.0, "async/partial_samples": 1.0,
+                       "async/resumed_tokens": 3.0, "async/staleness_mean": 1.0,
+                       "async/staleness_max": 2.0}
+
+
+def test_an_aborted_prefix_is_resumed_only_while_it_has_budget_and_no_stop():
+    stops = {2}
+    assert finished_before_resume(_part([5, 6], 0), 4, stops, []) is None
+    assert finished_before_resume(_part([5, 6, 7, 8], 0), 4, stops, []) == "length"
+    # SGLang aborts a running request after one more decode step, which may sample EOS.
+    assert finished_before_resume(_part([5, 2], 0), 4, stops, []) == "stop"
+    assert finished_before_resume(_part([5, 6], 0, "x = 4\n"), 4, stops, ["\n"]) == "stop"
+    assert finished_before_resume(_part([], 0), 4, stops, ["\n"]) is None
 
 
 @pytest.mark.slow

@@ -384,7 +384,8 @@ class Trainer:
             self.async_rollouts = AsyncRollouts(
                 self.engine, self.train_data, self.sampler, self.sampling_params, self.reward,
                 d.prompts_per_step, d.dynamic_sampling, d.max_refill_rounds,
-                cfg.rollout.max_staleness, self.state.step + 1, t.steps, self.rank0)
+                cfg.rollout.max_staleness, self.state.step + 1, t.steps, self.rank0,
+                cfg.rollout.inflight_at_sync)
         for step in range(self.state.step + 1, t.steps + 1):
             timer = PhaseTimer()
             started = time.perf_counter()
