@@ -26,7 +26,8 @@ checked against a reference, and it enforces SGLang's HTTP contract as its sourc
   set): a request still waiting is answered at once with no tokens ("Abort in waiting
   queue"), a running one after one more decode step (SGLang sets ``to_finish``, which wins
   over EOS), both with finish reason ``abort`` and what they had (ids, log-probs, weight
-  version); an unknown rid is a no-op; the answer is HTTP 200 with an empty body; ``/health``, ``/health_generate``, ``/get_model_info`` and ``/model_info`` (with the
+  version); an unknown rid is a no-op; the answer is HTTP 200 with an empty body;
+  ``/health``, ``/health_generate``, ``/get_model_info`` and ``/model_info`` (with the
   weight version; ``/weight_version`` is 404, as on 0.5.15), ``/get_server_info``.
 - After a batched ``/generate`` (several prompts, or n > 1) SIGTERM no longer stops it (the real
   server loops on "Remaining number of requests"): only SIGKILL does.

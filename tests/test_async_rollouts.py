@@ -312,19 +312,22 @@ def _consumed(state: dict) -> int:
 
 @pytest.mark.slow
 def test_async_run_killed_and_resumed_loses_and_repeats_no_step(tmp_path):
-    """max_staleness=1 with the trainer's own (fake) SGLang server, 4 steps, checkpoint every
-    step, validation every 2: killed by SIGKILL after step 2 (step 3's rollouts are then being
+    """max_staleness=1 (requests in flight at a push aborted and resumed: the riskier mode;
+    the pool test above covers both) with the trainer's own (fake) SGLang server, 4 steps,
+    checkpoint every step, validation every 2: killed by SIGKILL after step 2 (step 3's rollouts are then being
     generated or done, never trained), then resumed. Each step is logged once; each checkpoint's
     data position is exactly its steps' prompts (the prefetched step is generated again after the
     resume, from the position saved before it was drawn); step 1 and the first resumed step train
     on rollouts of the weights they train (staleness 0), the others on the previous version's
-    (their first requests go out before the previous update ends: staleness 1); none is dropped."""
+    (their first requests go out before the previous update ends: staleness 1, a partial
+    sample counting as its oldest token); none is dropped."""
     model = make_served_model(tmp_path / "model")
     prompts_per_step = 4
     cfg = {
         "model": {"hf_path": str(model), "dtype": "fp32", "seq_length": 256},
         "parallel": {"tensor": 1, "backend": "gloo"},
-        "rollout": {"engine": "sglang", "max_staleness": 1, "n_samples": 4,
+        "rollout": {"engine": "sglang", "max_staleness": 1, "inflight_at_sync": "abort",
+                    "n_samples": 4,
                     "max_new_tokens": 12, "max_prompt_tokens": 96,
                     "server": {"launch": 1, "base_port": 32450, "startup_timeout_s": 120,
                                "launch_command": fake_command()}},
@@ -370,6 +373,7 @@ def test_async_run_killed_and_resumed_loses_and_repeats_no_step(tmp_path):
     fresh = {1, killed_at + 1}
     for r in rows:
         assert r["async/dropped_samples"] == 0
+        assert 0 <= r["async/partial_samples"] <= 16 and r["async/resumed_tokens"] >= 0
         want = 0.0 if r["step"] in fresh else 1.0
         assert r["async/staleness_max"] == want, (r["step"], r["async/staleness_max"])
         assert 0 <= r["time/trainer_idle"] <= r["time/step"]

@@ -605,8 +605,8 @@ class ServerPool:
         prefix: Optional[Completion] = None  # what aborts at weight pushes left of the sample
         while True:
             server = await self._acquire(targets)
-            rid = None
-            if self.aborts is not None:
+            rid = None  # our id for the request: only when a push may abort it
+            if self.aborts is not None and self.inflight_at_sync == "abort":
                 rid = f"{self._id_base}-{next(self._request_ids)}"
                 self._inflight_ids[rid] = server
             t0 = time.monotonic()

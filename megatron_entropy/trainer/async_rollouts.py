@@ -198,6 +198,9 @@ class AsyncRollouts:
                 sampling_params(step), reward_fn, target_groups, dynamic_sampling,
                 max_refill_rounds, between_rounds)
             local.sampler_state = draws.state_dict()
+            # Reward failures of this step's scoring, logged with the step (validation takes
+            # its own while the thread is held, so the two never mix).
+            local.metrics["reward/failures"] = float(reward_fn.take_failures())
             return local
         self.prefetcher = RolloutPrefetcher(produce, first, last, max_staleness)
 

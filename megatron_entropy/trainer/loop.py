@@ -398,8 +398,9 @@ class Trainer:
                 self._leave_inside_step(step, sampler_state, str(stop))
             mine = groups_to_samples(rolled, cfg.algorithm.advantage,
                                      cfg.algorithm.norm_adv_by_std)
-            metrics = {**rollout_metrics(rolled.generated), **rolled.metrics,
-                       "reward/failures": _summed_over_ranks(self.reward.take_failures())}
+            metrics = {**rollout_metrics(rolled.generated), **rolled.metrics}
+            if "reward/failures" not in metrics:  # async: the rollout thread counted its step's
+                metrics["reward/failures"] = _summed_over_ranks(self.reward.take_failures())
             if rolled.kept:
                 with timer("recompute"):
                     self.actor.recompute(mine)
