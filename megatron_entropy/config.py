@@ -138,7 +138,9 @@ class RolloutConfig:
                                           "0 = synchronous")
     inflight_at_sync: Literal["finish", "abort"] = _f(
         "finish", help="max_staleness > 0: requests in flight at a weight push finish on the "
-                       "old weights (finish); abort (resume as partial rollouts) is not built")
+                       "old weights (finish), or are aborted and resumed on the new weights "
+                       "as partial rollouts, each token keeping its version and log-prob "
+                       "(abort); a partial sample's staleness is its oldest token's")
 
 
 @dataclass
@@ -643,9 +645,11 @@ def validate(cfg: Config) -> None:
                           "(rollout.engine=vllm or sglang); rollout.engine=inprocess shares "
                           "the trainer's processes, so its rollouts stay synchronous: set "
                           "rollout.max_staleness=0")
-    if r.max_staleness > 0 and r.inflight_at_sync == "abort":
-        raise ConfigError("rollout.inflight_at_sync=abort (resume in-flight requests on the new "
-                          "weights as partial rollouts) is not built yet: use finish")
+    if r.max_staleness > 0 and r.inflight_at_sync == "abort" and r.server.router_url:
+        raise ConfigError("rollout.inflight_at_sync=abort aborts each request on the server "
+                          "that runs it, which rollout.server.router_url hides (the router "
+                          "picks it): use rollout.inflight_at_sync=finish or address the "
+                          "servers directly (rollout.server.urls)")
     if cfg.rollout.engine != "inprocess":
         s = cfg.rollout.server
         if not (s.urls or s.urls_file or s.launch):

@@ -22,7 +22,12 @@ checked against a reference, and it enforces SGLang's HTTP contract as its sourc
   at their next token (``in_place``; ``retract`` also drops their KV cache, recomputed at
   continue) or answered at once with finish reason ``abort`` and what they had (``abort``).
   ``/continue_generation``; ``/flush_cache`` is 400 while requests run or wait (also paused
-  ones); ``/health``, ``/health_generate``, ``/get_model_info`` and ``/model_info`` (with the
+  ones); ``/abort_request`` {rid, abort_all} (SGLang 0.5.x, the ``rid`` a ``/generate`` body
+  set): a request still waiting is answered at once with no tokens ("Abort in waiting
+  queue"), a running one after one more decode step (SGLang sets ``to_finish``, which wins
+  over EOS), both with finish reason ``abort`` and what they had (ids, log-probs, weight
+  version); an unknown rid is a no-op; the answer is HTTP 200 with an empty body;
+  ``/health``, ``/health_generate``, ``/get_model_info`` and ``/model_info`` (with the
   weight version; ``/weight_version`` is 404, as on 0.5.15), ``/get_server_info``.
 - After a batched ``/generate`` (several prompts, or n > 1) SIGTERM no longer stops it (the real
   server loops on "Remaining number of requests"): only SIGKILL does.
@@ -93,6 +98,19 @@ def missing_fields(body: Any, required: tuple[str, ...]) -> Optional[web.Respons
     return None
 
 
+class RequestState:
+    """One /generate request: its rid and whether /abort_request asked it to stop."""
+
+    def __init__(self, rid: str) -> None:
+        self.rid = rid
+        self.aborted = threading.Event()  # read by the decoding thread
+        self.aborted_async = asyncio.Event()  # wakes it while it waits to start
+
+    def abort(self) -> None:
+        self.aborted.set()
+        self.aborted_async.set()
+
+
 class FakeSGLang:
     def __init__(self, args: argparse.Namespace):
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -127,6 +145,7 @@ class FakeSGLang:
         self.die_on_sync = False
         self.abort_next = 0
         self.batched = False
+        self.requests: dict[str, RequestState] = {}  # by rid, while they wait or run
 
     # --------------------------------------------------------------------------- helpers
 
@@ -207,7 +226,8 @@ class FakeSGLang:
 
     # ------------------------------------------------------------------------ generation
 
-    def sample_one(self, prompt: list[int], p: dict, want_logprobs: bool) -> dict:
+    def sample_one(self, prompt: list[int], p: dict, want_logprobs: bool,
+                   state: RequestState) -> dict:
         t0 = time.time()
         generator = None
         if p["sampling_seed"] is not None:
@@ -258,7 +278,7 @@ class FakeSGLang:
                 self.decoded += 1
                 logprobs.append(float(lp[token]))
                 inputs = torch.tensor([[token]])
-                if abort:
+                if abort or state.aborted.is_set():
                     finish = {"type": "abort", "message": "Abort in running batch."}
                     break
                 if self.args.token_delay_s:
@@ -277,7 +297,7 @@ class FakeSGLang:
         if finish["type"] == "stop" and isinstance(finish["matched"], str) \
                 and not p["no_stop_trim"]:
             text = text[:text.find(finish["matched"])]
-        meta = {"id": uuid.uuid4().hex, "finish_reason": finish, "prompt_tokens": len(prompt),
+        meta = {"id": state.rid, "finish_reason": finish, "prompt_tokens": len(prompt),
                 "weight_version": self.weight_version, "completion_tokens": len(out_ids),
                 "cached_tokens": 0, "e2e_latency": time.time() - t0}
         if want_logprobs:
@@ -325,24 +345,56 @@ class FakeSGLang:
                                      status=500)
         if len(batch) > 1 or p["n"] > 1:
             self.stop_ignoring_sigterm()
-        self.waiting += 1
+        rid = body.get("rid")
+        state = RequestState(rid if isinstance(rid, str) else uuid.uuid4().hex)
+        self.requests[state.rid] = state
         try:
-            await self.unpaused.wait()
+            self.waiting += 1
+            try:
+                started = asyncio.ensure_future(self.unpaused.wait())
+                aborted = asyncio.ensure_future(state.aborted_async.wait())
+                await asyncio.wait({started, aborted}, return_when=asyncio.FIRST_COMPLETED)
+                started.cancel()
+                aborted.cancel()
+            finally:
+                self.waiting -= 1
+            if state.aborted.is_set():
+                meta = {"id": state.rid, "finish_reason": {"type": "abort",
+                                                           "message": "Abort in waiting queue"},
+                        "weight_version": self.weight_version, "completion_tokens": 0}
+                if rl:
+                    meta["output_token_logprobs"] = []
+                out = {"text": "", "output_ids": [], "meta_info": meta}
+                return web.json_response(out if single and p["n"] == 1 else [out])
+            self.running += 1
+            try:
+                if not self.warmed_up:
+                    await asyncio.sleep(self.args.warmup_s)
+                    self.warmed_up = True
+                loop = asyncio.get_running_loop()
+                outs = []
+                for prompt in batch:
+                    for _ in range(p["n"]):
+                        outs.append(await loop.run_in_executor(None, self.sample_one, prompt, p,
+                                                               rl, state))
+            finally:
+                self.running -= 1
         finally:
-            self.waiting -= 1
-        self.running += 1
-        try:
-            if not self.warmed_up:
-                await asyncio.sleep(self.args.warmup_s)
-                self.warmed_up = True
-            loop = asyncio.get_running_loop()
-            outs = []
-            for prompt in batch:
-                for _ in range(p["n"]):
-                    outs.append(await loop.run_in_executor(None, self.sample_one, prompt, p, rl))
-        finally:
-            self.running -= 1
+            self.requests.pop(state.rid, None)
         return web.json_response(outs[0] if single and p["n"] == 1 else outs)
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.log_request("/abort_request", body)
+        bad = missing_fields(body, ())
+        if bad is not None:
+            return bad
+        if body.get("abort_all"):
+            for state in list(self.requests.values()):
+                state.abort()
+        elif body.get("rid") in self.requests:
+            self.requests[body["rid"]].abort()
+        return web.Response(status=200)
 
     # ---------------------------------------------------------------------- weight updates
 
@@ -554,6 +606,7 @@ class FakeSGLang:
         app.router.add_post("/update_weights_from_distributed",
                             self.update_weights_from_distributed)
         app.router.add_post("/destroy_weights_update_group", self.destroy_weights_update_group)
+        app.router.add_post("/abort_request", self.abort_request)
         app.router.add_post("/pause_generation", self.pause_generation)
         app.router.add_post("/continue_generation", self.continue_generation)
         app.router.add_route("GET", "/flush_cache", self.flush_cache)

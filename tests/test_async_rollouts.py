@@ -1,8 +1,9 @@
 """Bounded-staleness asynchronous rollouts (trainer/async_rollouts.py, rollout.max_staleness).
 
-The staleness filter and the background producer's ordering on their own; a rollout in flight in
-another thread while weights are pushed and a server is killed, against the strict fake SGLang
-server (tests/fake_sglang_server.py) serving real transformers models; and the trainer at
+The staleness filter, partial rollouts' joins and the background producer's ordering on their
+own; rollouts in flight in another thread while weights are pushed (aborted and resumed, then
+finished) and a server is killed, against the strict fake SGLang server
+(tests/fake_sglang_server.py) serving real transformers models; and the trainer at
 max_staleness=1 killed by SIGKILL and resumed (tests/test_async_train.py holds that one).
 """
 
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -22,12 +24,15 @@ import yaml
 
 from megatron_entropy.config import ConfigError, load_config
 from megatron_entropy.rollout.base import Completion, SamplingParams
+from megatron_entropy.rollout.servers import (finished_before_resume, join_completions,
+                                              version_runs)
 from megatron_entropy.rollout.sglang import SGLangEngine
 from megatron_entropy.trainer.async_rollouts import (RolloutPrefetcher, RolloutProducerError,
-                                                     stale_samples, weight_version_of)
+                                                     stale_samples, token_versions,
+                                                     weight_version_of)
 from megatron_entropy.trainer.rollouts import Group, LocalStep
 from harness import metrics_rows
-from serving_model import make_served_model
+from serving_model import make_served_model, reference
 from test_preemption import _kill_marked
 from test_rollout_sglang import fake_command, greedy_reference, make_cfg, models  # noqa: F401
 
@@ -46,7 +51,8 @@ def test_version_tags_and_the_staleness_filter():
     dropped, metrics = stale_samples(groups, trained_version=5, max_staleness=2)
     assert dropped == {(1, 0), (1, 1)}
     assert metrics == {"async/dropped_samples": 2.0, "async/staleness_mean": 2.5,
-                       "async/staleness_max": 5.0}
+                       "async/staleness_max": 5.0, "async/partial_samples": 0.0,
+                       "async/resumed_tokens": 0.0}
     dropped, metrics = stale_samples(groups, trained_version=5, max_staleness=5)
     assert dropped == frozenset() and metrics["async/dropped_samples"] == 0.0
 
@@ -118,28 +124,147 @@ def test_prefetcher_is_held_while_the_engine_is_used_elsewhere():
         prefetcher.join(10)
 
 
-def test_max_staleness_needs_a_server_engine_and_inflight_abort_is_not_built():
+def test_max_staleness_needs_a_server_engine_and_inflight_abort_no_router():
     with pytest.raises(ConfigError, match=r"rollout.max_staleness=1 needs a server engine.*"
                                           r"rollout.engine=inprocess"):
         load_config(data={"rollout": {"max_staleness": 1}})
     server = {"engine": "sglang", "max_staleness": 1, "server": {"launch": 1}}
     load_config(data={"rollout": server})
-    with pytest.raises(ConfigError, match="rollout.inflight_at_sync=abort .* is not built yet"):
-        load_config(data={"rollout": {**server, "inflight_at_sync": "abort"}})
+    load_config(data={"rollout": {**server, "inflight_at_sync": "abort"}})
+    routed = {**server, "inflight_at_sync": "abort",
+              "server": {"urls": ["http://127.0.0.1:1"], "router_url": "http://127.0.0.1:2"}}
+    with pytest.raises(ConfigError, match="inflight_at_sync=abort .* rollout.server.router_url"):
+        load_config(data={"rollout": routed})
+
+
+def _part(ids, version, text="", reason="abort") -> Completion:
+    return Completion(list(ids), [-0.1 * t for t in ids], text, reason,
+                      meta={"server": 0, "weight_version": version})
+
+
+def test_partial_rollouts_join_with_per_token_versions_and_count_as_their_oldest_token():
+    # Aborted after 2 tokens on the starting weights, again after 1 on version 1 (a second
+    # push), finished on version 2; a sample of another group was never aborted.
+    joined = join_completions(join_completions(_part([7, 8], "initial", "ab"),
+                                               _part([9], "1", "c")),
+                              _part([10, 11], "2", "de", "length"))
+    assert joined.token_ids == [7, 8, 9, 10, 11] and joined.text == "abcde"
+    assert joined.logprobs == [-0.1 * t for t in (7, 8, 9, 10, 11)]
+    assert joined.finish_reason == "length" and joined.meta["resumed"] == 2
+    assert version_runs(joined) == [("initial", 2), ("1", 1), ("2", 2)]
+    assert token_versions(joined) == [0, 0, 1, 2, 2]
+    # An abort that found the request still waiting left no token: no run of its own.
+    assert version_runs(join_completions(_part([], "1"), _part([5], "2", reason="stop"))) \
+        == [("2", 1)]
+    whole = _part([3, 4], "2", reason="stop")
+    assert version_runs(whole) == [("2", 2)] and token_versions(whole) == [2, 2]
+    # Staleness counts the oldest token: trained weights v2 -> ages 2 and 0.
+    dropped, metrics = stale_samples([Group(None, [joined], [1.0]), Group(None, [whole], [0.0])],
+                                     trained_version=2, max_staleness=1)
+    assert dropped == {(0, 0)}
+    assert metrics == {"async/dropped_samples": 1.0, "async/partial_samples": 1.0,
+                       "async/resumed_tokens": 3.0, "async/staleness_mean": 1.0,
+                       "async/staleness_max": 2.0}
+
+
+def test_an_aborted_prefix_is_resumed_only_while_it_has_budget_and_no_stop():
+    stops = {2}
+    assert finished_before_resume(_part([5, 6], 0), 4, stops, []) is None
+    assert finished_before_resume(_part([5, 6, 7, 8], 0), 4, stops, []) == "length"
+    # SGLang aborts a running request after one more decode step, which may sample EOS.
+    assert finished_before_resume(_part([5, 2], 0), 4, stops, []) == "stop"
+    assert finished_before_resume(_part([5, 6], 0, "x = 4\n"), 4, stops, ["\n"]) == "stop"
+    assert finished_before_resume(_part([], 0), 4, stops, ["\n"]) is None
+
+
+def _wait_decoded(eng, tokens: int, rollout: threading.Thread) -> None:
+    """Until the fake servers decoded ``tokens`` tokens since they started, in all."""
+    deadline = time.monotonic() + 60
+    while sum(json.load(urllib.request.urlopen(f"{s.url}/fake/state"))["decoded"]
+              for s in eng.pool.servers) < tokens:
+        assert time.monotonic() < deadline and rollout.is_alive()
+        time.sleep(0.02)
+
+
+def _check_aborted_and_resumed(eng, models, log: Path) -> None:
+    """inflight_at_sync=abort, the engine on model a ("initial"): a rollout runs in a thread
+    while the main thread pushes model b as version 1. Our requests in flight are aborted by
+    their rid (only those: no abort_all), answered with the tokens they had, and resumed on the
+    new weights with prompt + those tokens for the rest of their budget: each such sample is a's
+    greedy prefix, then b's greedy continuation of it, each token's log-prob the one its own
+    weights give (fp32 rounding), each token tagged with its version, the sample's staleness
+    its oldest token's. The others (done before the push, or sent after it) are one version's
+    whole. Every sample comes back once, none over max_new_tokens."""
+    eng.pool.inflight_at_sync = "abort"
+    max_new = 12
+    prompts = [[10 + i, 20 + i, 30 + i] for i in range(6)]
+    result: dict = {}
+    rollout = threading.Thread(target=lambda: result.update(out=eng.generate(
+        prompts, SamplingParams(temperature=0.0, max_new_tokens=max_new))))
+    rollout.start()
+    _wait_decoded(eng, 4, rollout)  # both servers busy, ~2 tokens each
+    eng.update_weights(iter(models["model_b"].state_dict().items()), version=1)
+    rollout.join(timeout=120)
+    assert not rollout.is_alive()
+    metrics = eng.metrics()
+    out = result["out"]
+    assert [len(row) for row in out] == [1] * len(prompts)
+    partial = 0
+    for prompt, (c,) in zip(prompts, out):
+        runs = version_runs(c)
+        assert runs in ([("initial", len(c.token_ids))], [("1", len(c.token_ids))]) or \
+            [v for v, _ in runs] == ["initial", "1"], runs
+        head = runs[0][1] if runs[0][0] == "initial" else 0
+        old, rest = c.token_ids[:head], c.token_ids[head:]
+        partial += bool(old and rest)
+        assert 1 <= len(c.token_ids) == len(c.logprobs) <= max_new
+        assert c.finish_reason in ("stop", "length")
+        assert old == greedy_reference(models["model_a"], prompt, max_new)[:head]
+        assert rest == greedy_reference(models["model_b"], prompt + old,
+                                        max_new - head)[:len(rest)]
+        for model, before, tokens, logprobs in (("model_a", prompt, old, c.logprobs[:head]),
+                                                ("model_b", prompt + old, rest,
+                                                 c.logprobs[head:])):
+            if tokens:
+                ref, tol = reference(models[model], before, tokens)
+                assert max(abs(x - y) for x, y in zip(logprobs, ref)) <= tol, model
+        assert token_versions(c) == [0] * head + [1] * len(rest)
+        assert weight_version_of(c) == (0 if head else 1)
+    assert partial >= 1
+    # On the wire: an abort by rid for each request that ran at the push; each resumed
+    # request is prompt + the kept tokens, with the rest of the budget.
+    sent = [json.loads(line) for line in log.read_text().splitlines()]
+    generates = [e["body"] for e in sent if e["path"] == "/generate"]
+    aborts = [e["body"] for e in sent if e["path"] == "/abort_request"]
+    assert {a["rid"] for a in aborts} <= {g["rid"] for g in generates}
+    assert len({a["rid"] for a in aborts}) >= partial and not any(a.get("abort_all")
+                                                                 for a in aborts)
+    for prompt, (c,) in zip(prompts, out):
+        head = version_runs(c)[0][1]
+        if len(version_runs(c)) == 2:
+            [resumed] = [g for g in generates if g["input_ids"] == prompt + c.token_ids[:head]]
+            assert resumed["sampling_params"]["max_new_tokens"] == max_new - head
+    assert metrics["rollout/aborted_resumed"] == partial == len(generates) - len(prompts)
+    assert metrics["rollout/aborted_reissued"] == 0
 
 
 @pytest.mark.slow
-def test_rollout_in_flight_at_a_push_finishes_on_its_weights_tagged_and_survives_a_kill(
+def test_rollouts_in_flight_at_pushes_resume_or_finish_tagged_and_survive_a_kill(
         models, tmp_path):  # noqa: F811
-    """A rollout runs in a thread (the pool's background loop) while the main thread pushes new
-    weights and then a server is SIGKILLed: the requests in flight at the push finish on the old
-    weights and are tagged so, those sent after it are generated and tagged with the new ones,
-    the killed server's requests are issued again, it is relaunched (from the new weights), and
-    every sample comes back exactly once."""
-    cfg = make_cfg(launch=2, max_concurrency=1, launch_command=fake_command(delay=0.1))
+    """Two fake servers, one request each at a time. First inflight_at_sync=abort
+    (`_check_aborted_and_resumed`). Then finish: a rollout runs in a thread while the main
+    thread pushes model a back (version 2) and then a server is SIGKILLed: the requests in
+    flight at the push finish on the old weights and are tagged so, those sent after it are
+    generated and tagged with the new ones, the killed server's requests are issued again, it
+    is relaunched (from the new weights), and every sample comes back exactly once."""
+    log = tmp_path / "requests.jsonl"
+    cfg = make_cfg(launch=2, max_concurrency=1,
+                   launch_command=fake_command(delay=0.1, log=str(log)))
     eng = SGLangEngine(cfg, str(models["a"]), str(tmp_path))
     eng.pool.run_in_background()
     try:
+        _check_aborted_and_resumed(eng, models, log)
+        eng.pool.inflight_at_sync = "finish"
         prompts = [[10 + i, 20 + i, 30 + i] for i in range(8)]
         sampling = SamplingParams(temperature=0.0, max_new_tokens=12)
         result: dict = {}
@@ -150,7 +275,7 @@ def test_rollout_in_flight_at_a_push_finishes_on_its_weights_tagged_and_survives
         while eng.pool._inflight_total < 2:  # both servers busy, six requests wait
             assert time.monotonic() < deadline
             time.sleep(0.01)
-        eng.update_weights(iter(models["model_b"].state_dict().items()), version=1)
+        eng.update_weights(iter(models["model_a"].state_dict().items()), version=2)
         victim = eng.pool.servers[1]
         old_pid = victim.process.pid
         os.kill(old_pid, signal.SIGKILL)
@@ -161,19 +286,20 @@ def test_rollout_in_flight_at_a_push_finishes_on_its_weights_tagged_and_survives
         versions = [c.meta["weight_version"] for (c,) in out]
         # Requests are sent in order: those sent before the push (the two in flight when it
         # began at least) have the old weights, those after it the new ones.
-        old = versions.count("initial")
-        assert versions == ["initial"] * old + ["1"] * (len(prompts) - old), versions
+        old = versions.count("1")
+        assert versions == ["1"] * old + ["2"] * (len(prompts) - old), versions
         assert 2 <= old < len(prompts), versions
         for prompt, (c,) in zip(prompts, out):
-            model = models["model_a"] if c.meta["weight_version"] == "initial" else \
-                models["model_b"]
+            model = models["model_b"] if c.meta["weight_version"] == "1" else \
+                models["model_a"]
             assert c.token_ids == greedy_reference(model, prompt, 12)[:len(c.token_ids)]
+            assert "version_runs" not in c.meta  # finish: nothing was aborted
         # Relaunched from the new weights' folder (not waited for: the rollout completed on the
         # other server).
         assert victim.restarts == 1 and victim.process.pid != old_pid
         [relaunch] = [line for line in victim.log_path.read_text().splitlines()
                       if line.startswith("==== ") and "launch (restart 1 " in line]
-        assert "weights-v1 " in relaunch and "--weight-version 1 " in relaunch, relaunch
+        assert "weights-v2 " in relaunch and "--weight-version 2 " in relaunch, relaunch
     finally:
         eng.shutdown()
     assert eng.pool._loop is None
@@ -186,19 +312,22 @@ def _consumed(state: dict) -> int:
 
 @pytest.mark.slow
 def test_async_run_killed_and_resumed_loses_and_repeats_no_step(tmp_path):
-    """max_staleness=1 with the trainer's own (fake) SGLang server, 4 steps, checkpoint every
-    step, validation every 2: killed by SIGKILL after step 2 (step 3's rollouts are then being
+    """max_staleness=1 (requests in flight at a push aborted and resumed: the riskier mode;
+    the pool test above covers both) with the trainer's own (fake) SGLang server, 4 steps,
+    checkpoint every step, validation every 2: killed by SIGKILL after step 2 (step 3's rollouts are then being
     generated or done, never trained), then resumed. Each step is logged once; each checkpoint's
     data position is exactly its steps' prompts (the prefetched step is generated again after the
     resume, from the position saved before it was drawn); step 1 and the first resumed step train
     on rollouts of the weights they train (staleness 0), the others on the previous version's
-    (their first requests go out before the previous update ends: staleness 1); none is dropped."""
+    (their first requests go out before the previous update ends: staleness 1, a partial
+    sample counting as its oldest token); none is dropped."""
     model = make_served_model(tmp_path / "model")
     prompts_per_step = 4
     cfg = {
         "model": {"hf_path": str(model), "dtype": "fp32", "seq_length": 256},
         "parallel": {"tensor": 1, "backend": "gloo"},
-        "rollout": {"engine": "sglang", "max_staleness": 1, "n_samples": 4,
+        "rollout": {"engine": "sglang", "max_staleness": 1, "inflight_at_sync": "abort",
+                    "n_samples": 4,
                     "max_new_tokens": 12, "max_prompt_tokens": 96,
                     "server": {"launch": 1, "base_port": 32450, "startup_timeout_s": 120,
                                "launch_command": fake_command()}},
@@ -244,6 +373,7 @@ def test_async_run_killed_and_resumed_loses_and_repeats_no_step(tmp_path):
     fresh = {1, killed_at + 1}
     for r in rows:
         assert r["async/dropped_samples"] == 0
+        assert 0 <= r["async/partial_samples"] <= 16 and r["async/resumed_tokens"] >= 0
         want = 0.0 if r["step"] in fresh else 1.0
         assert r["async/staleness_max"] == want, (r["step"], r["async/staleness_max"])
         assert 0 <= r["time/trainer_idle"] <= r["time/step"]

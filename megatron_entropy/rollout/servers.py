@@ -20,6 +20,15 @@ sample is never returned.
 call, from any thread: a rollout can be in flight while another thread pushes weights.
 ``drained()`` (around each weight sync) lets no request start and waits until those in flight
 have finished, so each completion comes from the weights its server held when it was sent.
+
+Abort and resume (``inflight_at_sync = "abort"``, engines that give ``aborts``): each request
+carries an id of ours, and ``drained()`` first aborts our requests in flight, by id, on the
+server that runs them (other clients' requests are left alone). An aborted answer keeps what
+the request had generated (vLLM 0.32 and SGLang 0.5.x both return the partial token ids and
+log-probs with finish reason ``abort``); once the gate opens again the request is resumed as a
+partial rollout, prompt + kept tokens sent again for the rest of its token budget, and the
+sample is the two joined (`join_completions`): each token with the log-prob and the weight
+version of the call that generated it (``meta["version_runs"]``).
 """
 
 from __future__ import annotations
@@ -29,6 +38,9 @@ import asyncio
 import concurrent.futures
 import contextlib
 import hashlib
+import itertools
+import json
+import logging
 import os
 import shlex
 import signal
@@ -43,8 +55,11 @@ from typing import Any, Callable, Iterator, Optional
 import aiohttp
 
 from megatron_entropy.config import ServerConfig
-from megatron_entropy.rollout.base import Completion, RolloutEngine, SamplingParams
+from megatron_entropy.rollout.base import (Completion, FinishReason, RolloutEngine,
+                                           SamplingParams)
 from megatron_entropy.runtime.launch_env import server_environment
+
+log = logging.getLogger(__name__)
 
 # A server's command for a port and a model folder (the latest weights); env added on launch.
 LaunchCommand = Callable[[int, str], list[str]]
@@ -61,7 +76,79 @@ class RequestRejected(ServerError):
 
 class RequestAborted(ServerError):
     """The server answered a request as aborted (finish reason ``abort``): its output is
-    truncated and must not be used; the pool issues the request again."""
+    truncated. ``partial`` is what it had generated (None: unusable); the pool issues the
+    request again, or resumes it from ``partial`` (``inflight_at_sync = "abort"``)."""
+
+    def __init__(self, message: str, partial: Optional[Completion] = None) -> None:
+        super().__init__(message)
+        self.partial = partial
+
+
+@dataclass(frozen=True)
+class AbortApi:
+    """How a serving stack aborts chosen requests of ours and resumes them (engine hooks)."""
+
+    # The payload carrying our request id.
+    with_id: Callable[[dict, str], dict]
+    # The control calls (path, body) that abort these ids on the server that runs them.
+    abort_calls: Callable[[list[str]], list[tuple[str, dict]]]
+    # The payload that generates the rest of a sample after ``prefix`` (its tokens so far),
+    # or the finish reason ``prefix`` already reached (token budget spent, a stop token).
+    resume: Callable[[dict, Completion], "dict | FinishReason"]
+
+
+def version_runs(c: Completion) -> list[tuple[Any, int]]:
+    """(weight version tag, number of tokens) of each stretch of ``c`` generated on one
+    version, oldest first: one run unless the sample was aborted at a push and resumed."""
+    runs = c.meta.get("version_runs")
+    return ([tuple(r) for r in runs] if runs is not None
+            else [(c.meta.get("weight_version"), len(c.token_ids))])
+
+
+def join_completions(head: Completion, tail: Completion) -> Completion:
+    """A sample aborted after ``head`` and resumed as ``tail`` (prompt + head's tokens sent
+    again): tokens, log-probs and text joined, each token keeping the version that generated
+    it. ``meta["weight_version"]`` is the oldest (the prefix's): what staleness counts."""
+    runs: list[tuple[Any, int]] = []
+    for version, n in version_runs(head) + version_runs(tail):
+        if n == 0:
+            continue
+        if runs and runs[-1][0] == version:
+            runs[-1] = (version, runs[-1][1] + n)
+        else:
+            runs.append((version, n))
+    meta = {**tail.meta, "weight_version": runs[0][0] if runs else tail.meta.get(
+        "weight_version"), "version_runs": runs,
+        "resumed": head.meta.get("resumed", 0) + 1}
+    return Completion(token_ids=head.token_ids + tail.token_ids,
+                      logprobs=head.logprobs + tail.logprobs, text=head.text + tail.text,
+                      finish_reason=tail.finish_reason, meta=meta)
+
+
+def finished_before_resume(prefix: Completion, budget: int, stop_token_ids: set[int],
+                           stop: list[str]) -> Optional[FinishReason]:
+    """The finish reason an aborted sample's ``prefix`` already reached, or None when it goes
+    on: its token budget spent ("length"), or it ends on a stop token or holds a stop string
+    (an SGLang request is aborted after one more decode step, which may have sampled EOS)."""
+    if len(prefix.token_ids) >= budget:
+        return "length"
+    if prefix.token_ids and prefix.token_ids[-1] in stop_token_ids:
+        return "stop"
+    if any(s and s in prefix.text for s in stop):
+        return "stop"
+    return None
+
+
+def eos_token_ids(hf_dir: str) -> set[int]:
+    """The model's end-of-sequence ids (config.json and generation_config.json of an HF
+    folder), which a server stops on by itself."""
+    ids: set[int] = set()
+    for name in ("config.json", "generation_config.json"):
+        path = Path(hf_dir) / name
+        if path.is_file():
+            value = json.loads(path.read_text()).get("eos_token_id")
+            ids |= set(value if isinstance(value, list) else [] if value is None else [value])
+    return ids
 
 
 class _ServerDied(Exception):
@@ -182,6 +269,15 @@ class ServerPool:
         self.launch_version: Optional[str] = None
         self.retries = 0
         self.aborted = 0  # completions answered as aborted, and issued again
+        # "abort": drained() aborts our requests in flight, which then resume (engines that
+        # give ``aborts``); "finish": they finish on the weights they started with.
+        self.inflight_at_sync = "finish"
+        self.aborts: Optional[AbortApi] = None
+        self.resumed = 0  # aborted requests resumed from their partial output
+        self._request_ids = itertools.count()
+        self._id_base = f"me-{os.getpid()}-{id(self):x}"
+        self._inflight_ids: dict[str, Server] = {}  # our request id -> the server running it
+        self._aborting: set[str] = set()  # ids drained() aborted
         self._cond: Optional[asyncio.Condition] = None
         self._tasks: set[asyncio.Future] = set()
         # run_in_background(): the loop every call runs on, and its thread.
@@ -505,12 +601,19 @@ class ServerPool:
     async def _one(self, session: aiohttp.ClientSession, index: int, path: str, payload: dict,
                    parse: ParseResponse, targets: list[Server]) -> Any:
         attempts = 0
+        body = payload  # what is sent: the payload, or the rest of a sample after ``prefix``
+        prefix: Optional[Completion] = None  # what aborts at weight pushes left of the sample
         while True:
             server = await self._acquire(targets)
+            rid = None  # our id for the request: only when a push may abort it
+            if self.aborts is not None and self.inflight_at_sync == "abort":
+                rid = f"{self._id_base}-{next(self._request_ids)}"
+                self._inflight_ids[rid] = server
             t0 = time.monotonic()
             died = asyncio.ensure_future(server.died.wait())
-            http = asyncio.ensure_future(self._post(session, server, path, payload,
-                                                    self.cfg.request_timeout_s))
+            http = asyncio.ensure_future(self._post(
+                session, server, path, body if rid is None else self.aborts.with_id(body, rid),
+                self.cfg.request_timeout_s))
             try:
                 done, _ = await asyncio.wait({http, died}, return_when=asyncio.FIRST_COMPLETED)
                 if http not in done:
@@ -520,14 +623,27 @@ class ServerPool:
                 server.alive_at, server.warm = time.monotonic(), True
                 server.requests += 1
                 server.latency_s += time.monotonic() - t0
-                return result
+                return result if prefix is None else join_completions(prefix, result)
             except RequestRejected:
                 raise
             except RequestAborted as e:
-                # Not a server fault: the request is simply issued again.
-                attempts += 1
-                self.retries += 1
-                self.aborted += 1
+                server.alive_at = time.monotonic()
+                ours = rid in self._aborting  # aborted by our own drained(), not a fault
+                if not ours:
+                    attempts += 1
+                    self.retries += 1
+                    self.aborted += 1
+                if (self.inflight_at_sync == "abort" and self.aborts is not None
+                        and e.partial is not None):
+                    prefix = e.partial if prefix is None else join_completions(prefix, e.partial)
+                    rest = self.aborts.resume(payload, prefix)
+                    if isinstance(rest, str):  # it had already finished
+                        prefix.finish_reason = rest
+                        return prefix
+                    body = rest
+                    self.resumed += 1
+                elif ours:
+                    body, prefix = payload, None  # nothing usable: generated again whole
                 if attempts > self.cfg.max_retries:
                     raise ServerError(f"request {index} was aborted {attempts} times; last: "
                                       f"{e}") from e
@@ -545,6 +661,9 @@ class ServerPool:
                 died.cancel()
                 if not http.done():
                     http.cancel()
+                if rid is not None:
+                    self._inflight_ids.pop(rid, None)
+                    self._aborting.discard(rid)
                 await self._release(server)
 
     async def _on_failure(self, session: aiohttp.ClientSession, server: Server,
@@ -692,12 +811,35 @@ class ServerPool:
         finally:
             self._run(self._open_gate())
 
+    ABORT_AGAIN_S = 1.0  # an abort that found no request (not there yet) is sent again
+
     async def _close_gate(self) -> None:
         self._gate_open = False
         started = time.monotonic()
+        abort = self.inflight_at_sync == "abort" and self.aborts is not None
+        sent_at = -self.ABORT_AGAIN_S
         while self._inflight_total > 0:
+            if abort and time.monotonic() - sent_at >= self.ABORT_AGAIN_S:
+                sent_at = time.monotonic()
+                await self._abort_ours()
             await asyncio.sleep(0.02)
         self.drain_wait_s += time.monotonic() - started
+
+    async def _abort_ours(self) -> None:
+        """Abort our requests in flight, each on its server (theirs are left alone). A failed
+        call is only logged: a server that died fails its requests, which are issued again."""
+        by_server: dict[int, tuple[Server, list[str]]] = {}
+        for rid, server in list(self._inflight_ids.items()):
+            by_server.setdefault(server.index, (server, []))[1].append(rid)
+            self._aborting.add(rid)
+        async with aiohttp.ClientSession() as session:
+            calls = [self._post(session, server, path, body, self.cfg.health_timeout_s)
+                     for server, rids in by_server.values()
+                     for path, body in self.aborts.abort_calls(rids)]
+            for result in await asyncio.gather(*calls, return_exceptions=True):
+                if isinstance(result, BaseException):
+                    log.warning("aborting our requests before a weight push failed: %s: %s",
+                                type(result).__name__, str(result).splitlines()[0][:300])
 
     async def _open_gate(self) -> None:
         self._gate_open = True
@@ -727,6 +869,7 @@ class ServerPool:
     def pop_metrics(self) -> dict[str, float]:
         out: dict[str, float] = {"rollout/retries": float(self.retries),
                                  "rollout/aborted_reissued": float(self.aborted),
+                                 "rollout/aborted_resumed": float(self.resumed),
                                  "rollout/servers_up": float(sum(s.state == "up"
                                                                  for s in self.servers)),
                                  "rollout/server_restarts": float(sum(s.restarts
@@ -738,7 +881,7 @@ class ServerPool:
             if s.failures:
                 out[f"rollout/server{s.index}/failures"] = float(s.failures)
             s.requests, s.latency_s, s.failures = 0, 0.0, 0
-        self.retries = self.aborted = 0
+        self.retries = self.aborted = self.resumed = 0
         now = time.monotonic()
         busy, self._busy_s = self._busy_s, 0.0
         if self._busy_since is not None:

@@ -9,7 +9,12 @@ reject the key); it makes samples reproducible only on servers started with
 ``--enable-deterministic-inference``.
 
 A completion answered with finish reason ``abort`` (truncated: another client paused the server
-with mode ``abort``) is issued again, never returned.
+with mode ``abort``) is issued again, never returned. With ``rollout.inflight_at_sync: abort``
+each request carries our ``rid``; a weight push aborts ours with ``/abort_request {rid}`` (a
+running request stops after one more decode step, a waiting one at once with no tokens), the
+answer holds the partial ``output_ids``/``output_token_logprobs`` and ``weight_version``, and
+the pool resumes it: ``input_ids`` = prompt + those tokens, ``max_new_tokens`` what is left.
+Not behind a router (which picks the server: the abort would not find the request).
 
 Weight sync, between ``/pause_generation`` (mode ``rollout.server.pause_mode``: ``retract`` or
 ``in_place`` keep other clients' in-flight requests, SGLang's default ``abort`` would cut them
@@ -45,9 +50,10 @@ import torch
 from megatron_entropy.config import ServerConfig
 from megatron_entropy.models.bridge import save_exported_weights
 from megatron_entropy.rollout.base import Completion, NamedTensors, SamplingParams
-from megatron_entropy.rollout.servers import (RequestAborted, RequestRejected, Server,
-                                              ServerEngine, ServerError, ServerPool, fill_command,
-                                              free_port, sample_seed)
+from megatron_entropy.rollout.servers import (AbortApi, RequestAborted, RequestRejected, Server,
+                                              ServerEngine, ServerError, ServerPool,
+                                              eos_token_ids, fill_command,
+                                              finished_before_resume, free_port, sample_seed)
 
 log = logging.getLogger(__name__)
 
@@ -162,6 +168,13 @@ class SGLangEngine(ServerEngine):
         self._tokens = 0
         self._seconds = 0.0
         self._inspect_servers()
+        # Behind a router we do not know which server runs a request: nothing to abort there.
+        if self.router is None:
+            self._eos = eos_token_ids(self.hf_dir)
+            self.pool.aborts = AbortApi(
+                with_id=lambda payload, rid: {**payload, "rid": rid},
+                abort_calls=lambda rids: [("/abort_request", {"rid": rid}) for rid in rids],
+                resume=self._resume)
 
     def _command(self, port: int, model_dir: str) -> list[str]:
         return server_argv(self.cfg, model_dir, port, self.pool.launch_version)
@@ -193,7 +206,44 @@ class SGLangEngine(ServerEngine):
         return {"input_ids": prompt, "sampling_params": params, "return_logprob": True,
                 "logprob_start_len": -1}
 
+    def _resume(self, payload: dict, prefix: Completion) -> "dict | str":
+        """The request that generates the rest of a sample aborted after ``prefix``."""
+        sp = payload["sampling_params"]
+        finished = finished_before_resume(prefix, sp["max_new_tokens"],
+                                          self._eos | set(sp.get("stop_token_ids", [])),
+                                          sp.get("stop", []))
+        if finished is not None:
+            return finished
+        return {**payload, "input_ids": payload["input_ids"] + prefix.token_ids,
+                "sampling_params": {**sp, "max_new_tokens":
+                                    sp["max_new_tokens"] - len(prefix.token_ids)}}
+
+    def _aborted(self, response: Any, server: Server) -> RequestAborted:
+        """An answer with finish reason abort: SGLang returns what the request had generated
+        (nothing for one still waiting: "Abort in waiting queue"), tagged with the version it
+        ran on; the partial is None if its ids and log-probs do not match."""
+        meta = response.get("meta_info", {})
+        try:
+            ids = [int(t) for t in response.get("output_ids", [])]
+            entries = meta.get("output_token_logprobs", [])
+            partial = Completion(token_ids=ids, logprobs=[float(e[0]) for e in entries],
+                                 text=response.get("text", ""), finish_reason="abort",
+                                 meta={"server": server.index,
+                                       "weight_version": meta.get("weight_version",
+                                                                 server.weight_version)})
+            if [int(e[1]) for e in entries] != ids:
+                partial = None
+        except (TypeError, ValueError, IndexError):
+            partial = None
+        return RequestAborted(f"{server.describe()} aborted the request after "
+                              f"{len(response.get('output_ids', []))} tokens: "
+                              f"{meta.get('finish_reason')!r}", partial)
+
     def _parse(self, response: Any, server: Server) -> Completion:
+        finish = response.get("meta_info", {}).get("finish_reason") \
+            if isinstance(response, dict) else None
+        if (finish.get("type") if isinstance(finish, dict) else finish) == "abort":
+            raise self._aborted(response, server)  # truncated: resumed or issued again
         try:
             meta = response["meta_info"]
             ids = [int(t) for t in response["output_ids"]]
@@ -205,9 +255,6 @@ class SGLangEngine(ServerEngine):
         except (KeyError, IndexError, TypeError, ValueError) as e:
             raise ServerError(f"{server.describe()}: unexpected /generate answer "
                               f"({type(e).__name__}: {e}): {str(response)[:500]}") from e
-        if reason == "abort":  # truncated, whatever else it holds: issued again
-            raise RequestAborted(f"{server.describe()} aborted the request after {len(ids)} "
-                                 f"tokens: {finish!r}")
         if logprob_ids != ids:
             raise ServerError(f"{server.describe()}: output_ids and output_token_logprobs "
                               f"disagree ({len(ids)} vs {len(logprob_ids)} tokens)")

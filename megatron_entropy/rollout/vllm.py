@@ -14,6 +14,12 @@ completion is tagged with the version its server held (a sync waits for our requ
 ``ServerPool.drained``). A failed
 reload is reported as itself (a resume that then fails too is a note on it). A completion
 answered with finish reason ``abort`` is issued again, never returned.
+
+Abort and resume (``rollout.inflight_at_sync: abort``): each request carries our
+``request_id``; a weight push aborts ours with ``/abort_requests {request_ids}`` (vLLM 0.32,
+dev mode; other clients' requests run on), and vLLM answers each with finish reason ``abort``
+and the token ids and log-probs it had; the pool resumes it with ``prompt`` = prompt + those
+tokens and ``max_tokens`` what is left.
 """
 
 from __future__ import annotations
@@ -28,8 +34,9 @@ from typing import Any, Optional
 from megatron_entropy.config import ServerConfig
 from megatron_entropy.models.bridge import save_exported_weights
 from megatron_entropy.rollout.base import Completion, NamedTensors, SamplingParams
-from megatron_entropy.rollout.servers import (RequestAborted, Server, ServerEngine, ServerError,
-                                              ServerPool, fill_command, sample_seed)
+from megatron_entropy.rollout.servers import (AbortApi, RequestAborted, Server, ServerEngine,
+                                              ServerError, ServerPool, eos_token_ids,
+                                              fill_command, finished_before_resume, sample_seed)
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +73,14 @@ class VLLMEngine(ServerEngine):
         self.pool.start()
         atexit.register(self.shutdown)
         self.model_name = self._served_name()
+        self._eos = eos_token_ids(self.hf_dir)
+        # /v1/completions runs our request_id R as "cmpl-R-0" (one prompt); /abort_requests
+        # (dev mode) aborts those ids only.
+        self.pool.aborts = AbortApi(
+            with_id=lambda payload, rid: {**payload, "request_id": rid},
+            abort_calls=lambda rids: [("/abort_requests",
+                                       {"request_ids": [f"cmpl-{rid}-0" for rid in rids]})],
+            resume=self._resume)
         self.version: Optional[int] = None
         self._tokens = 0
         self._seconds = 0.0
@@ -98,6 +113,16 @@ class VLLMEngine(ServerEngine):
             p["seed"] = seed
         return p
 
+    def _resume(self, payload: dict, prefix: Completion) -> "dict | str":
+        """The request that generates the rest of a sample aborted after ``prefix``."""
+        finished = finished_before_resume(prefix, payload["max_tokens"],
+                                          self._eos | set(payload.get("stop_token_ids", [])),
+                                          payload.get("stop", []))
+        if finished is not None:
+            return finished
+        return {**payload, "prompt": payload["prompt"] + prefix.token_ids,
+                "max_tokens": payload["max_tokens"] - len(prefix.token_ids)}
+
     def _parse(self, response: Any, server: Server) -> Completion:
         try:
             choice = response["choices"][0]
@@ -107,19 +132,20 @@ class VLLMEngine(ServerEngine):
         except (KeyError, IndexError, TypeError, ValueError) as e:
             raise ServerError(f"{server.describe()}: unexpected /v1/completions answer "
                               f"({type(e).__name__}: {e}): {str(response)[:500]}") from e
-        if reason == "abort":  # truncated: issued again, never trained on
+        completion = Completion(token_ids=ids, logprobs=logprobs, text=choice.get("text", ""),
+                                finish_reason=reason,
+                                meta={"server": server.index,
+                                      "weight_version": None if server.weight_version is None
+                                      else int(server.weight_version)})
+        if reason == "abort":  # truncated: resumed from what it holds, or issued again
             raise RequestAborted(f"{server.describe()} aborted the request after {len(ids)} "
-                                 "tokens")
+                                 "tokens", completion if len(ids) == len(logprobs) else None)
         if len(ids) != len(logprobs):
             raise ServerError(f"{server.describe()}: {len(ids)} token ids but {len(logprobs)} "
                               "log-probs in one completion")
         if reason not in FINISH_REASONS:
             raise ServerError(f"{server.describe()}: unknown finish_reason {reason!r}")
-        return Completion(token_ids=ids, logprobs=logprobs, text=choice.get("text", ""),
-                          finish_reason=reason,
-                          meta={"server": server.index,
-                                "weight_version": None if server.weight_version is None
-                                else int(server.weight_version)})
+        return completion
 
     def _generate(self, prompts: list[list[int]], sampling: SamplingParams,
                   targets: Optional[list[Server]]) -> list[list[Completion]]:

@@ -6,7 +6,10 @@ dynamic sampling, HTTP only, never a torch.distributed collective (those stay on
 in the same order on every rank). Step s is started once the trainer has taken step s - k, so
 while step t trains the rollouts of steps up to t + k are generated, on the weights of the last
 push (version t - 1 at the oldest: `ServerPool.drained` lets requests in flight at a push finish
-on the old weights, and tags each completion with the version it was generated on). The main
+on the old weights, and tags each completion with the version it was generated on; with
+``rollout.inflight_at_sync: abort`` it aborts them instead, and they resume on the new weights
+as partial rollouts, each token tagged with its own version: a partial sample counts as its
+oldest token's version). The main
 thread takes step t when it is ready (`AsyncRollouts.take`, polling every rank's stop check while
 it waits), drops samples more than k versions older than the trained weights (never the case when
 the pushes keep up; a safeguard) and distributes the rest as the synchronous path does.
@@ -28,6 +31,7 @@ import torch.distributed as dist
 
 from megatron_entropy.data import PromptItem, PromptSampler
 from megatron_entropy.rollout.base import Completion, RolloutEngine, SamplingParams
+from megatron_entropy.rollout.servers import version_runs
 from megatron_entropy.trainer.rollouts import (Group, LocalStep, StepGroups, distribute_step,
                                                generate_step_local)
 
@@ -40,22 +44,37 @@ class _Stopped(Exception):
     """The prefetcher was closed while it produced a step."""
 
 
-def weight_version_of(completion: Completion) -> int:
-    """The weight version (steps applied) a completion was generated with; engines tag it in
-    ``meta["weight_version"]`` (None or SGLang's "initial": the starting weights, version 0)."""
-    tag = completion.meta.get("weight_version")
+def version_number(tag) -> int:
+    """A weight version tag as engines give it (None or SGLang's "initial": the starting
+    weights, version 0; else the steps applied)."""
     return 0 if tag in (None, "initial") else int(tag)
+
+
+def weight_version_of(completion: Completion) -> int:
+    """The weight version (steps applied) a completion was generated with, from
+    ``meta["weight_version"]``: for a partial rollout (aborted at a push, resumed on newer
+    weights) its oldest token's, the conservative choice for ``max_staleness``."""
+    return version_number(completion.meta.get("weight_version"))
+
+
+def token_versions(completion: Completion) -> list[int]:
+    """The weight version that generated each response token."""
+    return [version_number(tag) for tag, n in version_runs(completion) for _ in range(n)]
 
 
 def stale_samples(kept: Sequence[Group], trained_version: int, max_staleness: int
                   ) -> tuple[frozenset[tuple[int, int]], dict[str, float]]:
     """(kept index, sample index) of the samples more than ``max_staleness`` versions older than
     ``trained_version`` (not trained on), and the step's ``async/*`` metrics over every kept
-    sample."""
+    sample: staleness, and the partial rollouts (tokens from more than one version) with
+    their tokens generated after the first version (``async/resumed_tokens``)."""
     ages = [(gi, j, trained_version - weight_version_of(c))
             for gi, g in enumerate(kept) for j, c in enumerate(g.completions)]
     dropped = frozenset((gi, j) for gi, j, age in ages if age > max_staleness)
-    metrics = {"async/dropped_samples": float(len(dropped))}
+    runs = [version_runs(c) for g in kept for c in g.completions]
+    metrics = {"async/dropped_samples": float(len(dropped)),
+               "async/partial_samples": float(sum(len(r) > 1 for r in runs)),
+               "async/resumed_tokens": float(sum(n for r in runs for _, n in r[1:]))}
     if ages:
         metrics["async/staleness_mean"] = sum(a for *_, a in ages) / len(ages)
         metrics["async/staleness_max"] = float(max(a for *_, a in ages))
@@ -159,7 +178,8 @@ class AsyncRollouts:
     def __init__(self, engine: Optional[RolloutEngine], items: Sequence[PromptItem],
                  sampler: PromptSampler, sampling_params: Callable[[int], SamplingParams],
                  reward_fn, target_groups: int, dynamic_sampling: bool, max_refill_rounds: int,
-                 max_staleness: int, first: int, last: int, rank0: bool) -> None:
+                 max_staleness: int, first: int, last: int, rank0: bool,
+                 inflight_at_sync: str = "finish") -> None:
         self.sampler = sampler
         self.engine = engine
         self.max_staleness = max_staleness
@@ -168,6 +188,7 @@ class AsyncRollouts:
         if not rank0:
             return
         engine.pool.run_in_background()  # a weight push may run while a rollout is in flight
+        engine.pool.inflight_at_sync = inflight_at_sync
         draws = PromptSampler(sampler.num_items, sampler.shuffle, sampler.seed)
         draws.load_state_dict(sampler.state_dict())
 
@@ -177,6 +198,9 @@ class AsyncRollouts:
                 sampling_params(step), reward_fn, target_groups, dynamic_sampling,
                 max_refill_rounds, between_rounds)
             local.sampler_state = draws.state_dict()
+            # Reward failures of this step's scoring, logged with the step (validation takes
+            # its own while the thread is held, so the two never mix).
+            local.metrics["reward/failures"] = float(reward_fn.take_failures())
             return local
         self.prefetcher = RolloutPrefetcher(produce, first, last, max_staleness)
 

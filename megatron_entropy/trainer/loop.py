@@ -384,7 +384,8 @@ class Trainer:
             self.async_rollouts = AsyncRollouts(
                 self.engine, self.train_data, self.sampler, self.sampling_params, self.reward,
                 d.prompts_per_step, d.dynamic_sampling, d.max_refill_rounds,
-                cfg.rollout.max_staleness, self.state.step + 1, t.steps, self.rank0)
+                cfg.rollout.max_staleness, self.state.step + 1, t.steps, self.rank0,
+                cfg.rollout.inflight_at_sync)
         for step in range(self.state.step + 1, t.steps + 1):
             timer = PhaseTimer()
             started = time.perf_counter()
@@ -397,8 +398,9 @@ class Trainer:
                 self._leave_inside_step(step, sampler_state, str(stop))
             mine = groups_to_samples(rolled, cfg.algorithm.advantage,
                                      cfg.algorithm.norm_adv_by_std)
-            metrics = {**rollout_metrics(rolled.generated), **rolled.metrics,
-                       "reward/failures": _summed_over_ranks(self.reward.take_failures())}
+            metrics = {**rollout_metrics(rolled.generated), **rolled.metrics}
+            if "reward/failures" not in metrics:  # async: the rollout thread counted its step's
+                metrics["reward/failures"] = _summed_over_ranks(self.reward.take_failures())
             if rolled.kept:
                 with timer("recompute"):
                     self.actor.recompute(mine)
