@@ -166,9 +166,13 @@ me_requeue() {
   for i in 1 2 3 4 5; do
     if out=$(scontrol requeue "$SLURM_JOB_ID" 2>&1); then
       me_log "requeued job $SLURM_JOB_ID"
+      # The requeue ends this script: wait for it as this very process (exec), never as a
+      # child. Slurm signals the job's process tree as proctrack/linuxproc finds it; a child
+      # forked while it walks the tree escapes the SIGTERM that kills this script, and lives on
+      # as an orphan Slurm no longer sees (1 requeue in 10 on a busy machine). If the requeue
+      # has not ended it within 120 s the script exits 0; the job is requeued either way.
       trap - USR1 TERM
-      sleep 120  # requeue ends this script; never report success before it does
-      exit "$ME_PREEMPTED_RC"
+      exec sleep 120
     fi
     me_log "scontrol requeue $SLURM_JOB_ID failed (attempt $i of 5): ${out:-no message}"
     sleep 10
