@@ -20,6 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import yaml
 
@@ -356,18 +357,6 @@ def test_a_server_node_that_dies_takes_the_job_down_and_leaves_nothing(cluster, 
         cluster.start_node("node2")
 
 
-def _children(pid: int) -> list[str]:
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[1] == str(pid):
-            found.append(stat.parent.name)
-    return found
-
-
 def test_a_requeued_script_waits_for_its_end_as_one_process(tmp_path):
     """After its own `scontrol requeue` the batch script waits for Slurm to end it as the very
     process Slurm started, with no child: Slurm ends a job by signalling the process tree it
@@ -390,7 +379,7 @@ def test_a_requeued_script_waits_for_its_end_as_one_process(tmp_path):
             argv = Path(f"/proc/{script.pid}/cmdline").read_text().split("\0")
             time.sleep(0.05)
         assert argv[:2] == ["sleep", "120"], argv  # the script itself waits
-        assert not _children(script.pid)
+        assert not psutil.Process(script.pid).children()
         script.send_signal(signal.SIGTERM)  # what Slurm's requeue sends: it ends the wait
         assert script.wait(timeout=10) == -signal.SIGTERM
     finally:
