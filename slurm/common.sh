@@ -160,15 +160,20 @@ me_train() {
   me_log "trainer exited with code $TRAIN_RC"
 }
 
-# scontrol requeue, retried: a controller that is busy or restarting must not cost the run.
+# scontrol requeue, retried: a controller that is busy or restarting must not cost the run. Once
+# the requeue is made, the script waits for Slurm to end it as this very process (exec), never as
+# a child: Slurm signals the job's process tree as proctrack/linuxproc finds it, and a child forked
+# while it walks the tree misses the SIGTERM that kills this script and lives on, an orphan Slurm
+# no longer sees (1 requeue in 10 on a busy machine). A SIGTERM meanwhile means Slurm is ending
+# the job already (the requeue went through but scontrol died of it, or a cancel): no retry, the
+# same wait. Not ended within 120 s, the script exits 0; the job is requeued either way.
 me_requeue() {
   local i out
+  trap 'me_log "SIGTERM: the job is ending"; exec sleep 120' TERM
   for i in 1 2 3 4 5; do
     if out=$(scontrol requeue "$SLURM_JOB_ID" 2>&1); then
       me_log "requeued job $SLURM_JOB_ID"
-      trap - USR1 TERM
-      sleep 120  # requeue ends this script; never report success before it does
-      exit "$ME_PREEMPTED_RC"
+      exec sleep 120
     fi
     me_log "scontrol requeue $SLURM_JOB_ID failed (attempt $i of 5): ${out:-no message}"
     sleep 10

@@ -9,9 +9,10 @@
 # the SmolLM2-135M test model (.ci/setup-smollm2.sh). The vLLM venv (minutes on a fresh machine,
 # mostly download and unpacking) builds in the background. The tests then run as two pytest
 # processes at once, because much of the suite waits (process start-up, which is single-threaded
-# imports, Slurm scheduling, servers coming up) rather than computes: the Slurm jobs followed by
-# the tests marked `vllm` (once the venv is there), beside everything else. Each test's own ranks
-# run one thread each, and no test of one stream looks at the other's processes, ports or files.
+# imports, Slurm scheduling, servers coming up) rather than computes: the Slurm jobs and the
+# study, followed by the tests marked `vllm` (once the venv is there), beside everything else.
+# Each test's own ranks run one thread each, and no test of one stream looks at the other's
+# processes, ports or files.
 # pytest runs with MEGATRON_ENTROPY_REQUIRE_ALL_TESTS=1, under which a test whose prerequisite is
 # missing fails with the reason instead of being skipped (tests/require_all.py). Plain
 # `python -m pytest tests` may still skip such tests, for quick local runs.
@@ -63,9 +64,13 @@ tests() {  # tests SELECTION... : one pytest run; "no test selected" (5) is no f
   return "$rc"
 }
 
-servers() {  # the second stream: the Slurm jobs, then (once the venv is there) the vLLM tests
+# The second stream: the Slurm jobs and the study, then, once the venv is there, the vLLM tests.
+# Split by measured time (last full run, 2 cores: everything else 1132 s; Slurm jobs and study
+# 643 s, then the vLLM tests 480 s).
+SECOND=(tests/test_slurm_jobs.py tests/test_study.py)
+servers() {
   local rc=0
-  tests tests/test_slurm_jobs.py -m "not vllm" "$@" || rc=$?
+  tests "${SECOND[@]}" -m "not vllm" "$@" || rc=$?
   while [ ! -s "$vllm_rc" ]; do sleep 2; done
   cat "$vllm_log"
   echo "== vLLM CPU venv: ready $((SECONDS - vllm_start)) s after it started (exit code $(cat "$vllm_rc"))"
@@ -73,11 +78,11 @@ servers() {  # the second stream: the Slurm jobs, then (once the venv is there) 
   return "$rc"
 }
 
-echo "== the Slurm jobs and the vLLM tests: in the background (their log follows the rest's)"
+echo "== the Slurm jobs, the study and the vLLM tests: in the background (their log follows the rest's)"
 servers "$@" >"$servers_log" 2>&1 &
 servers_pid=$!
 status=0
-tests tests -m "not vllm" --ignore=tests/test_slurm_jobs.py "$@" || status=$?
+tests tests -m "not vllm" "${SECOND[@]/#/--ignore=}" "$@" || status=$?
 servers_status=0
 wait "$servers_pid" || servers_status=$?
 cat "$servers_log"

@@ -84,13 +84,14 @@ def _is_zombie(pid: int) -> bool:
 
 class SlurmCluster:
     def __init__(self, root: os.PathLike, nodes: int = 4, cpus: int = 8, gpus: int = 2,
-                 memory_mb: int = 8000, grace_s: int = 120):
+                 memory_mb: int = 8000, grace_s: int = 120, kill_wait_s: int = 10):
         self.root = Path(root).resolve()
         self.nodes = [f"node{i}" for i in range(1, nodes + 1)]
         self.cpus = cpus
         self.gpus = gpus
         self.memory_mb = memory_mb
         self.grace_s = grace_s
+        self.kill_wait_s = kill_wait_s  # SIGTERM, then SIGKILL this long after, to end a job
         self.host = socket.gethostname()
         self.conf = self.root / "slurm.conf"
         self.hosts_file = self.root / "hosts"
@@ -194,7 +195,7 @@ class SlurmCluster:
             "MpiDefault=none",
             "ReturnToService=2",
             "SlurmdTimeout=20",
-            "KillWait=10",
+            f"KillWait={self.kill_wait_s}",
             "MinJobAge=4",  # sbatch --wait polls every 2 s only while 2 < MinJobAge / 2
             "SchedulerParameters=sched_interval=1,bf_interval=1",
             "PreemptType=preempt/partition_prio",
@@ -273,6 +274,34 @@ class SlurmCluster:
                 continue
             found.append(int(entry.name))
         return found
+
+    def left_after_end(self, job_id: int) -> list[str]:
+        """What is left of a job that Slurm has ended (its state no longer COMPLETING or
+        REQUEUED, the flags it shows until every node has ended the job's steps and run the
+        epilog): nothing that Slurm tracks. A process SIGKILLed at the end of KillWait may still
+        be exiting for a moment, so it gets KillWait more; whatever is still there then
+        escaped Slurm (its parent died first, and proctrack/linuxproc follows parents), one
+        line per process (`describe`)."""
+        deadline = time.monotonic() + self.kill_wait_s
+        while self.processes(job_id=job_id) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return self.describe(self.processes(job_id=job_id))
+
+    @staticmethod
+    def describe(pids: list[int]) -> list[str]:
+        """One line per process for a failure message: pid, parent, state, job step, command."""
+        lines = []
+        for pid in pids:
+            try:
+                stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue  # gone meanwhile
+            env = _environ(pid)
+            lines.append(f"pid {pid} ppid {stat[1]} state {stat[0]} step "
+                         f"{env.get('SLURM_STEP_ID', 'batch')} node {env.get('SLURMD_NODENAME')}: "
+                         + " ".join(a.decode(errors="replace") for a in argv if a))
+        return lines
 
     def kill_node(self, node: str) -> None:
         """What a node that loses power looks like to the others: its slurmd, its step daemons

@@ -390,6 +390,19 @@ def test_tools_run_with_any_accepted_megatron_without_the_cpu_layer(tmp_path):
     assert all(torch.equal(out[name], t) for name, t in ref.items())
 
 
+def _cli_exit_and_stderr(argv: list[str]) -> tuple[int, str]:
+    """Worker: ``megatron-entropy ARGV`` (what the tools run), its exit code and stderr."""
+    import contextlib
+    import io
+
+    from megatron_entropy.cli import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(argv)
+    return code, err.getvalue()
+
+
 @pytest.mark.slow
 def test_cli_round_trip_bf16_sharded_loads_in_transformers(tmp_path):
     """Both tools as a user runs them: bf16 at --tp 2, exported as several shards with an index;
@@ -402,8 +415,10 @@ def test_cli_round_trip_bf16_sharded_loads_in_transformers(tmp_path):
                  "--pp", "2", "--dtype", "bf16")
     assert done.returncode == 0, done.stderr
     assert "wrote 21 tensors" in done.stdout
-    refused = _tool("convert_hf_to_mcore.py", "--hf-dir", str(src), "--out", str(ckpt))
-    assert refused.returncode == 2 and "pass --overwrite" in refused.stderr
+    # (the tool's own command, in a worker forked from here: no second interpreter start-up)
+    (refused,) = run_distributed(_cli_exit_and_stderr, 1, ["convert", "hf-to-mcore", "--hf-dir",
+                                                          str(src), "--out", str(ckpt)])
+    assert refused[0] == 2 and "pass --overwrite" in refused[1], refused
     done = _tool("convert_mcore_to_hf.py", "--ckpt", str(ckpt), "--out", str(out),
                  "--max-shard-size", "200KB")
     assert done.returncode == 0, done.stderr

@@ -43,8 +43,8 @@ def test_a_skip_fails_with_its_reason_when_every_test_is_required(tmp_path):
 
 
 # The three pytest runs of tests/run.sh, told apart by their arguments (first match wins).
-RUNS = {"slurm": "tests/test_slurm_jobs.py -m not vllm", "vllm": "-m vllm",
-        "main": "-m not vllm --ignore=tests/test_slurm_jobs.py"}
+RUNS = {"slurm": "tests/test_slurm_jobs.py tests/test_study.py -m not vllm", "vllm": "-m vllm",
+        "main": "-m not vllm --ignore=tests/test_slurm_jobs.py --ignore=tests/test_study.py"}
 
 
 def _stub_checkout(tmp: Path, pytest_exit: dict[str, int], setup_exit: int = 0) -> Path:

@@ -384,15 +384,16 @@ def test_killed_run_resumes_bit_identical(tmp_path):
     # The quickstart policy's entropy is ~0.1 nats: a target of 0.05 lowers k from the first step.
     control = {"enabled": True, "target": 0.05, "knob": "kl_cov_ratio", "knob_min": 1e-4,
                "knob_max": 0.05, "warmup_steps": 0}
+    steps = 3  # killed after the first, compared on the two after it
     cfg = _quickstart(tmp_path, "ref", parallel={"tensor": 1},
-                      trainer={"steps": 4, "save_interval": 1, "keep_last": 4},
+                      trainer={"steps": steps, "save_interval": 1, "keep_last": steps},
                       algorithm={"entropy_control": control})
     cfg_path.write_text(yaml.safe_dump(cfg))
     ref = _cli(cfg_path, "--nproc", "2", log=tmp_path / "ref.log")
     victim = _cli(cfg_path, "logging.name=victim", "--nproc", "2", log=tmp_path / "victim.log")
     metrics = tmp_path / "victim" / "metrics.jsonl"
     deadline = time.monotonic() + 300
-    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 2):
+    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 1):
         assert victim.poll() is None, (tmp_path / "victim.log").read_text()[-3000:]
         assert time.monotonic() < deadline, "victim run made no progress"
         time.sleep(0.2)
@@ -407,11 +408,13 @@ def test_killed_run_resumes_bit_identical(tmp_path):
     # torch.distributed.checkpoint's deprecations, three per rank on every resume: hidden.
     assert "FutureWarning" not in resumed_log, resumed_log[-3000:]
     got, want = _metrics(tmp_path, "victim"), _metrics(tmp_path, "ref")
-    assert [r["step"] for r in got] == [1, 2, 3, 4]  # each step once
-    assert killed_at < 4
+    assert [r["step"] for r in got] == list(range(1, steps + 1))  # each step once
+    assert killed_at < steps
     assert all(r["grad_norm"] > 0 for r in want)  # real updates, so optimizer state matters
     knobs = [r["control/knob"] for r in want]  # the controller's state matters too
-    assert len(set(knobs)) == 4 and knobs[0] == 0.002, knobs
+    assert len(set(knobs)) == steps and knobs[0] == 0.002, knobs
+    # so does the data position: refills drew extra prompts
+    assert any(r["data/sampling_rounds"] > 1 for r in want), want
     for g, w in zip(got, want):
         g = {k: v for k, v in g.items() if not k.startswith(STABLE)}
         w = {k: v for k, v in w.items() if not k.startswith(STABLE)}
