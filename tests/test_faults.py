@@ -24,13 +24,13 @@ from megatron_entropy.trainer.checkpoint import CheckpointManager
 
 
 def _model_and_optimizer():
-    from megatron_entropy.trainer.model_setup import (OptimSettings, build_optimizer,
-                                                      build_trainable_model)
+    from megatron_entropy.config import TrainerConfig
+    from megatron_entropy.trainer.model_setup import build_optimizer, build_trainable_model
 
     init_megatron()
     arch = arch_from_hf_config(tiny_hf_config("qwen2"))
     chunks = build_trainable_model(arch, 1, 1, "fp32", "local", 64)
-    optimizer, _ = build_optimizer(chunks, OptimSettings(lr=1e-2))
+    optimizer, _ = build_optimizer(chunks, TrainerConfig(lr=1e-2, steps=1, weight_decay=0.0))
     return arch, chunks, optimizer
 
 

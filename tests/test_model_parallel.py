@@ -111,8 +111,9 @@ def _ce_train_worker(tp: int, pp: int, batches: list, weights: dict, steps: int 
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_entropy.trainer.model_setup import (OptimSettings, build_optimizer,
-                                                      build_trainable_model, optimizer_step)
+    from megatron_entropy.config import TrainerConfig
+    from megatron_entropy.trainer.model_setup import (build_optimizer, build_trainable_model,
+                                                      optimizer_step)
     from megatron_entropy.models.sharding import full_state_dict, load_full_state_dict
 
     init_megatron(tensor=tp, pipeline=pp)
@@ -121,7 +122,7 @@ def _ce_train_worker(tp: int, pp: int, batches: list, weights: dict, steps: int 
                                    seq_length=64)
     load_full_state_dict(chunks[0], weights)
     optimizer, scheduler = build_optimizer(
-        chunks, OptimSettings(grad_clip=grad_clip, total_steps=steps, **OPTIM))
+        chunks, TrainerConfig(grad_clip=grad_clip, steps=steps, **OPTIM))
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     # This DP rank's share of every micro-batch list; the normaliser is the whole step's tokens.
     mine = [mb for i, mb in enumerate(batches) if i % dp_size == dp_rank]
