@@ -87,7 +87,8 @@ def probe_served_weights(engine_kind: str, hf_dir: str, urls: list[str], run_dir
     second's error message, "" if it passed)."""
     from harness import init_megatron
 
-    from megatron_entropy.config import AlgorithmConfig, ServerConfig, TrainerConfig
+    from megatron_entropy.config import (AlgorithmConfig, ModelConfig, ParallelConfig,
+                                         ServerConfig, TrainerConfig)
     from megatron_entropy.models.arch import load_arch
     from megatron_entropy.models.bridge import load_hf_weights
     from megatron_entropy.trainer.actor import Actor
@@ -97,7 +98,9 @@ def probe_served_weights(engine_kind: str, hf_dir: str, urls: list[str], run_dir
 
     init_megatron()
     arch = load_arch(hf_dir)
-    model = build_trainable_model(arch, 1, 1, "fp32", "local", 256)
+    model = build_trainable_model(
+        arch, ModelConfig(dtype="fp32", transformer_impl="local", seq_length=256),
+        ParallelConfig())
     load_hf_weights(model[0], hf_dir, arch)
     actor = Actor(arch, model, None, None, AlgorithmConfig(),
                   TrainerConfig(micro_batch_tokens=1024, seed=0), 1.0)

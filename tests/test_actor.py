@@ -28,7 +28,8 @@ def _update_worker(loss: str, scope: str, selection_logprobs: str,
     rank's recompute entropies), the weights before."""
     from megatron_entropy.algorithms.rollout_correction import RolloutCorrectionSettings
     from megatron_entropy.algorithms.token_rules import TokenRuleSettings
-    from megatron_entropy.config import AlgorithmConfig, TrainerConfig
+    from megatron_entropy.config import (AlgorithmConfig, ModelConfig, ParallelConfig,
+                                         TrainerConfig)
     from megatron_entropy.models.sharding import full_state_dict
     from megatron_entropy.trainer.actor import Actor
     from megatron_entropy.trainer.model_setup import build_optimizer, build_trainable_model
@@ -36,8 +37,9 @@ def _update_worker(loss: str, scope: str, selection_logprobs: str,
 
     init_megatron()
     arch = arch_from_hf_config(tiny_hf_config("qwen2"))
-    chunks = build_trainable_model(arch, 1, 1, "fp32", "local", 64,
-                                   distributed_optimizer=distributed_optimizer)
+    chunks = build_trainable_model(
+        arch, ModelConfig(dtype="fp32", transformer_impl="local", seq_length=64),
+        ParallelConfig(), distributed_optimizer=distributed_optimizer)
     initial = full_state_dict(chunks[0])
     # adam_eps = 1: updates proportional to the gradients. With a tiny eps Adam turns float noise
     # in near-zero gradients into full-size steps, and the comparison would test that noise.
@@ -280,7 +282,8 @@ def _correction_worker(loss: str):
     from test_rollout_correction import ref_aggregate, ref_corrected_terms
 
     from megatron_entropy.algorithms.rollout_correction import RolloutCorrectionSettings
-    from megatron_entropy.config import AlgorithmConfig, TrainerConfig
+    from megatron_entropy.config import (AlgorithmConfig, ModelConfig, ParallelConfig,
+                                         TrainerConfig)
     from megatron_entropy.models.sharding import full_state_dict, load_full_state_dict
     from megatron_entropy.trainer.actor import Actor
     from megatron_entropy.trainer.batch import pack_micro_batches
@@ -289,7 +292,9 @@ def _correction_worker(loss: str):
 
     init_megatron()
     arch = arch_from_hf_config(tiny_hf_config("qwen2"))
-    chunks = build_trainable_model(arch, 1, 1, "fp32", "local", 64)
+    chunks = build_trainable_model(
+        arch, ModelConfig(dtype="fp32", transformer_impl="local", seq_length=64),
+        ParallelConfig())
     initial = full_state_dict(chunks[0])
     loss_keys = dict(loss=loss, clip_cov_ratio=0.1, clip_cov_lb=0.0, clip_cov_ub=100.0,
                      kl_cov_ratio=0.05, kl_cov_coef=1.0, clip_ratio_low=0.05,
@@ -386,7 +391,8 @@ def test_rollout_correction_needs_engine_logprobs_unless_it_is_off():
     """A sample without an engine log-prob per token: mode tis names the key and the samples;
     mode none (metrics only) skips that micro-batch, as it skips one with a NaN log-prob."""
     from megatron_entropy.algorithms.rollout_correction import RolloutCorrectionSettings
-    from megatron_entropy.config import AlgorithmConfig, TrainerConfig
+    from megatron_entropy.config import (AlgorithmConfig, ModelConfig, ParallelConfig,
+                                         TrainerConfig)
     from megatron_entropy.trainer.actor import Actor
     from megatron_entropy.trainer.batch import pack_micro_batches
 

@@ -34,14 +34,17 @@ def _hf_weights(chunks, arch) -> dict:
 def _step_worker(tensor: int, pipeline: int):
     """recompute -> 2 epochs x 2 mini-batches of updates -> entropy_change, on this rank's DP
     share; returns the metrics, the full weights before and after, and the samples."""
-    from megatron_entropy.config import AlgorithmConfig, TrainerConfig
+    from megatron_entropy.config import (AlgorithmConfig, ModelConfig, ParallelConfig,
+                                         TrainerConfig)
     from megatron_entropy.trainer.actor import Actor
     from megatron_entropy.trainer.model_setup import build_optimizer, build_trainable_model
     from megatron_entropy.trainer.rollouts import dp_share
 
     init_megatron(tensor, pipeline)
     arch = arch_from_hf_config(tiny_hf_config("qwen2"))
-    chunks = build_trainable_model(arch, tensor, pipeline, "fp32", "local", 64)
+    chunks = build_trainable_model(
+        arch, ModelConfig(dtype="fp32", transformer_impl="local", seq_length=64),
+        ParallelConfig(tensor=tensor, pipeline=pipeline))
     # One step of 2 epochs x 2 mini-batches: 4 updates.
     trainer = TrainerConfig(lr=3e-2, steps=1, grad_clip=0.0, weight_decay=0.0,
                             micro_batch_tokens=40, mini_batches_per_step=2, ppo_epochs=2, seed=0)

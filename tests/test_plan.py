@@ -128,10 +128,11 @@ def _allocated(arch, tensor, pipeline):
     the weight decays of the optimizer's parameter groups, built with the trainer section's
     defaults."""
     init_megatron(tensor, pipeline)
-    from megatron_entropy.config import TrainerConfig
+    from megatron_entropy.config import ModelConfig, ParallelConfig, TrainerConfig
     from megatron_entropy.trainer.model_setup import build_optimizer, build_trainable_model
 
-    chunks = build_trainable_model(arch, tensor, pipeline, dtype="fp32", seq_length=64)
+    chunks = build_trainable_model(arch, ModelConfig(dtype="fp32", seq_length=64),
+                                   ParallelConfig(tensor=tensor, pipeline=pipeline))
     optimizer, _ = build_optimizer(chunks, TrainerConfig(), dtype="fp32")
     model = chunks[0]
     for p in model.parameters():

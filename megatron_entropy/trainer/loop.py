@@ -172,10 +172,7 @@ class Trainer:
         resume_from = self._resume_path()
         sharded_optimizer = cfg.trainer.uses_distributed_optimizer(
             ps.get_data_parallel_world_size(), on_gpu=dist.get_backend() == "nccl")
-        self.model = build_trainable_model(self.arch, cfg.parallel.tensor, cfg.parallel.pipeline,
-                                           m.dtype, m.transformer_impl, m.seq_length,
-                                           cfg.parallel.sequence_parallel,
-                                           m.recompute_activations, sharded_optimizer)
+        self.model = build_trainable_model(self.arch, m, cfg.parallel, sharded_optimizer)
         if resume_from is None:
             self._load_initial_weights(self.model[0])
         optimizer, scheduler = build_optimizer(self.model, cfg.trainer, m.dtype,
@@ -205,10 +202,8 @@ class Trainer:
         # Rollout engine: per DP leader (in-process) or one set of servers for the job.
         self.engine = build_engine(cfg.rollout, self.hf_dir, self.run_dir) \
             if self.roles.talks_to_engine else None
-        self.logger = MetricsLogger(self.run_dir, cfg.trainer.steps, self.rank0,
-                                    cfg.logging.progress_bar, cfg.logging.tensorboard,
-                                    cfg.logging.wandb, cfg.logging.wandb_project, cfg.to_dict(),
-                                    start_step=self.state.step)
+        self.logger = MetricsLogger(self.run_dir, cfg.trainer.steps, self.rank0, cfg.logging,
+                                    cfg.to_dict(), start_step=self.state.step)
         if resume_from is not None:
             self.logger.write(f"resumed from {resume_from} at step {self.state.step}")
         notes, self.data_metrics = data_notes(self.train_data, self.val_data,

@@ -16,7 +16,7 @@ from megatron.core.distributed import (DistributedDataParallel, DistributedDataP
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from megatron_entropy.config import TrainerConfig
+from megatron_entropy.config import ModelConfig, ParallelConfig, TrainerConfig
 from megatron_entropy.models.arch import ModelArch
 from megatron_entropy.models.builder import DTYPES, build_gpt_model
 
@@ -26,16 +26,16 @@ def _finalize_without_rescale(model, num_tokens=None, *args, **kwargs):
     return finalize_model_grads(model, None, *args, **kwargs)
 
 
-def build_trainable_model(arch: ModelArch, tensor: int, pipeline: int, dtype: str = "fp32",
-                          transformer_impl: str = "auto", seq_length: int = 4096,
-                          sequence_parallel: bool = False, recompute: bool = False,
+def build_trainable_model(arch: ModelArch, model_cfg: ModelConfig, parallel: ParallelConfig,
                           distributed_optimizer: bool = False) -> list:
-    """GPTModel in Megatron's DDP (one chunk: no virtual pipeline), ready for the schedules.
-    ``distributed_optimizer`` lays the grad buffer out for Megatron's distributed optimizer
-    (grads reduce-scattered over DP, each rank updating its shard); pass the same to
-    `build_optimizer`."""
-    model = build_gpt_model(arch, tensor, pipeline, dtype, transformer_impl, seq_length,
-                            sequence_parallel, recompute)
+    """GPTModel in Megatron's DDP (one chunk: no virtual pipeline), ready for the schedules, as
+    the ``model`` and ``parallel`` sections say (dtype, layer spec, seq_length, recompute; TP, PP,
+    sequence parallel). ``distributed_optimizer`` lays the grad buffer out for Megatron's
+    distributed optimizer (grads reduce-scattered over DP, each rank updating its shard); pass
+    the same to `build_optimizer`."""
+    model = build_gpt_model(arch, parallel.tensor, parallel.pipeline, model_cfg.dtype,
+                            model_cfg.transformer_impl, model_cfg.seq_length,
+                            parallel.sequence_parallel, model_cfg.recompute_activations)
     config = model.config
     config.calculate_per_token_loss = True
     config.finalize_model_grads_func = _finalize_without_rescale
