@@ -20,8 +20,9 @@ from megatron_entropy.config import ConfigError, load_config
 from megatron_entropy.algorithms.policy_loss import (PolicyLossSettings, TokenAdjustments,
                                                      policy_loss, reduce_metrics,
                                                      select_tokens_global)
-from megatron_entropy.algorithms.token_rules import (TokenRuleSettings, check_token_rules,
-                                                     entropy_clip_global, entropy_clip_micro_batch,
+from megatron_entropy.algorithms.settings import check_token_rules
+from megatron_entropy.algorithms.token_rules import (TokenRuleSettings, entropy_clip_global,
+                                                     entropy_clip_micro_batch,
                                                      high_entropy_metrics,
                                                      high_entropy_normalizer, select_high_entropy,
                                                      select_high_entropy_global, shape_advantages)

@@ -60,8 +60,7 @@ from torch import Tensor
 from megatron_entropy.algorithms.aggregation import sum_over_group
 from megatron_entropy.algorithms.metrics import mean_metric
 from megatron_entropy.algorithms.policy_loss import TokenAdjustments
-from megatron_entropy.algorithms.settings import (PolicyLossSettings, TokenRuleSettings,
-                                                  check_token_rules)
+from megatron_entropy.algorithms.settings import PolicyLossSettings, TokenRuleSettings
 from megatron_entropy.ops import covariance as cov_ops
 from megatron_entropy.ops import quantile
 
