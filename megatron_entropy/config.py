@@ -1,8 +1,13 @@
 """One typed config tree for a run, loaded from YAML with dotted command-line overrides.
 
-Every section is a dataclass; a field's type is the schema and its metadata holds its bounds.
-``load_config`` rejects unknown keys (suggesting the closest one), wrong types and out-of-range
-values with a single ConfigError that names the key path, the bad value and what is allowed.
+Every section is a ``Settings`` dataclass (megatron_entropy/settings.py): a field's type is the
+schema, its metadata holds its bounds, and the section's ``validate`` its rules between fields.
+The components own their sections: ``algorithm`` is the policy loss's ``PolicyLossSettings``
+(plus the actor's keys), ``algorithm.token_rules``, ``.rollout_correction`` and
+``.entropy_control`` are the algorithms' settings classes; the trainer, optimizer and actor take
+the ``trainer`` section itself. ``load_config`` rejects unknown keys (suggesting the closest one),
+wrong types and out-of-range values with a single ConfigError that names the key path, the bad
+value and what is allowed. Torch-free: the Slurm helpers and ``plan`` load configs without it.
 """
 
 from __future__ import annotations
@@ -12,34 +17,30 @@ import difflib
 import os
 import types
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 import yaml
 
-from megatron_entropy.algorithms.errors import SettingError
+from megatron_entropy.algorithms.entropy_control import EntropyControlSettings, EntropyController
+from megatron_entropy.algorithms.settings import (PolicyLossSettings, RolloutCorrectionSettings,
+                                                  TokenRuleSettings, check_token_rules)
+from megatron_entropy.runtime.dtypes import DTYPE_ALIASES, DtypeName
+from megatron_entropy.settings import SettingError, Settings, canonical, check_choice, field_types
+from megatron_entropy.settings import setting as _f  # a field with bounds and help
 
 
 class ConfigError(ValueError):
     """A bad config value; the message names the key path."""
 
 
-def _f(default: Any = dataclasses.MISSING, *, ge: Optional[float] = None, gt: Optional[float] = None,
-       le: Optional[float] = None, lt: Optional[float] = None, help: str = "",
-       default_factory: Any = dataclasses.MISSING) -> Any:
-    meta = {"ge": ge, "gt": gt, "le": le, "lt": lt, "help": help}
-    if default_factory is not dataclasses.MISSING:
-        return field(default_factory=default_factory, metadata=meta)
-    return field(default=default, metadata=meta)
-
-
 @dataclass
-class ModelConfig:
+class ModelConfig(Settings):
     hf_path: str = _f("", help="HF folder: config.json, tokenizer files and (optionally) weights")
     megatron_ckpt: Optional[str] = _f(None, help="dist checkpoint from tools/convert_hf_to_mcore.py; "
                                                  "if null, weights are read from hf_path")
-    dtype: Literal["fp32", "bf16", "fp16"] = "bf16"
+    dtype: DtypeName = _f("bf16", aliases=DTYPE_ALIASES)
     transformer_impl: Literal["auto", "local", "transformer_engine"] = _f(
         "auto", help="auto: Transformer Engine when installed with CUDA, else the local spec")
     recompute_activations: bool = False
@@ -48,7 +49,7 @@ class ModelConfig:
 
 
 @dataclass
-class ParallelConfig:
+class ParallelConfig(Settings):
     tensor: int = _f(1, ge=1)
     pipeline: int = _f(1, ge=1)
     sequence_parallel: bool = _f(False, help="GPU with Transformer Engine only")
@@ -61,9 +62,14 @@ class ParallelConfig:
                    "and GLOO_SOCKET_IFNAME (e.g. ib0, or ^lo,docker0 to exclude); null: the "
                    "libraries' own choice")
 
+    def validate(self) -> None:
+        super().validate()
+        if self.sequence_parallel and self.tensor == 1:
+            raise SettingError("sequence_parallel", "needs parallel.tensor > 1")
+
 
 @dataclass
-class ServerConfig:
+class ServerConfig(Settings):
     """Inference servers for rollout.engine = vllm | sglang."""
 
     urls: list[str] = _f(default_factory=list, help="servers that already run (http://host:port)")
@@ -87,8 +93,8 @@ class ServerConfig:
         "replaces the engine's server command; {python} {model} {host} {port} {weight_version} "
         "are filled in"))
     extra_env: list[str] = _f(default_factory=list, help="KEY=VALUE for each launched server")
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = _f(
-        "bfloat16", help="dtype of launched servers")
+    dtype: Literal["auto", DtypeName] = _f(
+        "bf16", aliases=DTYPE_ALIASES, help="dtype of launched servers (auto: the checkpoint's)")
     max_model_len: int = _f(0, ge=0, help="prompt + response limit of launched servers; 0 = the "
                                           "model's own")
     router_url: Optional[str] = _f(None, help="sglang-router in front of `urls`: generation goes "
@@ -108,7 +114,7 @@ class ServerConfig:
 
 
 @dataclass
-class RolloutConfig:
+class RolloutConfig(Settings):
     engine: Literal["inprocess", "vllm", "sglang"] = "inprocess"
     n_samples: int = _f(8, ge=1, help="responses per prompt (group size)")
     temperature: float = _f(1.0, gt=0)
@@ -119,7 +125,7 @@ class RolloutConfig:
     stop: list[str] = _f(default_factory=list)
     stop_token_ids: list[int] = _f(default_factory=list)
     seed: int = 0
-    dtype: Literal["fp32", "bf16", "fp16"] = _f("fp32", help="in-process engine's dtype")
+    dtype: DtypeName = _f("fp32", aliases=DTYPE_ALIASES, help="in-process engine's dtype")
     batch_size: int = _f(64, ge=1, help="in-process engine: sequences decoded together")
     val_n_samples: int = _f(4, ge=1, help="k of pass@1 averaged over k samples")
     val_temperature: float = _f(0.6, ge=0, help="0 = greedy")
@@ -144,89 +150,58 @@ class RolloutConfig:
 
 
 @dataclass
-class EntropyControlConfig:
+class EntropyControlConfig(EntropyControlSettings):
     """A PI controller on log entropy that sets one knob of the loss each step
     (algorithms/entropy_control.py); the knob starts at its value in the algorithm section."""
 
     enabled: bool = False
-    target: float = _f(0.5, gt=0, help="nats, or a fraction of the first step's entropy")
-    target_type: Literal["nats", "fraction_of_first"] = "nats"
-    knob: Literal["kl_cov_ratio", "clip_cov_ratio", "kl_cov_coef", "entropy_coef"] = _f(
-        "kl_cov_ratio", help="the algorithm setting it drives (the loss must have it)")
-    knob_min: float = _f(1e-4, gt=0)
-    knob_max: float = _f(5e-2, gt=0)
-    kp: float = _f(1.0, ge=0, help="proportional gain on the log-entropy error")
-    ki: float = _f(0.3, ge=0, help="integral gain")
-    max_step_factor: float = _f(1.5, gt=1, help="the knob changes at most x/÷ this per step")
-    warmup_steps: int = _f(5, ge=0, help="steps the knob stays at its initial value")
+
+    def validate(self) -> None:
+        if self.enabled:  # off: its settings are not used, so their rules are not checked
+            super().validate()
 
 
 @dataclass
-class TokenRulesConfig:
-    """Entropy-aware token rules (algorithms/token_rules.py); each is off unless enabled."""
+class AlgorithmConfig(PolicyLossSettings):
+    """The policy loss's settings (algorithms/settings.py: loss, clip ranges, Clip-Cov/KL-Cov,
+    regularisers, aggregation), the advantage and the actor's log-prob and Cov-scope keys."""
 
-    high_entropy_minority: bool = _f(False, help="policy gradient on the top-rho tokens by "
-                                                 "entropy only (80/20 rule; ppo_clip)")
-    high_entropy_rho: float = _f(0.2, gt=0, le=1)
-    high_entropy_scope: Literal["micro_batch", "global"] = "micro_batch"
-    entropy_clip: bool = _f(False, help="wider clip range, weaker KL above the entropy "
-                                        "quantile (Archer; ppo_clip)")
-    entropy_clip_quantile: float = _f(0.8, gt=0, lt=1)
-    entropy_clip_scope: Literal["response", "micro_batch", "global"] = "response"
-    high_clip_ratio_low: float = _f(0.5, ge=0, lt=1)
-    high_clip_ratio_high: float = _f(0.5, ge=0)
-    high_entropy_kl_coef: float = _f(0.0, ge=0)
-    entropy_advantage: bool = _f(False, help="A <- A + min(alpha H, |A| / kappa)")
-    entropy_advantage_alpha: float = _f(0.4, gt=0)
-    entropy_advantage_kappa: float = _f(2.0, ge=1)
-
-
-@dataclass
-class RolloutCorrectionConfig:
-    """Train/rollout mismatch correction from the engine's log-probs
-    (algorithms/rollout_correction.py); rho = exp(recompute - engine) per token."""
-
-    mode: Literal["none", "tis", "mis"] = _f(
-        "none", help="none; tis: pg term x min(rho, tis_cap); mis: tokens with rho outside "
-                     "[mis_low, mis_high] leave the loss and its denominator")
-    level: Literal["token", "geometric"] = _f(
-        "token", help="geometric: rho = exp(mean log rho) over the sequence, for all its tokens")
-    tis_cap: float = _f(2.0, gt=0, help="tis: the weight's cap C")
-    mis_low: float = _f(0.5, ge=0, le=1, help="mis: smallest rho kept (inclusive)")
-    mis_high: float = _f(2.0, ge=1, help="mis: largest rho kept (inclusive)")
-
-
-@dataclass
-class AlgorithmConfig:
-    loss: Literal["ppo_clip", "clip_cov", "kl_cov"] = "kl_cov"
     advantage: Literal["grpo", "drgrpo", "rloo"] = "grpo"
     norm_adv_by_std: bool = _f(True, help="GRPO: divide by the group std (+1e-6)")
-    clip_ratio_low: float = _f(0.2, ge=0)
-    clip_ratio_high: float = _f(0.28, ge=0)
-    dual_clip_c: Optional[float] = _f(None, gt=1, help="ppo_clip dual-clip constant (>1), null=off")
-    clip_cov_ratio: float = _f(2e-4, gt=0, le=1, help="fraction of tokens detached by Clip-Cov")
-    clip_cov_lb: float = 1.0
-    clip_cov_ub: float = 5.0
-    kl_cov_ratio: float = _f(2e-3, gt=0, le=1, help="fraction of tokens KL-penalised by KL-Cov")
-    kl_cov_coef: float = _f(1.0, ge=0)
     cov_scope: Literal["micro_batch", "global"] = _f(
         "micro_batch", help="micro_batch = paper code/verl; global = the whole optimizer step")
     global_selection_logprobs: Literal["recompute", "fresh"] = _f(
         "recompute", help="global scope: select with the old-logprob recompute (free) or with a "
                           "forward-only pass of the current policy per mini-batch (exact, +1 fwd)")
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
-    entropy_coef: float = _f(0.0, ge=0)
-    kl_coef: float = _f(0.0, ge=0, help="> 0 loads a frozen reference model")
-    kl_type: Literal["k1", "abs", "k3"] = "k3"
     logprob_impl: Literal["chunked", "fused"] = "fused"
     logprob_chunk_tokens: int = _f(1024, ge=1)
     entropy_control: EntropyControlConfig = _f(default_factory=EntropyControlConfig)
-    token_rules: TokenRulesConfig = _f(default_factory=TokenRulesConfig)
-    rollout_correction: RolloutCorrectionConfig = _f(default_factory=RolloutCorrectionConfig)
+    token_rules: TokenRuleSettings = _f(default_factory=TokenRuleSettings)
+    rollout_correction: RolloutCorrectionSettings = _f(default_factory=RolloutCorrectionSettings)
+
+    def validate(self) -> None:
+        super().validate()
+        try:
+            check_token_rules(self.token_rules, self)
+        except SettingError as e:
+            raise SettingError(f"token_rules.{e.setting}", e.message) from None
+        self.check_entropy_control()
+
+    def check_entropy_control(self, vocab_size: Optional[int] = None) -> None:
+        """The controller's checks against the loss and the knob's starting value here and,
+        given ``vocab_size`` (once the model is known), an absolute target against log V."""
+        c = self.entropy_control
+        if not c.enabled:
+            return
+        try:
+            c.check(self.loss, vocab_size)
+            EntropyController(c, getattr(self, c.knob))
+        except SettingError as e:
+            raise SettingError(f"entropy_control.{e.setting}", e.message) from None
 
 
 @dataclass
-class ArithmeticConfig:
+class ArithmeticConfig(Settings):
     """The synthetic multi-step integer arithmetic task for CPU runs."""
 
     num_train: int = _f(20000, ge=1)
@@ -236,9 +211,14 @@ class ArithmeticConfig:
     max_operand: int = _f(20, ge=1)
     seed: int = 0
 
+    def validate(self) -> None:
+        super().validate()
+        if self.min_ops > self.max_ops:
+            raise SettingError("min_ops", f"{self.min_ops} must be <= max_ops ({self.max_ops})")
+
 
 @dataclass
-class SumsConfig:
+class SumsConfig(Settings):
     """The study task: sums of several numbers, whose worked solutions may add the terms in any
     order and two to four numbers a line (megatron_entropy/data/sums.py)."""
 
@@ -251,9 +231,15 @@ class SumsConfig:
                                                    "subtracted")
     seed: int = 0
 
+    def validate(self) -> None:
+        super().validate()
+        if self.min_terms > self.max_terms:
+            raise SettingError("min_terms", f"{self.min_terms} must be <= max_terms "
+                                            f"({self.max_terms})")
+
 
 @dataclass
-class DataConfig:
+class DataConfig(Settings):
     train_files: list[str] = _f(default_factory=list, help="jsonl/parquet; empty = synthetic task")
     task: Literal["arithmetic", "sums"] = _f(
         "arithmetic", help="the synthetic task without train_files: data.arithmetic or data.sums")
@@ -276,7 +262,7 @@ class DataConfig:
 
 
 @dataclass
-class RewardConfig:
+class RewardConfig(Settings):
     """The reward of every response (megatron_entropy/rewards/)."""
 
     function: str = _f("math", help="a registered reward (math), package.module:function or "
@@ -290,7 +276,7 @@ class RewardConfig:
 
 
 @dataclass
-class TrainerConfig:
+class TrainerConfig(Settings):
     steps: int = _f(100, ge=1)
     lr: float = _f(1e-6, gt=0)
     min_lr: float = _f(0.0, ge=0)
@@ -320,6 +306,16 @@ class TrainerConfig:
     exit_margin_s: float = _f(60.0, ge=0, help=(
         "seconds kept free before that end, beyond the longest recent step and a checkpoint"))
 
+    def validate(self) -> None:
+        super().validate()
+        if self.min_lr > self.lr:
+            raise SettingError("min_lr", f"{self.min_lr} must be <= lr ({self.lr})")
+
+    @property
+    def total_updates(self) -> int:
+        """Optimizer steps of the whole run: the learning-rate schedule's length."""
+        return self.steps * self.ppo_epochs * self.mini_batches_per_step
+
     def uses_distributed_optimizer(self, data_parallel: int, on_gpu: bool) -> bool:
         """``distributed_optimizer`` resolved: 'auto' is on where there is more than one DP
         rank to shard over, on GPUs. On the CPU layer a resumed run's first step already differs
@@ -329,7 +325,7 @@ class TrainerConfig:
 
 
 @dataclass
-class LoggingConfig:
+class LoggingConfig(Settings):
     name: str = "run"
     runs_dir: str = "runs"
     progress_bar: bool = True
@@ -339,7 +335,7 @@ class LoggingConfig:
 
 
 @dataclass
-class ClusterConfig:
+class ClusterConfig(Settings):
     """The job's shape on a Slurm cluster: read by slurm/ scripts and `megatron-entropy plan`."""
 
     gpus_per_node: int = _f(8, ge=1, help="the trainer runs one task per GPU (CPU nodes: per slot)")
@@ -352,14 +348,14 @@ class ClusterConfig:
 
 
 @dataclass
-class AnalysisConfig:
+class AnalysisConfig(Settings):
     entropy_change: bool = _f(False, help=(
         "after each step's updates, score its response tokens again with the new weights (one "
         "forward-only pass) and log entropy/delta = H_after - H_before beside cov/step"))
 
 
 @dataclass
-class StudyLoss:
+class StudyLoss(Settings):
     """One arm of a study's comparison: a name and the overrides that make it."""
 
     name: str = _f("", help="names its runs (NAME-seedS) and its curves; --losses picks by it")
@@ -368,7 +364,7 @@ class StudyLoss:
 
 
 @dataclass
-class EntropyBonusSweep:
+class EntropyBonusSweep(Settings):
     """The entropy bonus the paper shows failing (Fig. 6): the base arm at each coefficient."""
 
     base: str = _f("grpo", help="the study.losses arm the runs start from")
@@ -378,7 +374,7 @@ class EntropyBonusSweep:
 
 
 @dataclass
-class ThresholdSweep:
+class ThresholdSweep(Settings):
     """The threshold sweep (Fig. 7): more tokens restrained should keep more entropy."""
 
     base: str = _f("kl_cov", help="the study.losses arm the runs start from")
@@ -397,7 +393,7 @@ def _default_study_losses() -> list[StudyLoss]:
 
 
 @dataclass
-class StudyConfig:
+class StudyConfig(Settings):
     """The run matrix of ``megatron-entropy study`` (ignored by ``train``)."""
 
     losses: list[StudyLoss] = _f(default_factory=_default_study_losses)
@@ -419,9 +415,35 @@ class StudyConfig:
     quick: list[str] = _f(default_factory=list, help="overrides applied with --quick (toy "
                                                      "length: steps, batch, validation set)")
 
+    def validate(self) -> None:
+        super().validate()
+        names = [arm.name for arm in self.losses]
+        for i, arm in enumerate(self.losses):
+            if not arm.name or "/" in arm.name or arm.name != arm.name.strip():
+                raise SettingError(f"losses[{i}].name", f"{arm.name!r} must be a non-empty name "
+                                                        "without '/' or surrounding spaces")
+            if names.count(arm.name) > 1:
+                raise SettingError("losses", f"the name {arm.name!r} is used twice")
+        if names and self.baseline not in names:
+            raise SettingError("baseline", f"{self.baseline!r} is not one of study.losses "
+                                           f"({', '.join(names)})")
+        for part in ("entropy_bonus", "threshold_sweep"):
+            sweep = getattr(self, part)
+            if not sweep.values:
+                continue
+            if sweep.base not in names:
+                raise SettingError(f"{part}.base", f"{sweep.base!r} is not one of study.losses "
+                                                   f"({', '.join(names)})")
+            if not sweep.key:
+                raise SettingError(f"{part}.key", "set the config key the sweep varies")
+            if len(set(sweep.values)) != len(sweep.values):
+                raise SettingError(f"{part}.values", f"{sweep.values} repeats a value")
+        if len(set(self.seeds)) != len(self.seeds):
+            raise SettingError("seeds", f"{self.seeds} repeats a seed")
+
 
 @dataclass
-class Config:
+class Config(Settings):
     model: ModelConfig = _f(default_factory=ModelConfig)
     parallel: ParallelConfig = _f(default_factory=ParallelConfig)
     rollout: RolloutConfig = _f(default_factory=RolloutConfig)
@@ -475,12 +497,10 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
         raise errors[0] if len(errors) == 1 else ConfigError(
             f"{path}: {value!r} is not {_type_name(tp)}")
     if origin is Literal:
-        allowed = typing.get_args(tp)
-        if value not in allowed:
-            close = difflib.get_close_matches(str(value), [str(a) for a in allowed], n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ConfigError(f"{path}: {value!r} is not allowed; choose one of "
-                              f"{', '.join(repr(a) for a in allowed)}{hint}")
+        try:
+            check_choice(path, value, tp)
+        except SettingError as e:
+            raise ConfigError(str(e)) from None
         return value
     if origin is list:
         if not isinstance(value, (list, tuple)):
@@ -510,19 +530,9 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
     raise ConfigError(f"{path}: unsupported config type {tp!r}")
 
 
-def _check_bounds(value: Any, meta: dict, path: str) -> None:
-    if value is None or not isinstance(value, (int, float)) or isinstance(value, bool):
-        return
-    checks = [("ge", lambda b: value >= b, ">="), ("gt", lambda b: value > b, ">"),
-              ("le", lambda b: value <= b, "<="), ("lt", lambda b: value < b, "<")]
-    for key, ok, sym in checks:
-        bound = meta.get(key)
-        if bound is not None and not ok(bound):
-            raise ConfigError(f"{path}: {value!r} is out of range; it must be {sym} {bound}")
-
-
 def _build(cls: type, data: dict, prefix: str) -> Any:
-    hints = typing.get_type_hints(cls)
+    """Section ``cls`` from its mapping; its own checks (bounds, rules) run on construction."""
+    hints = field_types(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs = {}
     for key, value in data.items():
@@ -532,10 +542,11 @@ def _build(cls: type, data: dict, prefix: str) -> Any:
             hint = f"; did you mean {(prefix + '.' if prefix else '') + close[0]!r}?" if close else ""
             raise ConfigError(f"unknown config key {path!r}{hint} (allowed in "
                               f"{prefix or 'the top level'}: {', '.join(fields)})")
-        value = _coerce(value, hints[key], path)
-        _check_bounds(value, dict(fields[key].metadata), path)
-        kwargs[key] = value
-    return cls(**kwargs)
+        kwargs[key] = _coerce(canonical(fields[key], value), hints[key], path)
+    try:
+        return cls(**kwargs)
+    except SettingError as e:
+        raise ConfigError(f"{prefix + '.' if prefix else ''}{e}") from None
 
 
 def _merge(base: dict, update: dict) -> dict:
@@ -612,24 +623,7 @@ def load_config(path: Optional[Union[str, Path]] = None, overrides: Optional[lis
 
 
 def validate(cfg: Config) -> None:
-    """Cross-field checks that one field's type cannot express."""
-    a = cfg.algorithm
-    if a.clip_cov_lb >= a.clip_cov_ub:
-        raise ConfigError(f"algorithm.clip_cov_lb ({a.clip_cov_lb}) must be below "
-                          f"algorithm.clip_cov_ub ({a.clip_cov_ub})")
-    _validate_entropy_rules(a)
-    rollout_correction_settings(a)
-    ar = cfg.data.arithmetic
-    if ar.min_ops > ar.max_ops:
-        raise ConfigError(f"data.arithmetic.min_ops ({ar.min_ops}) must be <= "
-                          f"data.arithmetic.max_ops ({ar.max_ops})")
-    su = cfg.data.sums
-    if su.min_terms > su.max_terms:
-        raise ConfigError(f"data.sums.min_terms ({su.min_terms}) must be <= "
-                          f"data.sums.max_terms ({su.max_terms})")
-    if cfg.trainer.min_lr > cfg.trainer.lr:
-        raise ConfigError(f"trainer.min_lr ({cfg.trainer.min_lr}) must be <= trainer.lr "
-                          f"({cfg.trainer.lr})")
+    """Checks across sections (each section checks its own fields when it is built)."""
     r = cfg.rollout
     if cfg.model.seq_length < r.max_prompt_tokens + r.max_new_tokens:
         raise ConfigError(f"model.seq_length ({cfg.model.seq_length}) is shorter than a full "
@@ -637,9 +631,6 @@ def validate(cfg: Config) -> None:
                           f"{r.max_prompt_tokens} + {r.max_new_tokens} = "
                           f"{r.max_prompt_tokens + r.max_new_tokens}; raise model.seq_length or "
                           "lower those")
-    if cfg.parallel.sequence_parallel and cfg.parallel.tensor == 1:
-        raise ConfigError("parallel.sequence_parallel needs parallel.tensor > 1")
-    _validate_study(cfg.study)
     if r.max_staleness > 0 and r.engine == "inprocess":
         raise ConfigError(f"rollout.max_staleness={r.max_staleness} needs a server engine "
                           "(rollout.engine=vllm or sglang); rollout.engine=inprocess shares "
@@ -658,82 +649,17 @@ def validate(cfg: Config) -> None:
                               "rollout.server.launch")
 
 
-def _validate_entropy_rules(a: AlgorithmConfig) -> None:
-    """The controller's and the token rules' own checks and those against the loss; the target
-    against log V waits for the model (``entropy_control_settings`` with ``vocab_size``)."""
-    # algorithms/ loads here, not at the top: the config loads without torch (Slurm helpers, plan).
-    from megatron_entropy.algorithms.policy_loss import PolicyLossSettings
-    from megatron_entropy.algorithms.token_rules import check_token_rules
-
-    entropy_control_settings(a)
-    try:
-        check_token_rules(token_rule_settings(a), PolicyLossSettings.from_config(a))
-    except SettingError as e:
-        raise ConfigError(f"algorithm.token_rules.{e}") from None
-
-
-def token_rule_settings(a: AlgorithmConfig) -> "TokenRuleSettings":
-    from megatron_entropy.algorithms.token_rules import TokenRuleSettings
-
-    try:
-        return TokenRuleSettings(**dataclasses.asdict(a.token_rules))
-    except SettingError as e:
-        raise ConfigError(f"algorithm.token_rules.{e}") from None
-
-
-def rollout_correction_settings(a: AlgorithmConfig) -> "RolloutCorrectionSettings":
-    from megatron_entropy.algorithms.rollout_correction import RolloutCorrectionSettings
-
-    try:
-        return RolloutCorrectionSettings(**dataclasses.asdict(a.rollout_correction))
-    except SettingError as e:
-        raise ConfigError(f"algorithm.rollout_correction.{e}") from None
-
-
 def entropy_control_settings(a: AlgorithmConfig, vocab_size: Optional[int] = None
-                             ) -> Optional["EntropyControlSettings"]:
+                             ) -> Optional[EntropyControlSettings]:
     """The controller's settings (None when off), checked against the loss, the knob's starting
     value in ``a`` and, given ``vocab_size``, an absolute target against log V."""
-    from megatron_entropy.algorithms.entropy_control import (EntropyControlSettings,
-                                                             EntropyController)
-
-    c = a.entropy_control
-    if not c.enabled:
+    if not a.entropy_control.enabled:
         return None
     try:
-        settings = EntropyControlSettings(**{k: v for k, v in dataclasses.asdict(c).items()
-                                             if k != "enabled"})
-        settings.check(a.loss, vocab_size)
-        EntropyController(settings, getattr(a, settings.knob))
+        a.check_entropy_control(vocab_size)
     except SettingError as e:
-        raise ConfigError(f"algorithm.entropy_control.{e}") from None
-    return settings
-
-
-def _validate_study(st: StudyConfig) -> None:
-    names = [arm.name for arm in st.losses]
-    for i, arm in enumerate(st.losses):
-        if not arm.name or "/" in arm.name or arm.name != arm.name.strip():
-            raise ConfigError(f"study.losses[{i}].name: {arm.name!r} must be a non-empty name "
-                              "without '/' or surrounding spaces")
-        if names.count(arm.name) > 1:
-            raise ConfigError(f"study.losses: the name {arm.name!r} is used twice")
-    if names and st.baseline not in names:
-        raise ConfigError(f"study.baseline: {st.baseline!r} is not one of study.losses "
-                          f"({', '.join(names)})")
-    for part in ("entropy_bonus", "threshold_sweep"):
-        sweep = getattr(st, part)
-        if not sweep.values:
-            continue
-        if sweep.base not in names:
-            raise ConfigError(f"study.{part}.base: {sweep.base!r} is not one of study.losses "
-                              f"({', '.join(names)})")
-        if not sweep.key:
-            raise ConfigError(f"study.{part}.key: set the config key the sweep varies")
-        if len(set(sweep.values)) != len(sweep.values):
-            raise ConfigError(f"study.{part}.values: {sweep.values} repeats a value")
-    if len(set(st.seeds)) != len(st.seeds):
-        raise ConfigError(f"study.seeds: {st.seeds} repeats a seed")
+        raise ConfigError(f"algorithm.{e}") from None
+    return a.entropy_control
 
 
 def save_run_config(cfg: Config, run_dir: Path) -> Path:

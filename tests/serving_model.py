@@ -87,21 +87,23 @@ def probe_served_weights(engine_kind: str, hf_dir: str, urls: list[str], run_dir
     second's error message, "" if it passed)."""
     from harness import init_megatron
 
-    from megatron_entropy.algorithms.policy_loss import PolicyLossSettings
-    from megatron_entropy.config import ServerConfig
+    from megatron_entropy.config import (AlgorithmConfig, ModelConfig, ParallelConfig,
+                                         ServerConfig, TrainerConfig)
     from megatron_entropy.models.arch import load_arch
     from megatron_entropy.models.bridge import load_hf_weights
-    from megatron_entropy.trainer.actor import Actor, ActorSettings
+    from megatron_entropy.trainer.actor import Actor
     from megatron_entropy.trainer.model_setup import build_trainable_model
     from megatron_entropy.trainer.weight_check import (WeightCheckError, check_engine_weights,
                                                        probe_sampling, probe_tolerance)
 
     init_megatron()
     arch = load_arch(hf_dir)
-    model = build_trainable_model(arch, 1, 1, "fp32", "local", 256)
+    model = build_trainable_model(
+        arch, ModelConfig(dtype="fp32", transformer_impl="local", seq_length=256),
+        ParallelConfig())
     load_hf_weights(model[0], hf_dir, arch)
-    actor = Actor(arch, model, None, None, PolicyLossSettings(),
-                  ActorSettings(micro_batch_tokens=1024))
+    actor = Actor(arch, model, None, None, AlgorithmConfig(),
+                  TrainerConfig(micro_batch_tokens=1024, seed=0), 1.0)
     if engine_kind == "vllm":
         from megatron_entropy.rollout.vllm import VLLMEngine as Engine
     else:

@@ -26,36 +26,37 @@ def _update_worker(loss: str, scope: str, selection_logprobs: str,
     fields) and the rollout correction ``correction`` (RolloutCorrectionSettings fields; engine
     log-probs from ``drift_engine_logprobs``); returns the weights after, the metrics (and this
     rank's recompute entropies), the weights before."""
-    from megatron_entropy.algorithms.policy_loss import PolicyLossSettings
     from megatron_entropy.algorithms.rollout_correction import RolloutCorrectionSettings
     from megatron_entropy.algorithms.token_rules import TokenRuleSettings
+    from megatron_entropy.config import (AlgorithmConfig, ModelConfig, ParallelConfig,
+                                         TrainerConfig)
     from megatron_entropy.models.sharding import full_state_dict
-    from megatron_entropy.trainer.actor import Actor, ActorSettings
-    from megatron_entropy.trainer.model_setup import (OptimSettings, build_optimizer,
-                                                      build_trainable_model)
+    from megatron_entropy.trainer.actor import Actor
+    from megatron_entropy.trainer.model_setup import build_optimizer, build_trainable_model
     from megatron_entropy.trainer.rollouts import dp_share
 
     init_megatron()
     arch = arch_from_hf_config(tiny_hf_config("qwen2"))
-    chunks = build_trainable_model(arch, 1, 1, "fp32", "local", 64,
-                                   distributed_optimizer=distributed_optimizer)
+    chunks = build_trainable_model(
+        arch, ModelConfig(dtype="fp32", transformer_impl="local", seq_length=64),
+        ParallelConfig(), distributed_optimizer=distributed_optimizer)
     initial = full_state_dict(chunks[0])
     # adam_eps = 1: updates proportional to the gradients. With a tiny eps Adam turns float noise
     # in near-zero gradients into full-size steps, and the comparison would test that noise.
-    optimizer, scheduler = build_optimizer(chunks, OptimSettings(lr=1e-2, total_steps=4,
-                                                                 grad_clip=0, adam_eps=1.0),
+    # One step of 2 epochs x 2 mini-batches: 4 updates.
+    trainer = TrainerConfig(lr=1e-2, steps=1, grad_clip=0.0, adam_eps=1.0, weight_decay=0.0,
+                            micro_batch_tokens=micro_batch_tokens, mini_batches_per_step=2,
+                            ppo_epochs=2, seed=5)
+    optimizer, scheduler = build_optimizer(chunks, trainer,
                                            distributed_optimizer=distributed_optimizer)
-    actor = Actor(arch, chunks, optimizer, scheduler,
-                  PolicyLossSettings(loss=loss, clip_cov_ratio=0.1, clip_cov_lb=0.0,
-                                     clip_cov_ub=100.0, kl_cov_ratio=0.1, kl_cov_coef=1.0,
-                                     clip_ratio_low=clip_ratio, clip_ratio_high=clip_ratio,
-                                     loss_agg_mode=loss_agg_mode),
-                  ActorSettings(logprob_impl="fused", micro_batch_tokens=micro_batch_tokens,
-                                temperature=temperature, mini_batches_per_step=2, ppo_epochs=2, cov_scope=scope,
-                                global_selection_logprobs=selection_logprobs, seed=5,
-                                token_rules=TokenRuleSettings(**(rules or {})),
-                                rollout_correction=RolloutCorrectionSettings(
-                                    **(correction or {}))))
+    algorithm = AlgorithmConfig(
+        loss=loss, clip_cov_ratio=0.1, clip_cov_lb=0.0, clip_cov_ub=100.0, kl_cov_ratio=0.1,
+        kl_cov_coef=1.0, clip_ratio_low=clip_ratio, clip_ratio_high=clip_ratio,
+        loss_agg_mode=loss_agg_mode, logprob_impl="fused", cov_scope=scope,
+        global_selection_logprobs=selection_logprobs,
+        token_rules=TokenRuleSettings(**(rules or {})),
+        rollout_correction=RolloutCorrectionSettings(**(correction or {})))
+    actor = Actor(arch, chunks, optimizer, scheduler, algorithm, trainer, temperature)
     samples = random_samples(0)
     if empty_response:
         samples.append(replace(samples[0], response_ids=[], engine_logprobs=[]))
@@ -280,21 +281,28 @@ def _correction_worker(loss: str):
     must not change it); the initial weights; the step's samples."""
     from test_rollout_correction import ref_aggregate, ref_corrected_terms
 
-    from megatron_entropy.algorithms.policy_loss import PolicyLossSettings
     from megatron_entropy.algorithms.rollout_correction import RolloutCorrectionSettings
+    from megatron_entropy.config import (AlgorithmConfig, ModelConfig, ParallelConfig,
+                                         TrainerConfig)
     from megatron_entropy.models.sharding import full_state_dict, load_full_state_dict
-    from megatron_entropy.trainer.actor import Actor, ActorSettings
+    from megatron_entropy.trainer.actor import Actor
     from megatron_entropy.trainer.batch import pack_micro_batches
-    from megatron_entropy.trainer.model_setup import (OptimSettings, build_optimizer,
-                                                      build_trainable_model, optimizer_step)
+    from megatron_entropy.trainer.model_setup import (build_optimizer, build_trainable_model,
+                                                      optimizer_step)
 
     init_megatron()
     arch = arch_from_hf_config(tiny_hf_config("qwen2"))
-    chunks = build_trainable_model(arch, 1, 1, "fp32", "local", 64)
+    chunks = build_trainable_model(
+        arch, ModelConfig(dtype="fp32", transformer_impl="local", seq_length=64),
+        ParallelConfig())
     initial = full_state_dict(chunks[0])
-    s = PolicyLossSettings(loss=loss, clip_cov_ratio=0.1, clip_cov_lb=0.0, clip_cov_ub=100.0,
-                           kl_cov_ratio=0.05, kl_cov_coef=1.0, clip_ratio_low=0.05,
-                           clip_ratio_high=0.05)
+    loss_keys = dict(loss=loss, clip_cov_ratio=0.1, clip_cov_lb=0.0, clip_cov_ub=100.0,
+                     kl_cov_ratio=0.05, kl_cov_coef=1.0, clip_ratio_low=0.05,
+                     clip_ratio_high=0.05, logprob_impl="fused", cov_scope="global",
+                     global_selection_logprobs="fresh")
+    s = AlgorithmConfig(**loss_keys)
+    trainer = TrainerConfig(lr=1e-2, steps=1, ppo_epochs=CORRECTION_EPOCHS, grad_clip=0.0,
+                            adam_eps=1.0, weight_decay=0.0, micro_batch_tokens=24, seed=5)
     samples = random_samples(0)
     out, margins = {}, []
     for name, kwargs in CORRECTIONS[loss].items():
@@ -302,12 +310,9 @@ def _correction_worker(loss: str):
         weights = []
         for path in ("actor", "reference"):
             load_full_state_dict(chunks[0], initial)
-            optimizer, scheduler = build_optimizer(chunks, OptimSettings(
-                lr=1e-2, total_steps=CORRECTION_EPOCHS, grad_clip=0, adam_eps=1.0))
-            actor = Actor(arch, chunks, optimizer, scheduler, s, ActorSettings(
-                logprob_impl="fused", micro_batch_tokens=24, ppo_epochs=CORRECTION_EPOCHS,
-                cov_scope="global", global_selection_logprobs="fresh", seed=5,
-                rollout_correction=st))
+            optimizer, scheduler = build_optimizer(chunks, trainer)
+            actor = Actor(arch, chunks, optimizer, scheduler,
+                          AlgorithmConfig(**loss_keys, rollout_correction=st), trainer, 1.0)
             actor.recompute(samples)
             drift_engine_logprobs(samples)
             if path == "actor":
@@ -385,9 +390,10 @@ def test_rollout_correction_update_equals_its_formula(loss):
 def test_rollout_correction_needs_engine_logprobs_unless_it_is_off():
     """A sample without an engine log-prob per token: mode tis names the key and the samples;
     mode none (metrics only) skips that micro-batch, as it skips one with a NaN log-prob."""
-    from megatron_entropy.algorithms.policy_loss import PolicyLossSettings
     from megatron_entropy.algorithms.rollout_correction import RolloutCorrectionSettings
-    from megatron_entropy.trainer.actor import Actor, ActorSettings
+    from megatron_entropy.config import (AlgorithmConfig, ModelConfig, ParallelConfig,
+                                         TrainerConfig)
+    from megatron_entropy.trainer.actor import Actor
     from megatron_entropy.trainer.batch import pack_micro_batches
 
     samples = random_samples(0)
@@ -397,8 +403,9 @@ def test_rollout_correction_needs_engine_logprobs_unless_it_is_off():
     samples[3].engine_logprobs[2] = float("nan")
 
     def correct(mode):
-        actor = Actor(None, [], None, None, PolicyLossSettings(),
-                      ActorSettings(rollout_correction=RolloutCorrectionSettings(mode=mode)))
+        actor = Actor(None, [], None, None,
+                      AlgorithmConfig(rollout_correction=RolloutCorrectionSettings(mode=mode)),
+                      TrainerConfig(), 1.0)
         mbs = pack_micro_batches(samples, 24)
         return mbs, actor._correct_rollouts(mbs, samples)
 

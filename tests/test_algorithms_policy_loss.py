@@ -423,7 +423,7 @@ def test_bad_input_raises_one_clear_error():
         policy_loss(s, d["logp"], d["old"], d["adv"], d["mask"] * 0.5, normalizer=10)
     with pytest.raises(ValueError, match="entropy_coef > 0 needs"):
         policy_loss(SETTINGS["clip_cov_reg"], *args, normalizer=10)
-    with pytest.raises(ValueError, match="unknown policy loss 'clipcov'"):
+    with pytest.raises(ValueError, match="^loss: 'clipcov' is not allowed; choose one of"):
         PolicyLossSettings(loss="clipcov")
     with pytest.raises(ValueError, match="no valid"):
         select_tokens_global(s, [d["logp"]], [d["old"]], [d["adv"]], [d["mask"] * 0],
@@ -457,12 +457,13 @@ def test_all_masked_micro_batch_is_zero_loss_that_joins_collectives(setting):
     assert m0 == m1 and all(math.isfinite(v) for k, v in m0.items() if k != "cov_selected_max")
 
 
-def test_settings_come_from_the_algorithm_config():
+def test_settings_are_the_algorithm_config():
+    """The algorithm section is the loss's settings: no mirror to drift from it."""
     from megatron_entropy.config import load_config
 
     cfg = load_config(overrides=["algorithm.loss=clip_cov", "algorithm.clip_cov_ratio=0.001",
                                  "algorithm.loss_agg_mode=seq-mean-token-sum"])
-    s = PolicyLossSettings.from_config(cfg.algorithm)
+    s = cfg.algorithm
+    assert isinstance(s, PolicyLossSettings)
     assert (s.loss, s.clip_cov_ratio, s.loss_agg_mode) == ("clip_cov", 0.001,
                                                             "seq-mean-token-sum")
-    assert s.kl_cov_ratio == cfg.algorithm.kl_cov_ratio and s.kl_type == cfg.algorithm.kl_type

@@ -15,13 +15,15 @@ from megatron_entropy.models.arch import arch_from_hf_config
 def _worker(tensor: int, pipeline: int, run_dir: str, mode: str):
     from megatron_entropy.models.sharding import full_state_dict
     from megatron_entropy.trainer.checkpoint import CheckpointManager
-    from megatron_entropy.trainer.model_setup import (OptimSettings, build_optimizer,
-                                                      build_trainable_model)
+    from megatron_entropy.config import ModelConfig, ParallelConfig, TrainerConfig
+    from megatron_entropy.trainer.model_setup import build_optimizer, build_trainable_model
 
     init_megatron(tensor=tensor, pipeline=pipeline)
     arch = arch_from_hf_config(tiny_hf_config("qwen2", num_hidden_layers=4))
-    chunks = build_trainable_model(arch, tensor, pipeline, "fp32", "local", 64)
-    optimizer, _ = build_optimizer(chunks, OptimSettings(lr=1e-2))
+    chunks = build_trainable_model(
+        arch, ModelConfig(dtype="fp32", transformer_impl="local", seq_length=64),
+        ParallelConfig(tensor=tensor, pipeline=pipeline))
+    optimizer, _ = build_optimizer(chunks, TrainerConfig(lr=1e-2, steps=1, weight_decay=0.0))
     manager = CheckpointManager(run_dir, keep_last=1)
     if mode == "save":
         for step in (1, 2):

@@ -127,7 +127,91 @@ def test_vllm_cpu_example_is_the_quickstart_with_working_cpu_server_flags():
     assert argv[:3] == [".venv-vllm/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
     assert argv[argv.index("--max-model-len") + 1] == "256"
     assert "--enforce-eager" in argv and argv[argv.index("--max-num-batched-tokens") + 1] == "8192"
+    assert argv[argv.index("--dtype") + 1] == "bfloat16"  # rollout.server.dtype bf16, as vLLM says
     assert _parse_env(server["extra_env"]) == {"VLLM_CPU_KVCACHE_SPACE": "1",
                                                "VLLM_CPU_OMP_THREADS_BIND": "nobind",
                                                "HF_HUB_OFFLINE": "1"}
     assert cfg.rollout.max_prompt_tokens + cfg.rollout.max_new_tokens <= 256
+
+
+def test_sections_are_the_components_settings():
+    """No mirrors: the loss, the token rules and the rollout correction get the config's own
+    objects; a rule between fields lives in its class, so building the class directly and
+    loading the key give the same error; the optimizer's defaults are the trainer section's."""
+    from megatron_entropy.algorithms.settings import (PolicyLossSettings,
+                                                      RolloutCorrectionSettings, TokenRuleSettings)
+    from megatron_entropy.config import TrainerConfig
+    from megatron_entropy.settings import SettingError
+
+    a = load_config().algorithm
+    assert isinstance(a, PolicyLossSettings) and type(a.token_rules) is TokenRuleSettings
+    assert type(a.rollout_correction) is RolloutCorrectionSettings
+    with pytest.raises(SettingError) as direct:
+        PolicyLossSettings(clip_cov_lb=6.0)
+    with pytest.raises(ConfigError) as loaded:
+        load_config(overrides=["algorithm.clip_cov_lb=6"])
+    assert str(loaded.value) == f"algorithm.{direct.value}" == (
+        "algorithm.clip_cov_lb: 6.0 must be below clip_cov_ub (5.0)")
+    with pytest.raises(ConfigError, match=r"^algorithm\.token_rules\.entropy_clip: combines "
+                                          r"with ppo_clip only"):
+        load_config(overrides=["algorithm.token_rules.entropy_clip=true"])
+    t = TrainerConfig()
+    assert (t.weight_decay, t.lr, t.grad_clip) == (0.1, 1e-6, 1.0)
+    assert TrainerConfig(steps=3, ppo_epochs=2, mini_batches_per_step=4).total_updates == 24
+    with pytest.raises(ConfigError, match=r"^trainer\.distributed_optimizer: 'sometimes' is not bool "
+                                          r"or 'auto'"):
+        load_config(overrides=["trainer.distributed_optimizer=sometimes"])
+    assert load_config(overrides=["trainer.distributed_optimizer=true"]
+                       ).trainer.distributed_optimizer is True
+
+
+def test_dtype_one_spelling_long_names_are_aliases():
+    """fp32 / bf16 / fp16 everywhere; the long names (run folders' config.yaml from before, HF's
+    spelling) load as aliases, silently; anything else is one error naming the key and the
+    accepted values. The torch and the servers' spellings come from the one table."""
+    import torch
+
+    from megatron_entropy.models.builder import DTYPES
+    from megatron_entropy.runtime.dtypes import long_name, name_of_long
+
+    cfg = load_config(overrides=["rollout.server.dtype=bfloat16", "model.dtype=float32",
+                                 "rollout.dtype=float16"])
+    assert (cfg.rollout.server.dtype, cfg.model.dtype, cfg.rollout.dtype) == ("bf16", "fp32",
+                                                                              "fp16")
+    assert load_config().rollout.server.dtype == "bf16"
+    assert load_config(overrides=["rollout.server.dtype=auto"]).rollout.server.dtype == "auto"
+    with pytest.raises(ConfigError, match=r"^rollout\.server\.dtype: 'bf32' is not allowed; "
+                                          r"choose one of 'auto', 'fp32', 'bf16', 'fp16'"):
+        load_config(overrides=["rollout.server.dtype=bf32"])
+    with pytest.raises(ConfigError, match=r"^model\.dtype: 'auto' is not allowed"):
+        load_config(overrides=["model.dtype=auto"])
+    assert DTYPES == {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    assert [long_name(n) for n in ("fp32", "bf16", "fp16", "auto")] == [
+        "float32", "bfloat16", "float16", "auto"]
+    assert name_of_long("bfloat16") == "bf16" and name_of_long(None) is None
+
+
+def test_derived_seeds_are_pinned():
+    """Every derived seed's value, as the formulas gave before they moved to runtime/seeds.py
+    (a changed formula changes every run), and the call sites that use them."""
+    import torch
+
+    from megatron_entropy.data.arithmetic import generate_problems, train_val_problems
+    from megatron_entropy.data.sampler import PromptSampler
+    from megatron_entropy.runtime import seeds
+
+    assert seeds.rollout_step_seed(3, 5) == 3 + 7_919 * 6 == 47_517
+    assert seeds.validation_seed(3, 5) == 47_518
+    assert seeds.refill_round_seed(47_517, 2) == 1_473_029 and seeds.refill_round_seed(None, 1) == 1
+    assert (seeds.sample_seed(5, 2, 3), seeds.sample_seed(0, 0, 0)) == (1_260_221_659, 655_369_107)
+    assert seeds.update_seed(42, 7, 1, 2) == 4_280_191_554_000
+    assert seeds.micro_batch_draw_seed(4_280_191_554_000, 3) == 4_267_350_979_338_003
+    assert seeds.epoch_order_seed(4, 2) == 4_000_014
+    assert seeds.task_split_seeds(6) == (12, 13)
+    sampler = PromptSampler(10, True, 4)
+    assert sampler.next_indices(10) == torch.randperm(  # epoch 0 of data.seed 4
+        10, generator=torch.Generator().manual_seed(4_000_012)).tolist()
+    train, val = train_val_problems(5, 3, 1, 2, 20, seed=6)
+    assert val == generate_problems(3, 1, 2, 20, seed=13)
+    assert train == generate_problems(5, 1, 2, 20, seed=12, exclude=frozenset(p.question
+                                                                               for p in val))

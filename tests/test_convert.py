@@ -143,15 +143,18 @@ def _train_and_save(hf_dir: Path, ckpt: Path):
     from megatron_entropy.models.bridge import export_hf_weights, load_hf_weights
     from megatron_entropy.models.megatron_checkpoint import (model_sharded_state_dict,
                                                              write_checkpoint_metadata)
-    from megatron_entropy.trainer.model_setup import (OptimSettings, build_optimizer,
-                                                      build_trainable_model, optimizer_step)
+    from megatron_entropy.config import ModelConfig, ParallelConfig, TrainerConfig
+    from megatron_entropy.trainer.model_setup import (build_optimizer, build_trainable_model,
+                                                      optimizer_step)
 
     init_megatron(tensor=2)
     arch = load_arch(hf_dir)
-    chunks = build_trainable_model(arch, 2, 1, dtype="fp32", transformer_impl="local",
-                                   seq_length=64)
+    chunks = build_trainable_model(
+        arch, ModelConfig(dtype="fp32", transformer_impl="local", seq_length=64),
+        ParallelConfig(tensor=2))
     load_hf_weights(chunks, hf_dir, arch)
-    optimizer, scheduler = build_optimizer(chunks, OptimSettings(lr=1e-2, total_steps=1))
+    optimizer, scheduler = build_optimizer(chunks, TrainerConfig(lr=1e-2, steps=1,
+                                                                 weight_decay=0.0))
     tokens = tokens_for(1000)
     pos = torch.arange(S).expand_as(tokens)
 

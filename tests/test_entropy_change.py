@@ -34,20 +34,23 @@ def _hf_weights(chunks, arch) -> dict:
 def _step_worker(tensor: int, pipeline: int):
     """recompute -> 2 epochs x 2 mini-batches of updates -> entropy_change, on this rank's DP
     share; returns the metrics, the full weights before and after, and the samples."""
-    from megatron_entropy.algorithms.policy_loss import PolicyLossSettings
-    from megatron_entropy.trainer.actor import Actor, ActorSettings
-    from megatron_entropy.trainer.model_setup import (OptimSettings, build_optimizer,
-                                                      build_trainable_model)
+    from megatron_entropy.config import (AlgorithmConfig, ModelConfig, ParallelConfig,
+                                         TrainerConfig)
+    from megatron_entropy.trainer.actor import Actor
+    from megatron_entropy.trainer.model_setup import build_optimizer, build_trainable_model
     from megatron_entropy.trainer.rollouts import dp_share
 
     init_megatron(tensor, pipeline)
     arch = arch_from_hf_config(tiny_hf_config("qwen2"))
-    chunks = build_trainable_model(arch, tensor, pipeline, "fp32", "local", 64)
-    optimizer, scheduler = build_optimizer(chunks, OptimSettings(lr=3e-2, total_steps=4,
-                                                                 grad_clip=0))
-    actor = Actor(arch, chunks, optimizer, scheduler, PolicyLossSettings(loss="ppo_clip"),
-                  ActorSettings(logprob_impl="fused", temperature=TEMPERATURE,
-                                micro_batch_tokens=40, mini_batches_per_step=2, ppo_epochs=2))
+    chunks = build_trainable_model(
+        arch, ModelConfig(dtype="fp32", transformer_impl="local", seq_length=64),
+        ParallelConfig(tensor=tensor, pipeline=pipeline))
+    # One step of 2 epochs x 2 mini-batches: 4 updates.
+    trainer = TrainerConfig(lr=3e-2, steps=1, grad_clip=0.0, weight_decay=0.0,
+                            micro_batch_tokens=40, mini_batches_per_step=2, ppo_epochs=2, seed=0)
+    optimizer, scheduler = build_optimizer(chunks, trainer)
+    actor = Actor(arch, chunks, optimizer, scheduler,
+                  AlgorithmConfig(loss="ppo_clip", logprob_impl="fused"), trainer, TEMPERATURE)
     mine = dp_share(_samples())
     before = _hf_weights(chunks, arch)
     actor.recompute(mine)

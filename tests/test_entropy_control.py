@@ -12,7 +12,7 @@ import pytest
 
 from megatron_entropy.algorithms.entropy_control import (EntropyControlSettings,
                                                          EntropyController)
-from megatron_entropy.algorithms.errors import SettingError
+from megatron_entropy.settings import SettingError
 from megatron_entropy.config import ConfigError, entropy_control_settings, load_config
 
 SETTINGS = EntropyControlSettings(target=0.3, knob="kl_cov_ratio", knob_min=1e-4, knob_max=5e-2,

@@ -24,13 +24,15 @@ from megatron_entropy.trainer.checkpoint import CheckpointManager
 
 
 def _model_and_optimizer():
-    from megatron_entropy.trainer.model_setup import (OptimSettings, build_optimizer,
-                                                      build_trainable_model)
+    from megatron_entropy.config import ModelConfig, ParallelConfig, TrainerConfig
+    from megatron_entropy.trainer.model_setup import build_optimizer, build_trainable_model
 
     init_megatron()
     arch = arch_from_hf_config(tiny_hf_config("qwen2"))
-    chunks = build_trainable_model(arch, 1, 1, "fp32", "local", 64)
-    optimizer, _ = build_optimizer(chunks, OptimSettings(lr=1e-2))
+    chunks = build_trainable_model(
+        arch, ModelConfig(dtype="fp32", transformer_impl="local", seq_length=64),
+        ParallelConfig())
+    optimizer, _ = build_optimizer(chunks, TrainerConfig(lr=1e-2, steps=1, weight_decay=0.0))
     return arch, chunks, optimizer
 
 
@@ -181,20 +183,22 @@ def _metrics_file(run: Path, steps: list[int], tail: str) -> Path:
 
 
 def test_torn_metrics_tail_is_dropped_with_a_warning(tmp_path, capsys):
+    from megatron_entropy.config import LoggingConfig
     from megatron_entropy.trainer.metrics import MetricsLogger
 
     path = _metrics_file(tmp_path / "run", [0, 1, 2, 3], '{"step": 4, "rew')
-    MetricsLogger(tmp_path / "run", 5, True, progress_bar=False, start_step=2)
+    MetricsLogger(tmp_path / "run", 5, True, LoggingConfig(progress_bar=False), start_step=2)
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [0, 1, 2]
     err = capsys.readouterr().err
     assert f"warning: {path}:5: dropped an incomplete line" in err
 
 
 def test_run_restarted_before_its_first_checkpoint_logs_step_0_once(tmp_path):
+    from megatron_entropy.config import LoggingConfig
     from megatron_entropy.trainer.metrics import MetricsLogger
 
     path = _metrics_file(tmp_path / "run", [0, 1], "")
-    logger = MetricsLogger(tmp_path / "run", 5, True, progress_bar=False, start_step=0)
+    logger = MetricsLogger(tmp_path / "run", 5, True, LoggingConfig(progress_bar=False), start_step=0)
     logger.log(0, {"val/acc/mean": 0.25})
     logger.log(1, {"reward/mean": 0.5})
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [0, 1]

@@ -16,7 +16,7 @@ from tolerance import logprob_tol
 from megatron_entropy.data import generate_problems, load_tokenizer, render_prompt
 from megatron_entropy.rollout.base import SamplingParams
 from megatron_entropy.rollout.inprocess import InProcessEngine, sample_tokens
-from megatron_entropy.rollout.servers import sample_seed
+from megatron_entropy.runtime.seeds import sample_seed
 
 QUICKSTART = Path(__file__).resolve().parents[1] / "examples" / "quickstart_model"
 

@@ -6,13 +6,15 @@ import logging
 import warnings
 
 from megatron_entropy.cli import HARMLESS_LOG_LINES, silence_harmless_warnings
+from megatron_entropy.config import LoggingConfig
 from megatron_entropy.trainer.metrics import MetricsLogger
 
 RERUN_LOGGER = "megatron.core.rerun_state_machine"
 
 
 def test_progress_bar_counts_training_steps_not_the_validation_before_them(tmp_path, capsys):
-    logger = MetricsLogger(tmp_path, total_steps=3, enabled=True, progress_bar=True)
+    logger = MetricsLogger(tmp_path, total_steps=3, enabled=True,
+                           settings=LoggingConfig(progress_bar=True))
     logger.log(0, {"val/acc/mean": 0.25})  # validation before the first step
     for step in (1, 2, 3):
         logger.log(step, {"acc/mean": 0.5})

@@ -111,17 +111,19 @@ def _ce_train_worker(tp: int, pp: int, batches: list, weights: dict, steps: int 
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_entropy.trainer.model_setup import (OptimSettings, build_optimizer,
-                                                      build_trainable_model, optimizer_step)
+    from megatron_entropy.config import ModelConfig, ParallelConfig, TrainerConfig
+    from megatron_entropy.trainer.model_setup import (build_optimizer, build_trainable_model,
+                                                      optimizer_step)
     from megatron_entropy.models.sharding import full_state_dict, load_full_state_dict
 
     init_megatron(tensor=tp, pipeline=pp)
     arch = arch_from_hf_config(tiny_hf_config("qwen2", num_hidden_layers=4))
-    chunks = build_trainable_model(arch, tp, pp, dtype="fp32", transformer_impl="local",
-                                   seq_length=64)
+    chunks = build_trainable_model(
+        arch, ModelConfig(dtype="fp32", transformer_impl="local", seq_length=64),
+        ParallelConfig(tensor=tp, pipeline=pp))
     load_full_state_dict(chunks[0], weights)
     optimizer, scheduler = build_optimizer(
-        chunks, OptimSettings(grad_clip=grad_clip, total_steps=steps, **OPTIM))
+        chunks, TrainerConfig(grad_clip=grad_clip, steps=steps, **OPTIM))
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     # This DP rank's share of every micro-batch list; the normaliser is the whole step's tokens.
     mine = [mb for i, mb in enumerate(batches) if i % dp_size == dp_rank]

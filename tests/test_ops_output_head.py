@@ -16,6 +16,7 @@ B, S = 2, 12
 def _worker(tp: int, tied: bool):
     from megatron.core import parallel_state as ps
 
+    from megatron_entropy.config import ModelConfig, ParallelConfig
     from megatron_entropy.models.arch import arch_from_hf_config
     from megatron_entropy.models.output_head import (hidden_states_instead_of_logits,
                                                      output_layer_weight)
@@ -26,8 +27,9 @@ def _worker(tp: int, tied: bool):
 
     init_megatron(tensor=tp)
     arch = arch_from_hf_config(tiny_hf_config("qwen2", tie_word_embeddings=tied))
-    (model,) = build_trainable_model(arch, tp, 1, dtype="fp32", transformer_impl="local",
-                                     seq_length=64)
+    (model,) = build_trainable_model(
+        arch, ModelConfig(dtype="fp32", transformer_impl="local", seq_length=64),
+        ParallelConfig(tensor=tp))
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, arch.vocab_size, (B, S), generator=g)
     targets = torch.roll(tokens, -1, dims=1).reshape(-1)

@@ -124,13 +124,16 @@ def test_kv_cache_bytes_equal_transformers_cache():
 
 
 def _allocated(arch, tensor, pipeline):
-    """Parameters and fp32 training state (weights, DDP grad buffer, Adam) on this rank."""
+    """Parameters and fp32 training state (weights, DDP grad buffer, Adam) on this rank, and
+    the weight decays of the optimizer's parameter groups, built with the trainer section's
+    defaults."""
     init_megatron(tensor, pipeline)
-    from megatron_entropy.trainer.model_setup import (OptimSettings, build_optimizer,
-                                                      build_trainable_model)
+    from megatron_entropy.config import ModelConfig, ParallelConfig, TrainerConfig
+    from megatron_entropy.trainer.model_setup import build_optimizer, build_trainable_model
 
-    chunks = build_trainable_model(arch, tensor, pipeline, dtype="fp32", seq_length=64)
-    optimizer, _ = build_optimizer(chunks, OptimSettings(), dtype="fp32")
+    chunks = build_trainable_model(arch, ModelConfig(dtype="fp32", seq_length=64),
+                                   ParallelConfig(tensor=tensor, pipeline=pipeline))
+    optimizer, _ = build_optimizer(chunks, TrainerConfig(), dtype="fp32")
     model = chunks[0]
     for p in model.parameters():
         p.main_grad.normal_()
@@ -139,7 +142,8 @@ def _allocated(arch, tensor, pipeline):
                for t in state.values() if torch.is_tensor(t) and t.dim() > 0)
     return (sum(p.numel() for p in model.parameters()),
             sum(p.numel() * p.element_size() for p in model.parameters()),
-            sum(b.grad_data.numel() * b.grad_data.element_size() for b in model.buffers), adam)
+            sum(b.grad_data.numel() * b.grad_data.element_size() for b in model.buffers), adam,
+            sorted({g["weight_decay"] for g in optimizer.param_groups}))
 
 
 @pytest.mark.parametrize("family,tied,tensor,pipeline", [("qwen3", False, 2, 2),
@@ -149,7 +153,10 @@ def test_fullest_gpu_state_equals_megatrons(family, tied, tensor, pipeline, tmp_
     hf = tiny_hf_config(family, tie_word_embeddings=tied)
     arch = arch_from_hf_config(hf)
     ranks = run_distributed(_allocated, tensor * pipeline, arch, tensor, pipeline, timeout=200)
-    params, weights, grads, adam = max(ranks)
+    params, weights, grads, adam, decays = max(ranks)
+    # One default: trainer.weight_decay's 0.1 reaches the optimizer (the old OptimSettings mirror
+    # had 0.0); biases and norms keep none, as Megatron decides.
+    assert decays == [0.0, 0.1]
     assert params == stage_params(arch, tensor, pipeline)
     cfg_dir = write_config(family, tmp_path / "m", tie_word_embeddings=tied)
     cfg = load_config(overrides=[f"model.hf_path={cfg_dir}", "model.dtype=fp32",

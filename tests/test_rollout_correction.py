@@ -15,8 +15,8 @@ from test_algorithms_policy_loss import (_agg_data, _policy_logp, make_batch, re
                                          ref_kl, ref_select, ref_token_losses, valid_list)
 
 from megatron_entropy.algorithms.aggregation import step_normalizer
-from megatron_entropy.config import ConfigError, load_config, rollout_correction_settings
-from megatron_entropy.algorithms.errors import SettingError
+from megatron_entropy.config import ConfigError, load_config
+from megatron_entropy.settings import SettingError
 from megatron_entropy.algorithms.policy_loss import (PolicyLossSettings, policy_loss,
                                                      reduce_metrics, select_tokens_global)
 from megatron_entropy.algorithms.rollout_correction import (RolloutCorrectionSettings,
@@ -259,10 +259,9 @@ def test_config_errors_name_the_key(key, value, match):
 
 
 def test_config_default_is_none_and_settings_follow_the_config():
-    assert rollout_correction_settings(load_config(data={}).algorithm) == \
-        RolloutCorrectionSettings()
+    assert load_config(data={}).algorithm.rollout_correction == RolloutCorrectionSettings()
     a = load_config(overrides=["algorithm.rollout_correction.mode=mis",
                                "algorithm.rollout_correction.level=geometric",
                                "algorithm.rollout_correction.mis_low=0.8"]).algorithm
-    assert rollout_correction_settings(a) == RolloutCorrectionSettings(
+    assert a.rollout_correction == RolloutCorrectionSettings(
         mode="mis", level="geometric", mis_low=0.8)

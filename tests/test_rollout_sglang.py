@@ -22,7 +22,8 @@ import torch
 
 from megatron_entropy.config import ServerConfig
 from megatron_entropy.rollout.base import SamplingParams
-from megatron_entropy.rollout.servers import RequestRejected, ServerError, free_port, sample_seed
+from megatron_entropy.rollout.servers import RequestRejected, ServerError, free_port
+from megatron_entropy.runtime.seeds import sample_seed
 from megatron_entropy.rollout.sglang import SGLangEngine, weight_buckets, weight_sync_address
 from serving_model import make_served_model, reference
 

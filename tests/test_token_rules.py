@@ -15,13 +15,14 @@ from test_algorithms_policy_loss import (_agg_data, _policy_logp, make_batch, re
                                          ref_kl, ref_select, ref_token_losses, valid_list)
 
 from megatron_entropy.algorithms.aggregation import AGG_MODES, step_normalizer
-from megatron_entropy.algorithms.errors import SettingError
+from megatron_entropy.settings import SettingError
 from megatron_entropy.config import ConfigError, load_config
 from megatron_entropy.algorithms.policy_loss import (PolicyLossSettings, TokenAdjustments,
                                                      policy_loss, reduce_metrics,
                                                      select_tokens_global)
-from megatron_entropy.algorithms.token_rules import (TokenRuleSettings, check_token_rules,
-                                                     entropy_clip_global, entropy_clip_micro_batch,
+from megatron_entropy.algorithms.settings import check_token_rules
+from megatron_entropy.algorithms.token_rules import (TokenRuleSettings, entropy_clip_global,
+                                                     entropy_clip_micro_batch,
                                                      high_entropy_metrics,
                                                      high_entropy_normalizer, select_high_entropy,
                                                      select_high_entropy_global, shape_advantages)
@@ -620,9 +621,7 @@ def test_config_refuses_bad_rules_naming_the_key(rules, algorithm, message):
 
 
 def test_config_builds_the_rule_settings():
-    from megatron_entropy.config import token_rule_settings
-
     cfg = load_config(data={"algorithm": {"loss": "ppo_clip", "token_rules": {
         "entropy_clip": True, "entropy_clip_scope": "global", "high_clip_ratio_high": 0.6}}})
-    assert token_rule_settings(cfg.algorithm) == TokenRuleSettings(
+    assert cfg.algorithm.token_rules == TokenRuleSettings(
         entropy_clip=True, entropy_clip_scope="global", high_clip_ratio_high=0.6)

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+from megatron_entropy.algorithms.settings import AGG_MODES
 
 
 def check_mode(mode: str) -> None:

@@ -31,54 +31,46 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
-from megatron_entropy.algorithms.errors import SettingError
+from megatron_entropy.settings import SettingError, Settings, setting
 
 # The knobs the controller may drive, with the losses that have them.
 KNOBS = {"kl_cov_ratio": ("kl_cov",), "kl_cov_coef": ("kl_cov",),
          "clip_cov_ratio": ("clip_cov",), "entropy_coef": ("ppo_clip", "clip_cov", "kl_cov")}
 RATIO_KNOBS = ("kl_cov_ratio", "clip_cov_ratio")  # fractions of tokens: at most 1
-TARGET_TYPES = ("nats", "fraction_of_first")
 STATE_VERSION = 1
 
 
 @dataclass
-class EntropyControlSettings:
-    target: float = 0.5
-    target_type: str = "nats"
-    knob: str = "kl_cov_ratio"
-    knob_min: float = 1e-4
-    knob_max: float = 5e-2
-    kp: float = 1.0
-    ki: float = 0.3
-    max_step_factor: float = 1.5
-    warmup_steps: int = 5
+class EntropyControlSettings(Settings):
+    """The controller's settings; the knob starts at its value in the loss settings."""
 
-    def __post_init__(self) -> None:
-        if self.target_type not in TARGET_TYPES:
-            raise SettingError("target_type", f"choose one of {', '.join(TARGET_TYPES)}; got "
-                               f"{self.target_type!r}")
-        if not (math.isfinite(self.target) and self.target > 0):
-            raise SettingError("target", f"must be a positive number; got {self.target}")
-        if self.knob not in KNOBS:
-            raise SettingError("knob", f"choose one of {', '.join(KNOBS)}; got {self.knob!r}")
-        if not 0 < self.knob_min < self.knob_max:
+    target: float = setting(0.5, gt=0, help="nats, or a fraction of the first step's entropy")
+    target_type: Literal["nats", "fraction_of_first"] = "nats"
+    knob: Literal["kl_cov_ratio", "clip_cov_ratio", "kl_cov_coef", "entropy_coef"] = setting(
+        "kl_cov_ratio", help="the algorithm setting it drives (the loss must have it)")
+    knob_min: float = setting(1e-4, gt=0)
+    knob_max: float = setting(5e-2, gt=0)
+    kp: float = setting(1.0, ge=0, help="proportional gain on the log-entropy error")
+    ki: float = setting(0.3, ge=0, help="integral gain")
+    max_step_factor: float = setting(1.5, gt=1, help="the knob changes at most x/÷ this per "
+                                                     "step")
+    warmup_steps: int = setting(5, ge=0, help="steps the knob stays at its initial value")
+
+    def validate(self) -> None:
+        super().validate()
+        for name in ("target", "kp", "ki"):
+            if not math.isfinite(getattr(self, name)):
+                raise SettingError(name, f"must be a finite number; got {getattr(self, name)}")
+        if not self.knob_min < self.knob_max:
             raise SettingError("knob_min", f"need 0 < knob_min < knob_max; got {self.knob_min}, "
                                f"{self.knob_max}")
         if self.knob in RATIO_KNOBS and self.knob_max > 1:
             raise SettingError("knob_max", f"{self.knob} is a fraction of tokens: at most 1; got "
                                f"{self.knob_max}")
-        for name in ("kp", "ki"):
-            if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
-                raise SettingError(name, f"a gain is >= 0; got {getattr(self, name)}")
         if self.kp == 0 and self.ki == 0:
             raise SettingError("ki", "kp and ki are both 0: the controller would never act")
-        if not self.max_step_factor > 1:
-            raise SettingError("max_step_factor", "the knob's largest change per step, a factor "
-                               f"> 1; got {self.max_step_factor}")
-        if not self.warmup_steps >= 0:
-            raise SettingError("warmup_steps", f"must be >= 0; got {self.warmup_steps}")
 
     def check(self, loss: str, vocab_size: Optional[int]) -> None:
         """The checks that need the rest of the run: the loss has the knob, and an absolute

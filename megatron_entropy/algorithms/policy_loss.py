@@ -35,61 +35,20 @@ Metrics are reducible: name -> float64 tensor [sum, count] (a mean), or, for nam
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass, fields
-from typing import Any, Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from megatron_entropy.algorithms.aggregation import AGG_MODES, aggregate
+from megatron_entropy.algorithms.aggregation import aggregate
 from megatron_entropy.algorithms.metrics import max_metric as _max
 from megatron_entropy.algorithms.metrics import mean_metric as _mean
-from megatron_entropy.algorithms.regularizers import KL_TYPES, kl_penalty
+from megatron_entropy.algorithms.regularizers import kl_penalty
+from megatron_entropy.algorithms.settings import LossName, PolicyLossSettings
 from megatron_entropy.ops import covariance as cov_ops
-
-
-@dataclass
-class PolicyLossSettings:
-    """The knobs of ``config.AlgorithmConfig`` that the loss uses (same names and defaults)."""
-
-    loss: str = "kl_cov"
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.28
-    dual_clip_c: Optional[float] = None
-    clip_cov_ratio: float = 2e-4
-    clip_cov_lb: float = 1.0
-    clip_cov_ub: float = 5.0
-    kl_cov_ratio: float = 2e-3
-    kl_cov_coef: float = 1.0
-    loss_agg_mode: str = "token-mean"
-    entropy_coef: float = 0.0
-    kl_coef: float = 0.0
-    kl_type: str = "k3"
-
-    def __post_init__(self) -> None:
-        if self.loss not in POLICY_LOSSES:
-            raise ValueError(f"unknown policy loss {self.loss!r}; choose one of "
-                             f"{', '.join(POLICY_LOSSES)}")
-        if self.loss_agg_mode not in AGG_MODES:
-            raise ValueError(f"unknown loss_agg_mode {self.loss_agg_mode!r}; choose one of "
-                             f"{', '.join(AGG_MODES)}")
-        if self.kl_type not in KL_TYPES:
-            raise ValueError(f"unknown kl_type {self.kl_type!r}; choose one of "
-                             f"{', '.join(KL_TYPES)}")
-        if self.dual_clip_c is not None and self.dual_clip_c <= 1:
-            raise ValueError(f"dual_clip_c must be > 1 (or None); got {self.dual_clip_c}")
-        for name in ("clip_cov_ratio", "kl_cov_ratio"):
-            if not 0 < getattr(self, name) <= 1:
-                raise ValueError(f"{name} is a fraction in (0, 1]; got {getattr(self, name)}")
-        if self.clip_cov_lb >= self.clip_cov_ub:
-            raise ValueError(f"clip_cov_lb ({self.clip_cov_lb}) must be below clip_cov_ub "
-                             f"({self.clip_cov_ub})")
-
-    @classmethod
-    def from_config(cls, algorithm: Any) -> "PolicyLossSettings":
-        """From ``config.AlgorithmConfig`` (or anything with the same attribute names)."""
-        return cls(**{f.name: getattr(algorithm, f.name) for f in fields(cls)})
 
 
 @dataclass
@@ -266,6 +225,7 @@ POLICY_LOSSES: dict[str, Callable[..., Tensor]] = {
     "clip_cov": _clip_cov,
     "kl_cov": _kl_cov,
 }
+assert tuple(POLICY_LOSSES) == typing.get_args(LossName)
 
 
 def _check_inputs(settings: PolicyLossSettings, named: dict[str, Optional[Tensor]],

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-KL_TYPES = ("k1", "abs", "k3")
+from megatron_entropy.algorithms.settings import KL_TYPES
 
 
 def kl_penalty(logp: Tensor, ref_logp: Tensor, kind: str) -> Tensor:

@@ -44,36 +44,11 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from megatron_entropy.algorithms.errors import SettingError
 from megatron_entropy.algorithms.metrics import max_metric, mean_metric
 from megatron_entropy.algorithms.policy_loss import TokenAdjustments
+from megatron_entropy.algorithms.settings import RolloutCorrectionSettings
 
-MODES = ("none", "tis", "mis")
-LEVELS = ("token", "geometric")
 LOG_RATIO_BOUND = 20.0
-
-
-@dataclass
-class RolloutCorrectionSettings:
-    mode: str = "none"
-    level: str = "token"
-    tis_cap: float = 2.0
-    mis_low: float = 0.5
-    mis_high: float = 2.0
-
-    def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise SettingError("mode", f"choose one of {', '.join(MODES)}; got {self.mode!r}")
-        if self.level not in LEVELS:
-            raise SettingError("level", f"choose one of {', '.join(LEVELS)}; got {self.level!r}")
-        if not self.tis_cap > 0:
-            raise SettingError("tis_cap", f"the weight's cap C must be > 0; got {self.tis_cap}")
-        if not 0 <= self.mis_low <= 1:
-            raise SettingError("mis_low", "in [0, 1]: a token with ratio 1 (on-policy) must be "
-                               f"kept; got {self.mis_low}")
-        if not self.mis_high >= 1:
-            raise SettingError("mis_high", "must be >= 1: a token with ratio 1 (on-policy) must "
-                               f"be kept; got {self.mis_high}")
 
 
 @dataclass

@@ -51,7 +51,6 @@ token-mean only.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
@@ -59,94 +58,11 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megatron_entropy.algorithms.aggregation import sum_over_group
-from megatron_entropy.algorithms.errors import SettingError
 from megatron_entropy.algorithms.metrics import mean_metric
-from megatron_entropy.algorithms.policy_loss import PolicyLossSettings, TokenAdjustments
+from megatron_entropy.algorithms.policy_loss import TokenAdjustments
+from megatron_entropy.algorithms.settings import PolicyLossSettings, TokenRuleSettings
 from megatron_entropy.ops import covariance as cov_ops
 from megatron_entropy.ops import quantile
-
-HIGH_ENTROPY_SCOPES = ("micro_batch", "global")
-ENTROPY_CLIP_SCOPES = ("response", "micro_batch", "global")
-
-
-@dataclass
-class TokenRuleSettings:
-    """The entropy rules' knobs (each rule off unless enabled)."""
-
-    high_entropy_minority: bool = False
-    high_entropy_rho: float = 0.2
-    high_entropy_scope: str = "micro_batch"
-    entropy_clip: bool = False
-    entropy_clip_quantile: float = 0.8
-    entropy_clip_scope: str = "response"
-    high_clip_ratio_low: float = 0.5
-    high_clip_ratio_high: float = 0.5
-    high_entropy_kl_coef: float = 0.0
-    entropy_advantage: bool = False
-    entropy_advantage_alpha: float = 0.4
-    entropy_advantage_kappa: float = 2.0
-
-    def __post_init__(self) -> None:
-        if not 0 < self.high_entropy_rho <= 1:
-            raise SettingError("high_entropy_rho", "the fraction of tokens kept is in (0, 1]; "
-                               f"got {self.high_entropy_rho}")
-        if self.high_entropy_scope not in HIGH_ENTROPY_SCOPES:
-            raise SettingError("high_entropy_scope", f"choose one of "
-                               f"{', '.join(HIGH_ENTROPY_SCOPES)}; got {self.high_entropy_scope!r}")
-        if not 0 < self.entropy_clip_quantile < 1:
-            raise SettingError("entropy_clip_quantile", "a quantile in (0, 1); got "
-                               f"{self.entropy_clip_quantile}")
-        if self.entropy_clip_scope not in ENTROPY_CLIP_SCOPES:
-            raise SettingError("entropy_clip_scope", f"choose one of "
-                               f"{', '.join(ENTROPY_CLIP_SCOPES)}; got {self.entropy_clip_scope!r}")
-        if not 0 <= self.high_clip_ratio_low < 1:
-            raise SettingError("high_clip_ratio_low", "in [0, 1) (the ratio's floor is 1 - it); "
-                               f"got {self.high_clip_ratio_low}")
-        for name in ("high_clip_ratio_high", "high_entropy_kl_coef"):
-            if not getattr(self, name) >= 0:
-                raise SettingError(name, f"must be >= 0; got {getattr(self, name)}")
-        if not self.entropy_advantage_alpha > 0:
-            raise SettingError("entropy_advantage_alpha", "must be > 0; got "
-                               f"{self.entropy_advantage_alpha}")
-        if not self.entropy_advantage_kappa >= 1:
-            raise SettingError("entropy_advantage_kappa", "must be >= 1, or the entropy term "
-                               "could turn a negative advantage positive; got "
-                               f"{self.entropy_advantage_kappa}")
-
-
-def check_token_rules(rules: TokenRuleSettings, loss: PolicyLossSettings) -> None:
-    """Refuse the combinations the references do not support (see the module docstring)."""
-    if rules.high_entropy_minority and loss.loss != "ppo_clip":
-        raise SettingError("high_entropy_minority", f"combines with ppo_clip only, not "
-                           f"{loss.loss}: the 80/20 mask drops the low-entropy tokens whose "
-                           "Cov-based restraint the loss exists for")
-    if rules.entropy_clip and loss.loss != "ppo_clip":
-        raise SettingError("entropy_clip", f"combines with ppo_clip only, not {loss.loss}: "
-                           "clip_cov's candidates depend on its own clip range and kl_cov has "
-                           "no clipping")
-    if rules.high_entropy_minority and rules.entropy_clip:
-        raise SettingError("entropy_clip", "does not combine with high_entropy_minority (both "
-                           "split tokens by the same entropy quantile; Archer keeps the "
-                           "low-entropy tokens in the gradient)")
-    if rules.entropy_clip:
-        if rules.high_clip_ratio_low < loss.clip_ratio_low or \
-                rules.high_clip_ratio_high < loss.clip_ratio_high:
-            narrower = "high_clip_ratio_low" if rules.high_clip_ratio_low < loss.clip_ratio_low \
-                else "high_clip_ratio_high"
-            raise SettingError(narrower, f"high-entropy tokens get a wider clip "
-                               f"range: ({rules.high_clip_ratio_low}, "
-                               f"{rules.high_clip_ratio_high}) must not be narrower than "
-                               f"clip_ratio_low/high ({loss.clip_ratio_low}, "
-                               f"{loss.clip_ratio_high})")
-        if rules.high_entropy_kl_coef > loss.kl_coef:
-            raise SettingError("high_entropy_kl_coef", f"high-entropy tokens get a weaker KL "
-                               f"term: {rules.high_entropy_kl_coef} must not exceed kl_coef "
-                               f"({loss.kl_coef})")
-        if loss.kl_coef > 0 and loss.loss_agg_mode != "token-mean":
-            raise SettingError("entropy_clip", "with a KL to the reference (kl_coef > 0) needs "
-                               "loss_agg_mode token-mean (Archer averages each group's KL over "
-                               f"its own tokens); got {loss.loss_agg_mode}")
-
 
 # ------------------------------------------------------------------------ high-entropy minority
 

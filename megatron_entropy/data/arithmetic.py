@@ -11,6 +11,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from megatron_entropy.runtime.seeds import task_split_seeds
+
 OPS = ("+", "-", "*")
 
 
@@ -84,7 +86,8 @@ def generate_problems(num: int, min_ops: int, max_ops: int, max_operand: int, se
 def train_val_problems(num_train: int, num_val: int, min_ops: int, max_ops: int, max_operand: int,
                        seed: int) -> tuple[list[ArithmeticProblem], list[ArithmeticProblem]]:
     """Disjoint train and validation problems; both depend only on the arguments."""
-    val = generate_problems(num_val, min_ops, max_ops, max_operand, seed=2 * seed + 1)
-    train = generate_problems(num_train, min_ops, max_ops, max_operand, seed=2 * seed,
+    train_seed, val_seed = task_split_seeds(seed)
+    val = generate_problems(num_val, min_ops, max_ops, max_operand, seed=val_seed)
+    train = generate_problems(num_train, min_ops, max_ops, max_operand, seed=train_seed,
                               exclude=frozenset(p.question for p in val))
     return train, val

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from megatron_entropy.runtime.seeds import epoch_order_seed
+
 
 class PromptSampler:
     def __init__(self, num_items: int, shuffle: bool = True, seed: int = 0):
@@ -24,7 +26,7 @@ class PromptSampler:
     def _epoch_order(self, epoch: int) -> list[int]:
         if not self.shuffle:
             return list(range(self.num_items))
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        g = torch.Generator().manual_seed(epoch_order_seed(self.seed, epoch))
         return torch.randperm(self.num_items, generator=g).tolist()
 
     def next_indices(self, count: int) -> list[int]:

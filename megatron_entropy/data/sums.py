@@ -22,6 +22,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from megatron_entropy.runtime.seeds import task_split_seeds
+
 
 def _signed(x: int) -> str:
     return f"+{x}" if x >= 0 else str(x)
@@ -110,9 +112,10 @@ def train_val_sum_problems(num_train: int, num_val: int, min_terms: int, max_ter
                            max_operand: int, seed: int, subtract_prob: float = 0.0
                            ) -> tuple[list[SumProblem], list[SumProblem]]:
     """Disjoint train and validation problems; both depend only on the arguments."""
-    val = generate_sum_problems(num_val, min_terms, max_terms, max_operand, seed=2 * seed + 1,
+    train_seed, val_seed = task_split_seeds(seed)
+    val = generate_sum_problems(num_val, min_terms, max_terms, max_operand, seed=val_seed,
                                 subtract_prob=subtract_prob)
-    train = generate_sum_problems(num_train, min_terms, max_terms, max_operand, seed=2 * seed,
+    train = generate_sum_problems(num_train, min_terms, max_terms, max_operand, seed=train_seed,
                                   exclude=frozenset(p.question for p in val),
                                   subtract_prob=subtract_prob)
     return train, val

@@ -27,6 +27,8 @@ import os
 import re
 from pathlib import Path
 
+from megatron_entropy.runtime.dtypes import DTYPES
+
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20,
           "gib": 2**30}
 
@@ -49,7 +51,7 @@ def add_hf_to_mcore_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, type=Path, help="checkpoint folder to create")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size to check (1)")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size to check (1)")
-    p.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto",
+    p.add_argument("--dtype", choices=["auto", *DTYPES], default="auto",
                    help="stored dtype; auto = config.json's (bf16 if none)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -62,7 +64,7 @@ def add_mcore_to_hf_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hf-config-from", type=Path, default=None,
                    help="HF folder to take config.json and the tokenizer from "
                         "(default: the checkpoint's hf/)")
-    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
+    p.add_argument("--dtype", choices=list(DTYPES), default=None,
                    help="output dtype (default: the checkpoint's weight dtype)")
     p.add_argument("--max-shard-size", type=parse_size, default=parse_size("5GB"),
                    help="largest safetensors file (default 5GB)")

@@ -32,10 +32,10 @@ from megatron_entropy.config import Config, ConfigError, load_config
 from megatron_entropy.models.arch import ModelArch, UnsupportedModelError, arch_from_hf_config, \
     load_arch
 from megatron_entropy.runtime import ParallelLayoutError
+from megatron_entropy.runtime.dtypes import DTYPES
 from megatron_entropy.launch.slurm import JobLayout, NotEnoughNodesError, job_layout
 
 GiB = 1024**3
-_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 SERVER_MEMORY_FRACTION = 0.9  # vLLM's gpu_memory_utilization / SGLang's mem_fraction_static
 SERVER_WORKSPACE = 2 * GiB  # CUDA graphs, sampler and activation workspace of a server
 RUNTIME_OVERHEAD = 2 * GiB  # CUDA context, NCCL buffers
@@ -179,7 +179,7 @@ def make_plan(cfg: Config, arch: ModelArch, nodes: int, arch_source: str = "") -
 
     # Trainer: the fullest GPU (first pipeline stage; it also holds the in-process engine).
     n = stage_params(arch, p.tensor, p.pipeline)
-    w = _DTYPE_BYTES[cfg.model.dtype]
+    w = DTYPES[cfg.model.dtype].bytes
     plan.trainer.append((f"weights ({cfg.model.dtype})", n * w))
     plan.trainer.append(("grad buffer (fp32)", n * 4))
     # The distributed optimizer keeps each DP rank's 1/DP of the main weights and moments.
@@ -210,7 +210,7 @@ def make_plan(cfg: Config, arch: ModelArch, nodes: int, arch_source: str = "") -
         logits = tokens * vocab_shard * (w + 4 * 2)
         plan.trainer.append(("LM head (micro-batch logits + fp32 chunk work)", logits))
     if r.engine == "inprocess":
-        rw = _DTYPE_BYTES[r.dtype]
+        rw = DTYPES[r.dtype].bytes
         plan.trainer.append((f"in-process engine weights ({r.dtype})", total_params(arch) * rw))
         plan.trainer.append((f"in-process KV cache ({r.batch_size} x {seq} tokens)",
                              r.batch_size * seq * kv_bytes_per_token(arch, rw)))

@@ -9,10 +9,11 @@ import torch
 import torch.nn.functional as F
 
 from megatron_entropy.models.arch import ModelArch
+from megatron_entropy.runtime import dtypes
 
 # Megatron loads inside the functions that use it: models/megatron_checkpoint.py (which the CLI
-# uses before any rank starts) imports DTYPES from here.
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# uses before any rank starts) imports DTYPES from here. The torch view of the one dtype table.
+DTYPES = {name: getattr(torch, d.long_name) for name, d in dtypes.DTYPES.items()}
 
 
 def transformer_engine_available() -> bool:

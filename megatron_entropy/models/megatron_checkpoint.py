@@ -39,6 +39,7 @@ from megatron_entropy.models.arch import ModelArch, load_arch
 from megatron_entropy.models.bridge import (check_hf_checkpoint, hf_tensor_specs, hf_to_megatron,
                                             layer_param_names, megatron_to_hf, weight_map)
 from megatron_entropy.models.builder import DTYPES, build_gpt_model
+from megatron_entropy.runtime.dtypes import long_name, name_of_long
 from megatron_entropy.models.hf_io import (copy_hf_metadata, hf_weight_files, open_hf_slices,
                                            save_hf_weights, temp_sibling)
 from megatron_entropy.models.sharding import unwrap_model
@@ -48,7 +49,6 @@ from megatron_entropy.models.sharding import unwrap_model
 ARCH_FILE = "arch.json"
 HF_SUBDIR = "hf"
 _LAYERS = "decoder.layers."
-_TORCH_DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
 class CheckpointError(ValueError):
@@ -208,7 +208,7 @@ def _peak_rss_bytes() -> int:
 
 
 def _config_dtype(cfg: dict) -> Optional[str]:
-    return _TORCH_DTYPE_NAMES.get(str(cfg.get("dtype") or cfg.get("torch_dtype")))
+    return name_of_long(cfg.get("dtype") or cfg.get("torch_dtype"))
 
 
 def _cast_checked(t: torch.Tensor, dtype: torch.dtype, what: str) -> torch.Tensor:
@@ -486,8 +486,7 @@ def convert_checkpoint_to_hf(ckpt_dir: Union[str, Path], out_dir: Union[str, Pat
                                 max_shard_bytes=max_shard_bytes, specs=specs)
     if _config_dtype(cfg) not in (None, dtype):
         # The weights' dtype changed: say so in config.json, as save_pretrained would.
-        names = {v: k for k, v in _TORCH_DTYPE_NAMES.items()}
-        cfg.update({k: names[dtype] for k in ("dtype", "torch_dtype") if k in cfg})
+        cfg.update({k: long_name(dtype) for k in ("dtype", "torch_dtype") if k in cfg})
         (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
     return {**stats, "seconds": time.perf_counter() - start,
             "peak_rss_bytes": float(_peak_rss_bytes())}

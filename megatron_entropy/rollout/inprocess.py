@@ -26,10 +26,10 @@ import transformers
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from megatron_entropy.data.dataset import load_tokenizer
+from megatron_entropy.models.builder import DTYPES
 from megatron_entropy.rollout.base import Completion, NamedTensors, RolloutEngine, SamplingParams
-from megatron_entropy.rollout.servers import sample_seed
+from megatron_entropy.runtime.seeds import sample_seed
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _version(v: str) -> tuple[int, ...]:

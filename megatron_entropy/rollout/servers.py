@@ -37,7 +37,6 @@ import abc
 import asyncio
 import concurrent.futures
 import contextlib
-import hashlib
 import itertools
 import json
 import logging
@@ -188,13 +187,6 @@ class Server:
         if self.log_path is not None:
             where += f"; log {self.log_path}"
         return where
-
-
-def sample_seed(seed: int, prompt_index: int, sample_index: int) -> int:
-    """The seed of sample j of prompt i: the same in every process and run, in [0, 2**31)."""
-    digest = hashlib.blake2b(f"{seed}:{prompt_index}:{sample_index}".encode(),
-                             digest_size=8).digest()
-    return int.from_bytes(digest, "little") % (2**31 - 1)
 
 
 def fill_command(template: list[str], python: str, model: str, host: str, port: int,

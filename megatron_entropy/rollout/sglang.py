@@ -53,7 +53,9 @@ from megatron_entropy.rollout.base import Completion, NamedTensors, SamplingPara
 from megatron_entropy.rollout.servers import (AbortApi, RequestAborted, RequestRejected, Server,
                                               ServerEngine, ServerError, ServerPool,
                                               eos_token_ids, fill_command,
-                                              finished_before_resume, free_port, sample_seed)
+                                              finished_before_resume, free_port)
+from megatron_entropy.runtime.dtypes import long_name
+from megatron_entropy.runtime.seeds import sample_seed
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +144,7 @@ def server_argv(c: ServerConfig, model_dir: str, port: int,
         return fill_command(c.launch_command, c.server_python, model_dir, c.host, port,
                             str(weight_version))
     argv = [c.server_python, "-m", "sglang.launch_server", "--model-path", model_dir,
-            "--host", c.host, "--port", str(port), "--dtype", c.dtype,
+            "--host", c.host, "--port", str(port), "--dtype", long_name(c.dtype),
             "--weight-version", str(weight_version)]
     if c.max_model_len:
         argv += ["--context-length", str(c.max_model_len)]

@@ -36,7 +36,9 @@ from megatron_entropy.models.bridge import save_exported_weights
 from megatron_entropy.rollout.base import Completion, NamedTensors, SamplingParams
 from megatron_entropy.rollout.servers import (AbortApi, RequestAborted, Server, ServerEngine,
                                               ServerError, ServerPool, eos_token_ids,
-                                              fill_command, finished_before_resume, sample_seed)
+                                              fill_command, finished_before_resume)
+from megatron_entropy.runtime.dtypes import long_name
+from megatron_entropy.runtime.seeds import sample_seed
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +55,7 @@ def server_argv(c: ServerConfig, model_dir: str, port: int,
                             str(weight_version))
     argv = [c.server_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
             "--served-model-name", SERVED_NAME, "--host", c.host, "--port", str(port),
-            "--dtype", c.dtype, "--logprobs-mode", "processed_logprobs", "--seed", "0"]
+            "--dtype", long_name(c.dtype), "--logprobs-mode", "processed_logprobs", "--seed", "0"]
     if c.max_model_len:
         argv += ["--max-model-len", str(c.max_model_len)]
     return argv + list(c.extra_args)

@@ -27,7 +27,6 @@ adjustments in the loss.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -36,37 +35,20 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_entropy.algorithms.aggregation import step_normalizer
 from megatron_entropy.algorithms import token_rules as rules_ops
-from megatron_entropy.algorithms.policy_loss import (PolicyLossSettings, TokenAdjustments,
-                                                     policy_loss, reduce_metrics,
-                                                     select_tokens_global)
-from megatron_entropy.algorithms.rollout_correction import (RolloutCorrection,
-                                                            RolloutCorrectionSettings,
-                                                            correct_rollout)
-from megatron_entropy.algorithms.token_rules import TokenRuleSettings
+from megatron_entropy.algorithms.policy_loss import (TokenAdjustments, policy_loss,
+                                                     reduce_metrics, select_tokens_global)
+from megatron_entropy.algorithms.rollout_correction import RolloutCorrection, correct_rollout
+from megatron_entropy.algorithms.settings import PolicyLossSettings, TokenRuleSettings
 from megatron_entropy.analysis.entropy_change import entropy_change_metrics
+from megatron_entropy.config import AlgorithmConfig, TrainerConfig
 from megatron_entropy.models.arch import ModelArch
 from megatron_entropy.models.output_head import (hidden_states_instead_of_logits,
                                                  output_layer_weight)
 from megatron_entropy.ops.logprob_entropy import (fused_linear_logprob_entropy,
                                                   vocab_parallel_logprob_entropy)
+from megatron_entropy.runtime.seeds import micro_batch_draw_seed, update_seed
 from megatron_entropy.trainer.batch import MicroBatch, Sample, pack_micro_batches, to_device
 from megatron_entropy.trainer.model_setup import optimizer_step
-
-
-@dataclass
-class ActorSettings:
-    logprob_impl: str = "fused"  # fused | chunked
-    chunk_tokens: int = 1024
-    temperature: float = 1.0
-    micro_batch_tokens: int = 16384
-    mini_batches_per_step: int = 1
-    ppo_epochs: int = 1
-    cov_scope: str = "micro_batch"
-    global_selection_logprobs: str = "recompute"  # recompute | fresh
-    seed: int = 0
-    token_rules: TokenRuleSettings = field(default_factory=TokenRuleSettings)  # all off
-    rollout_correction: RolloutCorrectionSettings = field(
-        default_factory=RolloutCorrectionSettings)  # mode none: metrics only
 
 
 class StepRules:
@@ -121,15 +103,21 @@ class StepRules:
 
 
 class Actor:
+    """The policy's updates, configured by the ``algorithm`` section (the loss's settings, the
+    token rules, the rollout correction, log-prob and Cov-scope keys) and the ``trainer``
+    section (micro-batch budget, mini-batches, epochs, seed); ``temperature`` is the rollout's,
+    at which log-probs and entropies are scored."""
+
     def __init__(self, arch: ModelArch, model_chunks: list, optimizer, scheduler,
-                 loss_settings: PolicyLossSettings, settings: ActorSettings,
+                 algorithm: AlgorithmConfig, trainer: TrainerConfig, temperature: float,
                  ref_model: Optional[torch.nn.Module] = None) -> None:
         self.arch = arch
         self.model = model_chunks
         self.optimizer = optimizer
         self.scheduler = scheduler
-        self.loss_settings = loss_settings
-        self.settings = settings
+        self.algorithm = algorithm
+        self.trainer = trainer
+        self.temperature = temperature
         self.ref_model = ref_model
         self.ps = ps
         self.device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
@@ -143,15 +131,15 @@ class Actor:
         rows = flat.index_select(0, mb.flat_positions)
         kwargs = dict(vocab_size=self.arch.vocab_size,
                       group=self.ps.get_tensor_model_parallel_group(),
-                      temperature=self.settings.temperature,
-                      chunk_tokens=self.settings.chunk_tokens)
-        if self.settings.logprob_impl == "fused":
+                      temperature=self.temperature,
+                      chunk_tokens=self.algorithm.logprob_chunk_tokens)
+        if self.algorithm.logprob_impl == "fused":
             return fused_linear_logprob_entropy(rows, output_layer_weight(model), mb.targets,
                                                 **kwargs)
         return vocab_parallel_logprob_entropy(rows, mb.targets, **kwargs)
 
     def _model_forward(self, model, mb: MicroBatch) -> torch.Tensor:
-        if self.settings.logprob_impl == "fused":
+        if self.algorithm.logprob_impl == "fused":
             with hidden_states_instead_of_logits(model):
                 return model(mb.tokens, mb.position_ids, None)
         return model(mb.tokens, mb.position_ids, None)
@@ -213,7 +201,7 @@ class Actor:
         the frozen reference), on every rank of the replica."""
         if reference and self.ref_model is None:
             raise RuntimeError("reference log-probs need a reference model (algorithm.kl_coef > 0)")
-        mbs = pack_micro_batches(samples, self.settings.micro_batch_tokens)
+        mbs = pack_micro_batches(samples, self.trainer.micro_batch_tokens)
         stats = self._forward_only([self.ref_model] if reference else self.model, mbs)
         result: list = [None] * len(samples)
         if self.ps.is_pipeline_last_stage():
@@ -239,10 +227,10 @@ class Actor:
         """The ([B, R] log-probs, entropies) per micro-batch that choose for the ``global``
         populations, on the loss's device; None when nothing selects globally or off the last
         PP stage."""
-        if self.settings.cov_scope != "global" and \
-                not StepRules.needs_select_entropies(self.settings.token_rules):
+        if self.algorithm.cov_scope != "global" and \
+                not StepRules.needs_select_entropies(self.algorithm.token_rules):
             return None
-        if self.settings.global_selection_logprobs == "fresh":
+        if self.algorithm.global_selection_logprobs == "fresh":
             # An extra forward-only pass: the current policy's log-probs, exact for every update.
             fresh = self._forward_only(self.model, mbs)
             if not self.ps.is_pipeline_last_stage():
@@ -259,24 +247,24 @@ class Actor:
     def _global_selections(self, mbs: list[MicroBatch], inputs: Optional[tuple[list, list]],
                            seed: int) -> Optional[list]:
         """Clip-Cov/KL-Cov token choice over the whole optimizer step (cov_scope=global)."""
-        if self.settings.cov_scope != "global" or inputs is None:
+        if self.algorithm.cov_scope != "global" or inputs is None:
             return None
         # On the device of the loss (and of NCCL's collectives).
         dev = [to_device(mb, self.device) for mb in mbs]
         return select_tokens_global(
-            self.loss_settings, inputs[0], [mb.old_logprobs for mb in dev],
+            self.algorithm, inputs[0], [mb.old_logprobs for mb in dev],
             [mb.advantages for mb in dev], [mb.mask for mb in dev],
             dp_group=self.ps.get_data_parallel_group(), seed=seed)
 
     def _shape_advantages(self, mbs: list[MicroBatch], samples: Sequence[Sample]
                           ) -> dict[int, dict]:
         """Entropy advantage shaping in place (``mb.advantages``); its metrics per micro-batch."""
-        if not self.settings.token_rules.entropy_advantage:
+        if not self.algorithm.token_rules.entropy_advantage:
             return {}
         metrics = {}
         for mb in mbs:
             mb.advantages, metrics[mb.index] = rules_ops.shape_advantages(
-                self.settings.token_rules, mb.advantages, _recomputed_entropy(mb, samples),
+                self.algorithm.token_rules, mb.advantages, _recomputed_entropy(mb, samples),
                 mb.mask)
         return metrics
 
@@ -286,7 +274,7 @@ class Actor:
         every rank, before the step normalizer). Micro-batches without (finite) engine
         log-probs are left out when the mode is ``none`` (it only logs metrics: a run without
         correction never stops for them) and an error otherwise."""
-        settings = self.settings.rollout_correction
+        settings = self.algorithm.rollout_correction
         out = {}
         for mb in mbs:
             if settings.mode == "none" and (mb.engine_logprobs is None or not bool(
@@ -304,40 +292,40 @@ class Actor:
 
     def update(self, samples: list[Sample], step: int) -> dict[str, float]:
         """ppo_epochs x mini_batches_per_step optimizer steps over this rank's samples."""
-        n_mini = self.settings.mini_batches_per_step
+        n_mini = self.trainer.mini_batches_per_step
         bounds = [round(i * len(samples) / n_mini) for i in range(n_mini + 1)]
         all_metrics: list[dict] = []
         opt_stats: list[dict] = []
-        for epoch in range(self.settings.ppo_epochs):
+        for epoch in range(self.trainer.ppo_epochs):
             for k in range(n_mini):
                 ids = list(range(bounds[k], bounds[k + 1]))
-                mbs = pack_micro_batches(samples, self.settings.micro_batch_tokens, ids)
+                mbs = pack_micro_batches(samples, self.trainer.micro_batch_tokens, ids)
                 corrections = self._correct_rollouts(mbs, samples)
                 shaping = self._shape_advantages(mbs, samples)
                 normalizer = step_normalizer([mb.mask for mb in mbs],
-                                             self.loss_settings.loss_agg_mode,
+                                             self.algorithm.loss_agg_mode,
                                              self.ps.get_data_parallel_group())
-                if normalizer == 0 and self.settings.rollout_correction.mode == "mis":
+                if normalizer == 0 and self.algorithm.rollout_correction.mode == "mis":
                     raise RuntimeError(
                         f"step {step}: algorithm.rollout_correction.mode=mis rejected every "
                         f"token of mini-batch {k} (ratio trainer/engine outside "
-                        f"[{self.settings.rollout_correction.mis_low}, "
-                        f"{self.settings.rollout_correction.mis_high}]): the engine and the "
+                        f"[{self.algorithm.rollout_correction.mis_low}, "
+                        f"{self.algorithm.rollout_correction.mis_high}]): the engine and the "
                         "trainer disagree far beyond precision; check the weight sync "
                         "(rollout/logprob_drift) or widen mis_low/mis_high")
                 # Every draw derives from (seed, step, epoch, mini-batch, micro-batch): resumable.
-                update_seed = ((self.settings.seed * 1_000_003 + step) * 1009 + epoch) * 101 + k
+                draw_seed = update_seed(self.trainer.seed, step, epoch, k)
                 inputs = self._selection_inputs(mbs, samples)
-                selections = self._global_selections(mbs, inputs, update_seed)
+                selections = self._global_selections(mbs, inputs, draw_seed)
                 step_rules = None
                 if self.ps.is_pipeline_last_stage():
-                    step_rules = StepRules(self.settings.token_rules, self.loss_settings,
+                    step_rules = StepRules(self.algorithm.token_rules, self.algorithm,
                                            [mb.mask.to(self.device) for mb in mbs],
                                            None if inputs is None else inputs[1],
                                            self.ps.get_data_parallel_group())
 
                 def loss_fn(model, output, mb, normalizer=normalizer, selections=selections,
-                            update_seed=update_seed, step_rules=step_rules, shaping=shaping,
+                            draw_seed=draw_seed, step_rules=step_rules, shaping=shaping,
                             corrections=corrections):
                     logp, ent = self._token_stats(model, output, mb)
                     entropy = mb.scatter(ent)
@@ -345,9 +333,9 @@ class Actor:
                     if mb.index in corrections:
                         adjust = _with_correction(adjust, corrections[mb.index], entropy.device)
                         rule_metrics.update(corrections[mb.index].metrics)
-                    gen = torch.Generator().manual_seed(update_seed * 997 + mb.index)
+                    gen = torch.Generator().manual_seed(micro_batch_draw_seed(draw_seed, mb.index))
                     loss, metrics = policy_loss(
-                        self.loss_settings, mb.scatter(logp), mb.old_logprobs,
+                        self.algorithm, mb.scatter(logp), mb.old_logprobs,
                         mb.advantages, mb.mask, normalizer=normalizer, entropy=entropy,
                         ref_logp=mb.ref_logprobs,
                         selection=None if selections is None else selections[mb.index],

@@ -28,10 +28,9 @@ def build_controller(algorithm: AlgorithmConfig, vocab_size: int
 
 
 def apply_knob(controller: Optional[EntropyController], actor: Any) -> None:
-    """Put the knob for the coming step into the actor's loss settings."""
+    """Put the knob for the coming step into the actor's loss settings (its ``algorithm``)."""
     if controller is not None:
-        actor.loss_settings = replace(actor.loss_settings,
-                                      **{controller.settings.knob: controller.value})
+        actor.algorithm = replace(actor.algorithm, **{controller.settings.knob: controller.value})
 
 
 def update_controller(controller: Optional[EntropyController], metrics: dict[str, float]

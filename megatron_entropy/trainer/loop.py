@@ -22,9 +22,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from megatron_entropy.algorithms.policy_loss import PolicyLossSettings
-from megatron_entropy.config import (Config, rollout_correction_settings, save_run_config,
-                                     token_rule_settings)
+from megatron_entropy.config import Config, save_run_config
 from megatron_entropy.data import PromptSampler, data_notes, load_prompt_dataset, load_tokenizer
 from megatron_entropy.models.arch import load_arch
 from megatron_entropy.models.bridge import export_hf_weights, load_hf_weights
@@ -35,8 +33,9 @@ from megatron_entropy.rollout import build_engine, engine_is_shared
 from megatron_entropy.rollout.base import SamplingParams
 from megatron_entropy.runtime import init_distributed, set_seed, shutdown
 from megatron_entropy.runtime.roles import Roles
+from megatron_entropy.runtime.seeds import rollout_step_seed, validation_seed
 from megatron_entropy.trainer import preemption
-from megatron_entropy.trainer.actor import Actor, ActorSettings
+from megatron_entropy.trainer.actor import Actor
 from megatron_entropy.trainer.async_rollouts import AsyncRollouts
 from megatron_entropy.trainer.checkpoint import (CheckpointError, CheckpointManager,
                                                  verify_checkpoint)
@@ -45,8 +44,7 @@ from megatron_entropy.trainer.entropy_control import (apply_knob, build_controll
                                                       controller_state, restore_controller,
                                                       update_controller)
 from megatron_entropy.trainer.metrics import MetricsLogger, PhaseTimer
-from megatron_entropy.trainer.model_setup import (OptimSettings, build_optimizer,
-                                                  build_trainable_model)
+from megatron_entropy.trainer.model_setup import build_optimizer, build_trainable_model
 from megatron_entropy.trainer.preemption import PREEMPTED_EXIT_CODE
 from megatron_entropy.trainer.rollouts import (collect_step_groups, generate_round,
                                                groups_to_samples, rollout_metrics)
@@ -174,16 +172,11 @@ class Trainer:
         resume_from = self._resume_path()
         sharded_optimizer = cfg.trainer.uses_distributed_optimizer(
             ps.get_data_parallel_world_size(), on_gpu=dist.get_backend() == "nccl")
-        self.model = build_trainable_model(self.arch, cfg.parallel.tensor, cfg.parallel.pipeline,
-                                           m.dtype, m.transformer_impl, m.seq_length,
-                                           cfg.parallel.sequence_parallel,
-                                           m.recompute_activations, sharded_optimizer)
+        self.model = build_trainable_model(self.arch, m, cfg.parallel, sharded_optimizer)
         if resume_from is None:
             self._load_initial_weights(self.model[0])
-        optimizer, scheduler = build_optimizer(
-            self.model, OptimSettings.from_trainer_config(
-                cfg.trainer, cfg.trainer.steps * cfg.trainer.ppo_epochs
-                * cfg.trainer.mini_batches_per_step), m.dtype, sharded_optimizer)
+        optimizer, scheduler = build_optimizer(self.model, cfg.trainer, m.dtype,
+                                               sharded_optimizer)
         ref_model = None
         if cfg.algorithm.kl_coef > 0:
             ref_model = build_gpt_model(self.arch, cfg.parallel.tensor, cfg.parallel.pipeline,
@@ -191,19 +184,9 @@ class Trainer:
                                         cfg.parallel.sequence_parallel)
             self._load_initial_weights(ref_model)
             ref_model.requires_grad_(False)
-        a = cfg.algorithm
-        self.actor = Actor(
-            self.arch, self.model, optimizer, scheduler, PolicyLossSettings.from_config(a),
-            ActorSettings(logprob_impl=a.logprob_impl, chunk_tokens=a.logprob_chunk_tokens,
-                          temperature=cfg.rollout.temperature,
-                          micro_batch_tokens=cfg.trainer.micro_batch_tokens,
-                          mini_batches_per_step=cfg.trainer.mini_batches_per_step,
-                          ppo_epochs=cfg.trainer.ppo_epochs, cov_scope=a.cov_scope,
-                          global_selection_logprobs=a.global_selection_logprobs,
-                          seed=cfg.trainer.seed, token_rules=token_rule_settings(a),
-                          rollout_correction=rollout_correction_settings(a)),
-            ref_model=ref_model)
-        self.controller = build_controller(a, self.arch.vocab_size)
+        self.actor = Actor(self.arch, self.model, optimizer, scheduler, cfg.algorithm,
+                           cfg.trainer, cfg.rollout.temperature, ref_model=ref_model)
+        self.controller = build_controller(cfg.algorithm, self.arch.vocab_size)
         self.drift = DriftTrend()
 
         self.state = RunState(rollout_seed=cfg.rollout.seed)
@@ -219,10 +202,8 @@ class Trainer:
         # Rollout engine: per DP leader (in-process) or one set of servers for the job.
         self.engine = build_engine(cfg.rollout, self.hf_dir, self.run_dir) \
             if self.roles.talks_to_engine else None
-        self.logger = MetricsLogger(self.run_dir, cfg.trainer.steps, self.rank0,
-                                    cfg.logging.progress_bar, cfg.logging.tensorboard,
-                                    cfg.logging.wandb, cfg.logging.wandb_project, cfg.to_dict(),
-                                    start_step=self.state.step)
+        self.logger = MetricsLogger(self.run_dir, cfg.trainer.steps, self.rank0, cfg.logging,
+                                    cfg.to_dict(), start_step=self.state.step)
         if resume_from is not None:
             self.logger.write(f"resumed from {resume_from} at step {self.state.step}")
         notes, self.data_metrics = data_notes(self.train_data, self.val_data,
@@ -282,11 +263,11 @@ class Trainer:
                                   top_p=1.0 if greedy else r.top_p, top_k=1 if greedy else r.top_k,
                                   max_new_tokens=r.max_new_tokens, stop=tuple(r.stop),
                                   stop_token_ids=tuple(r.stop_token_ids),
-                                  seed=self.state.rollout_seed + 7_919 * (step + 1) + 1)
+                                  seed=validation_seed(self.state.rollout_seed, step))
         return SamplingParams(n=r.n_samples, temperature=r.temperature, top_p=r.top_p,
                               top_k=r.top_k, max_new_tokens=r.max_new_tokens, stop=tuple(r.stop),
                               stop_token_ids=tuple(r.stop_token_ids),
-                              seed=self.state.rollout_seed + 7_919 * (step + 1))
+                              seed=rollout_step_seed(self.state.rollout_seed, step))
 
     def rollout(self, step: int):
         d = self.cfg.data

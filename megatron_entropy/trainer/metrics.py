@@ -11,6 +11,8 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
+from megatron_entropy.config import LoggingConfig
+
 # Shown in the progress bar, in this order, when present.
 PROGRESS_KEYS = (("acc/mean", "acc"), ("reward/mean", "R"), ("entropy/seq_mean", "H"),
                  ("val/acc/mean", "val"), ("loss/selected_frac", "sel"), ("grad_norm", "gn"))
@@ -42,9 +44,13 @@ def _clean(value: Any) -> Any:
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: Path, total_steps: int, enabled: bool, progress_bar: bool = True,
-                 tensorboard: bool = False, wandb: bool = False, wandb_project: str = "",
-                 config: Optional[dict] = None, start_step: int = 0) -> None:
+    """metrics.jsonl of ``run_dir`` and the backends that ``settings``, the ``logging`` section,
+    turns on (progress bar, tensorboard, wandb); only where ``enabled`` (rank 0)."""
+
+    def __init__(self, run_dir: Path, total_steps: int, enabled: bool,
+                 settings: Optional[LoggingConfig] = None, config: Optional[dict] = None,
+                 start_step: int = 0) -> None:
+        settings = settings or LoggingConfig()
         self.enabled = enabled
         self.path = Path(run_dir) / "metrics.jsonl"
         self._bar = None
@@ -56,19 +62,20 @@ class MetricsLogger:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._truncate_after(start_step)
         # Each backend loads only when asked for: tensorboard and wandb are optional packages.
-        if progress_bar:
+        if settings.progress_bar:
             from tqdm import tqdm
 
             self._bar = tqdm(total=total_steps, initial=start_step, desc="RL steps",
                              dynamic_ncols=True)
-        if tensorboard:
+        if settings.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
-        if wandb:
+        if settings.wandb:
             import wandb as wandb_lib
 
-            self._wandb = wandb_lib.init(project=wandb_project, name=Path(run_dir).name,
+            self._wandb = wandb_lib.init(project=settings.wandb_project,
+                                         name=Path(run_dir).name,
                                          config=config, dir=str(run_dir), resume="allow")
 
     def _truncate_after(self, step: int) -> None:

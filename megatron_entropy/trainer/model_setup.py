@@ -9,37 +9,16 @@ both, and ``finalize_model_grads`` is called without a token count so that it do
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
-import torch
 from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
                                        finalize_model_grads)
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from megatron_entropy.config import ModelConfig, ParallelConfig, TrainerConfig
 from megatron_entropy.models.arch import ModelArch
-from megatron_entropy.models.builder import build_gpt_model
-
-
-@dataclass
-class OptimSettings:
-    lr: float = 1e-6
-    min_lr: float = 0.0
-    lr_schedule: str = "constant"  # constant | cosine
-    warmup_steps: int = 0
-    total_steps: int = 1
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-
-    @classmethod
-    def from_trainer_config(cls, t: Any, total_steps: int) -> "OptimSettings":
-        return cls(lr=t.lr, min_lr=t.min_lr, lr_schedule=t.lr_schedule, warmup_steps=t.warmup_steps,
-                   total_steps=total_steps, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
-                   adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps)
+from megatron_entropy.models.builder import DTYPES, build_gpt_model
 
 
 def _finalize_without_rescale(model, num_tokens=None, *args, **kwargs):
@@ -47,16 +26,16 @@ def _finalize_without_rescale(model, num_tokens=None, *args, **kwargs):
     return finalize_model_grads(model, None, *args, **kwargs)
 
 
-def build_trainable_model(arch: ModelArch, tensor: int, pipeline: int, dtype: str = "fp32",
-                          transformer_impl: str = "auto", seq_length: int = 4096,
-                          sequence_parallel: bool = False, recompute: bool = False,
+def build_trainable_model(arch: ModelArch, model_cfg: ModelConfig, parallel: ParallelConfig,
                           distributed_optimizer: bool = False) -> list:
-    """GPTModel in Megatron's DDP (one chunk: no virtual pipeline), ready for the schedules.
-    ``distributed_optimizer`` lays the grad buffer out for Megatron's distributed optimizer
-    (grads reduce-scattered over DP, each rank updating its shard); pass the same to
-    `build_optimizer`."""
-    model = build_gpt_model(arch, tensor, pipeline, dtype, transformer_impl, seq_length,
-                            sequence_parallel, recompute)
+    """GPTModel in Megatron's DDP (one chunk: no virtual pipeline), ready for the schedules, as
+    the ``model`` and ``parallel`` sections say (dtype, layer spec, seq_length, recompute; TP, PP,
+    sequence parallel). ``distributed_optimizer`` lays the grad buffer out for Megatron's
+    distributed optimizer (grads reduce-scattered over DP, each rank updating its shard); pass
+    the same to `build_optimizer`."""
+    model = build_gpt_model(arch, parallel.tensor, parallel.pipeline, model_cfg.dtype,
+                            model_cfg.transformer_impl, model_cfg.seq_length,
+                            parallel.sequence_parallel, model_cfg.recompute_activations)
     config = model.config
     config.calculate_per_token_loss = True
     config.finalize_model_grads_func = _finalize_without_rescale
@@ -67,21 +46,20 @@ def build_trainable_model(arch: ModelArch, tensor: int, pipeline: int, dtype: st
     return [ddp]
 
 
-def build_optimizer(model_chunks: list, settings: OptimSettings, dtype: str = "fp32",
+def build_optimizer(model_chunks: list, settings: TrainerConfig, dtype: str = "fp32",
                     distributed_optimizer: bool = False):
-    """Megatron's AdamW (fp32 master weights for bf16/fp16 params) and its LR/WD schedule; with
+    """Megatron's AdamW (fp32 master weights for bf16/fp16 params) and its LR/WD schedule over
+    the run's ``settings.total_updates``, from the ``trainer`` section; with
     ``distributed_optimizer`` the main weights and Adam moments are sharded over DP."""
     opt_config = OptimizerConfig(
         optimizer="adam", lr=settings.lr, min_lr=settings.min_lr,
         weight_decay=settings.weight_decay, adam_beta1=settings.adam_beta1,
         adam_beta2=settings.adam_beta2, adam_eps=settings.adam_eps,
         clip_grad=settings.grad_clip, bf16=dtype == "bf16", fp16=dtype == "fp16",
-        params_dtype={"fp32": torch.float32, "bf16": torch.bfloat16,
-                      "fp16": torch.float16}[dtype],
-        use_distributed_optimizer=distributed_optimizer)
+        params_dtype=DTYPES[dtype], use_distributed_optimizer=distributed_optimizer)
     # init_distributed creates no gloo DP groups; Megatron's optimizer would look them up.
     optimizer = get_megatron_optimizer(opt_config, model_chunks, use_gloo_process_groups=False)
-    decay_steps = max(settings.total_steps, settings.warmup_steps + 1)
+    decay_steps = max(settings.total_updates, settings.warmup_steps + 1)
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0 if settings.warmup_steps else settings.lr, max_lr=settings.lr,
         min_lr=settings.min_lr if settings.lr_schedule == "cosine" else settings.lr,

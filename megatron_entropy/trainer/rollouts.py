@@ -29,6 +29,7 @@ from megatron_entropy.algorithms.advantages import compute_advantages
 from megatron_entropy.data import GroupFilter, PromptItem
 from megatron_entropy.rollout.base import Completion, RolloutEngine, SamplingParams
 from megatron_entropy.runtime.roles import Roles
+from megatron_entropy.runtime.seeds import refill_round_seed
 from megatron_entropy.trainer.batch import Sample
 
 
@@ -136,7 +137,7 @@ def _generate_groups(engine: Optional[RolloutEngine], items: Sequence[PromptItem
 
 def _round_sampling(sampling: SamplingParams, round_index: int) -> SamplingParams:
     """Refill round ``round_index``'s sampling: its own seed."""
-    return SamplingParams(**{**vars(sampling), "seed": (sampling.seed or 0) * 31 + round_index})
+    return SamplingParams(**{**vars(sampling), "seed": refill_round_seed(sampling.seed, round_index)})
 
 
 def _send_shares(held: dict[tuple[int, int], Group], kept: list[tuple[int, int]], shared: bool

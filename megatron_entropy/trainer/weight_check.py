@@ -20,12 +20,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_entropy.rollout.base import RolloutEngine, SamplingParams
+from megatron_entropy.runtime.dtypes import DTYPES
 from megatron_entropy.trainer.batch import Sample
 
-# Unit roundoff (half an ulp at 1) of each dtype the engine or the actor computes in.
-UNIT_ROUNDOFF = {"fp32": 2.0**-24, "bf16": 2.0**-8, "fp16": 2.0**-11}
-SERVER_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16",
-                 "auto": "bf16"}  # auto: the checkpoint's dtype; bf16 is the coarsest it can be
 # Tolerance in units of the coarser dtype's roundoff, with a floor for two fp32 paths.
 ROUNDOFFS_TOLERATED = 25
 FP32_FLOOR = 1e-3
@@ -46,15 +43,16 @@ def probe_tolerance(engine_dtype: str, actor_dtype: str) -> float:
     roundoffs of bf16 (0.098) is 13x the worst measured mean and 16x below the smallest
     wrong-weights drift measured (1.57 nats; the real SGLang failure was 6-13). fp16: 0.012;
     fp32 on both sides: the 1e-3 floor (two fp32 implementations differ by ~1e-6)."""
-    coarse = max(UNIT_ROUNDOFF[engine_dtype], UNIT_ROUNDOFF[actor_dtype])
+    coarse = max(DTYPES[engine_dtype].unit_roundoff, DTYPES[actor_dtype].unit_roundoff)
     return max(ROUNDOFFS_TOLERATED * coarse, FP32_FLOOR)
 
 
 def engine_dtype(rollout_cfg) -> str:
-    """The dtype the configured engine computes log-probs in (one of UNIT_ROUNDOFF's keys)."""
+    """The dtype the configured engine computes log-probs in (a key of runtime.dtypes.DTYPES);
+    a server's ``auto`` (the checkpoint's dtype) counts as bf16, the coarsest it can be."""
     if rollout_cfg.engine == "inprocess":
         return rollout_cfg.dtype
-    return SERVER_DTYPES[rollout_cfg.server.dtype]
+    return "bf16" if rollout_cfg.server.dtype == "auto" else rollout_cfg.server.dtype
 
 
 def probe_sampling(temperature: float, tokens: int) -> SamplingParams:

@@ -45,16 +45,17 @@ def main() -> int:
     from megatron_entropy.models.arch import arch_from_hf_config
     from megatron_entropy.launch.plan import GiB, make_plan
     from megatron_entropy.runtime import init_distributed, set_seed
-    from megatron_entropy.trainer.model_setup import (OptimSettings, build_optimizer,
-                                                      build_trainable_model)
+    from megatron_entropy.config import ModelConfig, ParallelConfig, TrainerConfig
+    from megatron_entropy.trainer.model_setup import build_optimizer, build_trainable_model
 
     os.environ.setdefault("MASTER_PORT", "29517")
     arch = arch_from_hf_config({**QWEN25_15B, "num_hidden_layers": args.layers})
     init_distributed(1, 1)
     set_seed(0)
-    chunks = build_trainable_model(arch, 1, 1, dtype="bf16", seq_length=args.tokens,
-                                   recompute=True)
-    optimizer, _ = build_optimizer(chunks, OptimSettings(), dtype="bf16")
+    chunks = build_trainable_model(
+        arch, ModelConfig(dtype="bf16", seq_length=args.tokens, recompute_activations=True),
+        ParallelConfig())
+    optimizer, _ = build_optimizer(chunks, TrainerConfig(steps=1, weight_decay=0.0), dtype="bf16")
     model = chunks[0]
     model.train()
 

@@ -1,0 +1,119 @@
+"""The settings of the pure algorithms: the policy loss, the entropy-aware token rules and the
+rollout correction. The config tree composes them (``algorithm`` is a ``PolicyLossSettings``,
+``algorithm.token_rules`` a ``TokenRuleSettings``, ``algorithm.rollout_correction`` a
+``RolloutCorrectionSettings``), so each default, bound and rule exists here once. Standard
+library only: the config validates them without loading torch.
+"""
+
+from __future__ import annotations
+
+import typing
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+from megatron_entropy.settings import SettingError, Settings, setting
+
+LossName = Literal["ppo_clip", "clip_cov", "kl_cov"]
+AggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
+KlType = Literal["k1", "abs", "k3"]
+AGG_MODES = typing.get_args(AggMode)
+KL_TYPES = typing.get_args(KlType)
+
+
+@dataclass
+class PolicyLossSettings(Settings):
+    """The loss's knobs (``algorithms/policy_loss.py``)."""
+
+    loss: LossName = "kl_cov"
+    clip_ratio_low: float = setting(0.2, ge=0)
+    clip_ratio_high: float = setting(0.28, ge=0)
+    dual_clip_c: Optional[float] = setting(None, gt=1, help="ppo_clip dual-clip constant (>1), "
+                                                            "null=off")
+    clip_cov_ratio: float = setting(2e-4, gt=0, le=1, help="fraction of tokens detached by "
+                                                           "Clip-Cov")
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = setting(2e-3, gt=0, le=1, help="fraction of tokens KL-penalised by "
+                                                         "KL-Cov")
+    kl_cov_coef: float = setting(1.0, ge=0)
+    loss_agg_mode: AggMode = "token-mean"
+    entropy_coef: float = setting(0.0, ge=0)
+    kl_coef: float = setting(0.0, ge=0, help="> 0 loads a frozen reference model")
+    kl_type: KlType = "k3"
+
+    def validate(self) -> None:
+        super().validate()
+        if self.clip_cov_lb >= self.clip_cov_ub:
+            raise SettingError("clip_cov_lb", f"{self.clip_cov_lb} must be below clip_cov_ub "
+                                              f"({self.clip_cov_ub})")
+
+
+@dataclass
+class TokenRuleSettings(Settings):
+    """Entropy-aware token rules (``algorithms/token_rules.py``); each is off unless enabled."""
+
+    high_entropy_minority: bool = setting(False, help="policy gradient on the top-rho tokens by "
+                                                      "entropy only (80/20 rule; ppo_clip)")
+    high_entropy_rho: float = setting(0.2, gt=0, le=1, help="the fraction of tokens kept")
+    high_entropy_scope: Literal["micro_batch", "global"] = "micro_batch"
+    entropy_clip: bool = setting(False, help="wider clip range, weaker KL above the entropy "
+                                             "quantile (Archer; ppo_clip)")
+    entropy_clip_quantile: float = setting(0.8, gt=0, lt=1)
+    entropy_clip_scope: Literal["response", "micro_batch", "global"] = "response"
+    high_clip_ratio_low: float = setting(0.5, ge=0, lt=1, help="the ratio's floor is 1 - it")
+    high_clip_ratio_high: float = setting(0.5, ge=0)
+    high_entropy_kl_coef: float = setting(0.0, ge=0)
+    entropy_advantage: bool = setting(False, help="A <- A + min(alpha H, |A| / kappa)")
+    entropy_advantage_alpha: float = setting(0.4, gt=0)
+    entropy_advantage_kappa: float = setting(2.0, ge=1, help="below 1 the entropy term could "
+                                                             "turn a negative advantage positive")
+
+
+def check_token_rules(rules: TokenRuleSettings, loss: PolicyLossSettings) -> None:
+    """Refuse the combinations the references do not support (algorithms/token_rules.py)."""
+    if rules.high_entropy_minority and loss.loss != "ppo_clip":
+        raise SettingError("high_entropy_minority", f"combines with ppo_clip only, not "
+                           f"{loss.loss}: the 80/20 mask drops the low-entropy tokens whose "
+                           "Cov-based restraint the loss exists for")
+    if rules.entropy_clip and loss.loss != "ppo_clip":
+        raise SettingError("entropy_clip", f"combines with ppo_clip only, not {loss.loss}: "
+                           "clip_cov's candidates depend on its own clip range and kl_cov has "
+                           "no clipping")
+    if rules.high_entropy_minority and rules.entropy_clip:
+        raise SettingError("entropy_clip", "does not combine with high_entropy_minority (both "
+                           "split tokens by the same entropy quantile; Archer keeps the "
+                           "low-entropy tokens in the gradient)")
+    if rules.entropy_clip:
+        if rules.high_clip_ratio_low < loss.clip_ratio_low or \
+                rules.high_clip_ratio_high < loss.clip_ratio_high:
+            narrower = "high_clip_ratio_low" if rules.high_clip_ratio_low < loss.clip_ratio_low \
+                else "high_clip_ratio_high"
+            raise SettingError(narrower, f"high-entropy tokens get a wider clip "
+                               f"range: ({rules.high_clip_ratio_low}, "
+                               f"{rules.high_clip_ratio_high}) must not be narrower than "
+                               f"clip_ratio_low/high ({loss.clip_ratio_low}, "
+                               f"{loss.clip_ratio_high})")
+        if rules.high_entropy_kl_coef > loss.kl_coef:
+            raise SettingError("high_entropy_kl_coef", f"high-entropy tokens get a weaker KL "
+                               f"term: {rules.high_entropy_kl_coef} must not exceed kl_coef "
+                               f"({loss.kl_coef})")
+        if loss.kl_coef > 0 and loss.loss_agg_mode != "token-mean":
+            raise SettingError("entropy_clip", "with a KL to the reference (kl_coef > 0) needs "
+                               "loss_agg_mode token-mean (Archer averages each group's KL over "
+                               f"its own tokens); got {loss.loss_agg_mode}")
+
+
+@dataclass
+class RolloutCorrectionSettings(Settings):
+    """Train/rollout mismatch correction from the engine's log-probs
+    (``algorithms/rollout_correction.py``); rho = exp(recompute - engine) per token."""
+
+    mode: Literal["none", "tis", "mis"] = setting(
+        "none", help="none; tis: pg term x min(rho, tis_cap); mis: tokens with rho outside "
+                     "[mis_low, mis_high] leave the loss and its denominator")
+    level: Literal["token", "geometric"] = setting(
+        "token", help="geometric: rho = exp(mean log rho) over the sequence, for all its tokens")
+    tis_cap: float = setting(2.0, gt=0, help="tis: the weight's cap C")
+    mis_low: float = setting(0.5, ge=0, le=1, help="mis: smallest rho kept (inclusive); a "
+                                                   "token with ratio 1 (on-policy) must be kept")
+    mis_high: float = setting(2.0, ge=1, help="mis: largest rho kept (inclusive)")
