@@ -27,7 +27,7 @@ from megatron_entropy.trainer.async_rollouts import (RolloutPrefetcher, RolloutP
                                                      stale_samples, weight_version_of)
 from megatron_entropy.trainer.rollouts import Group, LocalStep
 from harness import metrics_rows
-from serving_model import make_served_model
+from serving_model import make_served_model, push_weights
 from test_preemption import _kill_marked
 from test_rollout_sglang import fake_command, greedy_reference, make_cfg, models  # noqa: F401
 
@@ -150,7 +150,7 @@ def test_rollout_in_flight_at_a_push_finishes_on_its_weights_tagged_and_survives
         while eng.pool._inflight_total < 2:  # both servers busy, six requests wait
             assert time.monotonic() < deadline
             time.sleep(0.01)
-        eng.update_weights(iter(models["model_b"].state_dict().items()), version=1)
+        push_weights(eng, models["model_b"].state_dict().items(), 1, tmp_path)
         victim = eng.pool.servers[1]
         old_pid = victim.process.pid
         os.kill(old_pid, signal.SIGKILL)

@@ -21,7 +21,7 @@ import torch
 from megatron_entropy.config import ServerConfig
 from megatron_entropy.rollout.base import SamplingParams
 from megatron_entropy.rollout.vllm import VLLMEngine
-from serving_model import make_served_model, reference_logprobs
+from serving_model import make_served_model, push_weights, reference_logprobs
 
 VENV_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
 PROMPTS = [[5, 6, 7, 8], [40, 41], [100, 7, 3, 9, 12]]
@@ -102,7 +102,7 @@ def greedy_drift(engine, model) -> float:
 
 def test_weight_sync_follows_new_weights(engine, models):
     assert greedy_drift(engine, models["model_a"]) <= 1e-2
-    stats = engine.update_weights(iter(models["model_b"].state_dict().items()), version=1)
+    stats = push_weights(engine, models["model_b"].state_dict().items(), 1, engine.pool.dir.parent)
     assert stats["weight_sync/bytes"] == sum(t.numel() * 4 for t in
                                              models["model_b"].state_dict().values())
     after = greedy_drift(engine, models["model_b"])
