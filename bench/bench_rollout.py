@@ -8,7 +8,8 @@ Needs .venv-vllm (.ci/setup-vllm.sh). Each engine first generates a warm-up batc
 call generates ``prompts x n`` samples at temperature 1 (random token-id prompts of 16 tokens),
 and tokens/s counts the response tokens generated. Weight sync: the server's own weights (every
 value nudged) go through the trainer's sync strategies (weight_sync/: the disk strategy writes the
-HF folder and the server reloads it; the in-process engine copies them in place). Prints a Markdown table; JSON goes to runs/.
+HF folder and the server reloads it; the in-process engine copies them in place). Prints a
+Markdown table; JSON goes to runs/.
 """
 
 from __future__ import annotations

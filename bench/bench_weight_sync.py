@@ -19,8 +19,8 @@ Per rank: bytes sent to another rank (``torch.distributed.send`` counted), bytes
 (safetensors tensor data counted as it is written) and peak memory during the sync: the growth
 of the process's resident set size over its value just before the sync, sampled every 2 ms by a
 thread (so tensors that live shorter than that can be missed; the allocator may also keep freed
-pages). Seconds are rank 0's, from the start of the sync to the server's answer; s/GB divides
-by the model's HF bytes (fp32). Prints a Markdown table; JSON to runs/bench_weight_sync.json.
+pages). Seconds are rank 0's, from the start of the sync to the server's answer, for each
+repeat; s/GB divides the fastest by the model's HF bytes (fp32). Prints a Markdown table; JSON to runs/bench_weight_sync.json.
 """
 
 from __future__ import annotations
@@ -179,6 +179,34 @@ def worker(hf_dir: Path, run_dir: Path, repeats: int) -> list[dict]:
     return rows
 
 
+def print_table(rows: list[dict], model_bytes: int, model: str, repeats: int) -> list[dict]:
+    """The Markdown table of one run; returns its rows."""
+    cores = os.cpu_count()
+    print(f"\n{model}: {model_bytes / 1e9:.3f} GB fp32; PP=2 gloo, one vLLM CPU server "
+          f"(bf16); {repeats} repeats; load average {min(r['load1'] for r in rows):.1f}-"
+          f"{max(r['load1'] for r in rows):.1f} on {cores} cores\n")
+    print("| path | rank (stage) | stage params MB | sent MB | written MB | peak RSS growth MB | "
+          "sync s (rank 0, each repeat) | s/GB (fastest) |")
+    print("|---|---|---|---|---|---|---|---|")
+    summary = []
+    for path in ("full_gather", "per_stage"):
+        secs = [r["seconds"] for r in rows if r["path"] == path and r["rank"] == 0]
+        for rank in (0, 1):
+            mine = [r for r in rows if r["path"] == path and r["rank"] == rank]
+            row = {"path": path, "rank": rank,
+                   "stage_param_MB": mine[0]["stage_param_bytes"] / 2**20,
+                   "sent_MB": max(r["sent"] for r in mine) / 2**20,
+                   "written_MB": max(r["written"] for r in mine) / 2**20,
+                   "rss_growth_MB": max(r["rss_growth"] for r in mine) / 2**20,
+                   "seconds": secs, "s_per_GB": min(secs) / (model_bytes / 1e9)}
+            summary.append(row)
+            print(f"| {path} | {rank} | {row['stage_param_MB']:.0f} | {row['sent_MB']:.0f} | "
+                  f"{row['written_MB']:.0f} | {row['rss_growth_MB']:.0f} | "
+                  + (" / ".join(f"{x:.2f}" for x in secs) + f" | {row['s_per_GB']:.1f} |"
+                     if rank == 0 else "| |"))
+    return summary
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hidden", type=int, default=1024)
@@ -208,30 +236,8 @@ def main() -> None:
         model_bytes = sum(t.numel() * t.element_size() for _, t in iter_hf_tensors(hf_dir))
         results = run_distributed(worker, 2, hf_dir, Path(runs), args.repeats, timeout=3000)
     rows = [r for by_rank in results for r in by_rank]
-    cores = os.cpu_count()
-    print(f"\nqwen2 h{args.hidden} x {args.layers} layers, vocab {args.vocab}: "
-          f"{model_bytes / 1e9:.3f} GB fp32; PP=2 gloo, one vLLM CPU server (bf16); "
-          f"{args.repeats} repeats; load average {min(r['load1'] for r in rows):.1f}-"
-          f"{max(r['load1'] for r in rows):.1f} on {cores} cores\n")
-    print("| path | rank (stage) | stage params MB | sent MB | written MB | peak RSS growth MB | "
-          "sync s (rank 0, median) | s/GB |")
-    print("|---|---|---|---|---|---|---|---|")
-    summary = []
-    for path in ("full_gather", "per_stage"):
-        secs = sorted(r["seconds"] for r in rows if r["path"] == path and r["rank"] == 0)
-        median = secs[len(secs) // 2]
-        for rank in (0, 1):
-            mine = [r for r in rows if r["path"] == path and r["rank"] == rank]
-            row = {"path": path, "rank": rank,
-                   "stage_param_MB": mine[0]["stage_param_bytes"] / 2**20,
-                   "sent_MB": max(r["sent"] for r in mine) / 2**20,
-                   "written_MB": max(r["written"] for r in mine) / 2**20,
-                   "rss_growth_MB": max(r["rss_growth"] for r in mine) / 2**20,
-                   "seconds_median": median, "s_per_GB": median / (model_bytes / 1e9)}
-            summary.append(row)
-            print(f"| {path} | {rank} | {row['stage_param_MB']:.0f} | {row['sent_MB']:.0f} | "
-                  f"{row['written_MB']:.0f} | {row['rss_growth_MB']:.0f} | "
-                  + (f"{median:.2f} | {row['s_per_GB']:.2f} |" if rank == 0 else "| |"))
+    summary = print_table(rows, model_bytes, f"qwen2 h{args.hidden} x {args.layers} layers, "
+                          f"vocab {args.vocab}", args.repeats)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"model_bytes": model_bytes, "rows": rows,
                                           "summary": summary}, indent=2))

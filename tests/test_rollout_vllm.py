@@ -102,7 +102,8 @@ def greedy_drift(engine, model) -> float:
 
 def test_weight_sync_follows_new_weights(engine, models):
     assert greedy_drift(engine, models["model_a"]) <= 1e-2
-    stats = push_weights(engine, models["model_b"].state_dict().items(), 1, engine.pool.dir.parent)
+    stats = push_weights(engine, models["model_b"].state_dict().items(), 1,
+                         engine.pool.dir.parent)
     assert stats["weight_sync/bytes"] == sum(t.numel() * 4 for t in
                                              models["model_b"].state_dict().values())
     after = greedy_drift(engine, models["model_b"])

@@ -375,7 +375,8 @@ def _stage_params(module, arch: ModelArch) -> dict[str, tuple[str, torch.nn.Para
 
 
 def export_stage_hf_weights(model, arch: ModelArch
-                            ) -> tuple[list[TensorSpec], Iterator[tuple[str, Optional[torch.Tensor]]]]:
+                            ) -> tuple[list[TensorSpec],
+                                       Iterator[tuple[str, Optional[torch.Tensor]]]]:
     """This pipeline stage's own HF tensors: (their specs, the stream of them).
 
     The specs (HF name, full shape, dtype; in stream order) are known on every rank at once.

@@ -21,10 +21,10 @@ prefixes stay cached):
 - ``distributed``: global rank 0 and every server's TP ranks form one process group
   (``/init_weights_update_group``); each bucket the broadcast strategy hands over
   (``broadcast_bucket``) is announced by ``/update_weights_from_distributed`` (names, dtypes,
-  shapes) and sent tensor by tensor with ``broadcast(src=0)``. A restarted server holds stale weights until the next sync re-forms the
-  group with it; until then it gets no requests. The group's master listens on loopback when
-  every server is on this host, else on the address of the interface that routes to the first
-  server (``weight_sync_master_addr`` overrides).
+  shapes) and sent tensor by tensor with ``broadcast(src=0)``. A restarted server holds stale
+  weights until the next sync re-forms the group with it; until then it gets no requests. The
+  group's master listens on loopback when every server is on this host, else on the address of
+  the interface that routes to the first server (``weight_sync_master_addr`` overrides).
 Every answer's ``meta_info.weight_version`` must be the version last synced.
 """
 

@@ -9,10 +9,9 @@ flag (and ``VLLM_SERVER_DEV_MODE=1`` for the weight reload).
 
 Weight sync (the disk strategy of megatron_entropy/weight_sync writes the HF folder): every server
 loads the folder with ``/collective_rpc reload_weights`` between ``/pause?mode=wait`` and
-``/resume``, then drops its prefix cache. A server restarted later starts from the newest folder. Each
-completion is tagged with the version its server held (a sync waits for our requests in flight:
-``ServerPool.drained``). A failed
-reload is reported as itself (a resume that then fails too is a note on it). A completion
+``/resume``, then drops its prefix cache. A server restarted later starts from the newest
+folder. Each completion is tagged with the version its server held (a sync waits for our
+requests in flight: ``ServerPool.drained``). A failed reload is reported as itself (a resume that then fails too is a note on it). A completion
 answered with finish reason ``abort`` is issued again, never returned.
 """
 
