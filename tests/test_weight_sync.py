@@ -90,7 +90,8 @@ def _sync_at_pp2(hf_dir: Path, out: Path) -> dict:
     relayed = [(s, [(n, t.clone()) for n, t in b])
                for s, b in buckets_at_first_stage(model_stage_stream(model, arch), BUCKET)]
     dist.barrier()
-    return {"stage": stage, "stage_bytes": stage_bytes, "written": written, "files": files,
+    return {"grad_after": torch.is_grad_enabled(), "stage": stage, "stage_bytes": stage_bytes,
+            "written": written, "files": files,
             "reference": reference, "disk_stats": disk_stats,
             "loaded": reader.loaded if first else None,
             "engine": (({n: t.clone() for n, t in engine.model.state_dict().items()},
@@ -114,6 +115,9 @@ def test_per_stage_sync_at_pp2_equals_the_full_gather(model, untied, tmp_path):
     assert arch.tie_word_embeddings == (model == "tied")
     results = run_distributed(_sync_at_pp2, 2, hf_dir, tmp_path, timeout=300)
     first, second = results
+    # The syncs leave autograd as they found it (a stream stopped after its last tensor once
+    # left it off on the engine's rank: the next step's update then diverged from the others').
+    assert first["grad_after"] and second["grad_after"]
     reference = dict(first["reference"])
     assert len(reference) == len(first["reference"])  # every name once (a tied head too)
     # Disk: the folder the two stages wrote holds the full-gather tensors, bit for bit, and

@@ -395,15 +395,17 @@ def export_stage_hf_weights(model, arch: ModelArch
              for gname, (_, param) in params.items() for n in weight_map(gname, arch).hf]
     leader = ps.get_tensor_model_parallel_rank() == 0
 
+    # The decorator (not a ``with`` inside the generator) turns grad off only while the generator
+    # runs: a consumer that stops after the last tensor must not leave it off for the caller.
+    @torch.no_grad()
     def stream() -> Iterator[tuple[str, Optional[torch.Tensor]]]:
-        with torch.no_grad():
-            for gname, (name, param) in params.items():
-                full = tp_gather(name, param.detach(), param)
-                wm = weight_map(gname, arch)
-                if leader:
-                    yield from megatron_to_hf(wm, full, arch)
-                else:
-                    yield from ((n, None) for n in wm.hf)
-                del full
+        for gname, (name, param) in params.items():
+            full = tp_gather(name, param.detach(), param)
+            wm = weight_map(gname, arch)
+            if leader:
+                yield from megatron_to_hf(wm, full, arch)
+            else:
+                yield from ((n, None) for n in wm.hf)
+            del full
 
     return specs, stream()
