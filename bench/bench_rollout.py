@@ -7,8 +7,9 @@ a weight sync takes against model size.
 Needs .venv-vllm (.ci/setup-vllm.sh). Each engine first generates a warm-up batch; then one timed
 call generates ``prompts x n`` samples at temperature 1 (random token-id prompts of 16 tokens),
 and tokens/s counts the response tokens generated. Weight sync: the server's own weights (every
-value nudged) go through ``update_weights`` (write the HF folder + reload on the server; the
-in-process engine copies them in place). Prints a Markdown table; JSON goes to runs/.
+value nudged) go through the trainer's sync strategies (weight_sync/: the disk strategy writes the
+HF folder and the server reloads it; the in-process engine copies them in place). Prints a
+Markdown table; JSON goes to runs/.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from megatron_entropy.models.hf_io import iter_hf_tensors  # noqa: E402
 from megatron_entropy.rollout.base import SamplingParams  # noqa: E402
 from megatron_entropy.rollout.inprocess import InProcessEngine  # noqa: E402
 from megatron_entropy.rollout.vllm import VLLMEngine  # noqa: E402
+from megatron_entropy.weight_sync import DiskSync, InPlaceSync  # noqa: E402
 
 VENV_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 CPU_ENV = ["VLLM_CPU_KVCACHE_SPACE=2", "VLLM_CPU_OMP_THREADS_BIND=nobind", "HF_HUB_OFFLINE=1"]
@@ -112,7 +114,7 @@ def main() -> None:
             if not args.sync_only:
                 row["inprocess"] = timed_generate(inproc, prompts, sampling)
             t0 = time.perf_counter()
-            inproc.update_weights(iter(new_weights), version=1)
+            InPlaceSync(inproc, 512 * 2**20).push(new_weights, version=1)
             row["inprocess_sync_s"] = time.perf_counter() - t0
             del inproc
 
@@ -126,7 +128,8 @@ def main() -> None:
             try:
                 if not args.sync_only:
                     row["vllm"] = timed_generate(vllm, prompts, sampling)
-                stats = vllm.update_weights(iter(new_weights), version=1)
+                stats = DiskSync(vllm, 512 * 2**20, tmp / f"run-{name}" / "weight_sync",
+                                 folder).push(new_weights, version=1)
                 row["vllm_sync_s"] = stats["weight_sync/seconds"]
                 row["vllm_sync_write_s"] = stats["weight_sync/write_seconds"]
                 row["sync_bytes"] = stats["weight_sync/bytes"]

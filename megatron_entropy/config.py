@@ -88,7 +88,6 @@ class ServerConfig(Settings):
     max_retries: int = _f(3, ge=0)
     weight_sync: Literal["disk", "distributed"] = "disk"
     weight_sync_dir: Optional[str] = _f(None, help="shared folder for disk sync (default: run dir)")
-    bucket_mb: int = _f(512, ge=1, help="bucket size of the NCCL broadcast weight sync")
     launch_command: list[str] = _f(default_factory=list, help=(
         "replaces the engine's server command; {python} {model} {host} {port} {weight_version} "
         "are filled in"))
@@ -130,6 +129,9 @@ class RolloutConfig(Settings):
     val_n_samples: int = _f(4, ge=1, help="k of pass@1 averaged over k samples")
     val_temperature: float = _f(0.6, ge=0, help="0 = greedy")
     server: ServerConfig = _f(default_factory=ServerConfig)
+    weight_sync_bucket_mb: int = _f(512, ge=1, help=(
+        "weight sync: tensors a pipeline stage streams at a time (broadcast buckets, and what "
+        "later stages relay to the in-process engine); a bigger tensor goes alone"))
     weight_check: bool = _f(True, help="after every weight sync and at the first contact, score "
                                        "a fixed probe on the engine and the actor; stop if they "
                                        "disagree")

@@ -120,3 +120,15 @@ def probe_served_weights(engine_kind: str, hf_dir: str, urls: list[str], run_dir
     except WeightCheckError as e:
         return first, str(e)
     return first, ""
+
+
+def push_weights(engine, named_tensors, version: int, run_dir, bucket_mb: int = 512
+                 ) -> dict[str, float]:
+    """Whole-model tensors into a server engine through the strategy the trainer would build for
+    it (megatron_entropy/weight_sync), with sync folders under ``run_dir``."""
+    from megatron_entropy.config import RolloutConfig
+    from megatron_entropy.weight_sync import build_weight_sync
+
+    kind = {"VLLMEngine": "vllm", "SGLangEngine": "sglang"}[type(engine).__name__]
+    cfg = RolloutConfig(engine=kind, server=engine.cfg, weight_sync_bucket_mb=bucket_mb)
+    return build_weight_sync(cfg, engine, engine.hf_dir, run_dir).push(named_tensors, version)

@@ -32,7 +32,7 @@ from megatron_entropy.trainer.async_rollouts import (RolloutPrefetcher, RolloutP
                                                      weight_version_of)
 from megatron_entropy.trainer.rollouts import Group, LocalStep
 from harness import metrics_rows
-from serving_model import make_served_model, reference
+from serving_model import make_served_model, push_weights, reference
 from test_preemption import _kill_marked
 from test_rollout_sglang import fake_command, greedy_reference, make_cfg, models  # noqa: F401
 
@@ -203,7 +203,7 @@ def _check_aborted_and_resumed(eng, models, log: Path) -> None:
         prompts, SamplingParams(temperature=0.0, max_new_tokens=max_new))))
     rollout.start()
     _wait_decoded(eng, 4, rollout)  # both servers busy, ~2 tokens each
-    eng.update_weights(iter(models["model_b"].state_dict().items()), version=1)
+    push_weights(eng, models["model_b"].state_dict().items(), 1, log.parent)
     rollout.join(timeout=120)
     assert not rollout.is_alive()
     metrics = eng.metrics()
@@ -275,7 +275,7 @@ def test_rollouts_in_flight_at_pushes_resume_or_finish_tagged_and_survive_a_kill
         while eng.pool._inflight_total < 2:  # both servers busy, six requests wait
             assert time.monotonic() < deadline
             time.sleep(0.01)
-        eng.update_weights(iter(models["model_a"].state_dict().items()), version=2)
+        push_weights(eng, models["model_a"].state_dict().items(), 2, tmp_path)
         victim = eng.pool.servers[1]
         old_pid = victim.process.pid
         os.kill(old_pid, signal.SIGKILL)

@@ -17,6 +17,7 @@ from megatron_entropy.data import generate_problems, load_tokenizer, render_prom
 from megatron_entropy.rollout.base import SamplingParams
 from megatron_entropy.rollout.inprocess import InProcessEngine, sample_tokens
 from megatron_entropy.runtime.seeds import sample_seed
+from megatron_entropy.weight_sync import InPlaceSync
 
 QUICKSTART = Path(__file__).resolve().parents[1] / "examples" / "quickstart_model"
 
@@ -200,13 +201,14 @@ def test_stop_conditions(prompts):
     assert len(c.logprobs) == 3
 
 
-def test_update_weights(model_dirs, prompts):
+def test_load_weights(model_dirs, prompts):
     engine = InProcessEngine(model_dirs["qwen2"])
     source = InProcessEngine(model_dirs["qwen2_other"])
     sp = SamplingParams(n=2, temperature=1.0, max_new_tokens=8, seed=5)
     before = engine.generate(prompts, sp)
     expected = source.generate(prompts, sp)
-    stats = engine.update_weights(source.model.state_dict().items(), version=3)
+    stats = InPlaceSync(engine, bucket_bytes=2**20).push(source.model.state_dict().items(),
+                                                         version=3)
     assert stats["weight_sync/tensors"] == len(source.model.state_dict())
     assert stats["weight_sync/bytes"] == sum(t.numel() * 4 for t in
                                              source.model.state_dict().values())
@@ -221,20 +223,20 @@ def test_update_weights(model_dirs, prompts):
     state = dict(source.model.state_dict())
     missing = {k: v for k, v in state.items() if k != "model.layers.1.mlp.up_proj.weight"}
     with pytest.raises(ValueError, match="model.layers.1.mlp.up_proj.weight"):
-        engine.update_weights(missing.items(), version=4)
+        engine.load_weights(missing.items(), version=4)
     with pytest.raises(ValueError, match=r"'model.norm.weight' has shape \(3,\)"):
-        engine.update_weights([("model.norm.weight", torch.zeros(3))], version=4)
+        engine.load_weights([("model.norm.weight", torch.zeros(3))], version=4)
     with pytest.raises(KeyError, match="'decoder.bogus' is not a weight"):
-        engine.update_weights([("decoder.bogus", torch.zeros(3))], version=4)
+        engine.load_weights([("decoder.bogus", torch.zeros(3))], version=4)
 
 
-def test_update_weights_tied_embeddings(prompts):
+def test_load_weights_tied_embeddings(prompts):
     engine = InProcessEngine(QUICKSTART)
     ref = _hf_model(QUICKSTART)
     torch.manual_seed(0)
     new = {k: v + 0.01 * torch.randn_like(v) for k, v in ref.state_dict().items()
            if k != "lm_head.weight"}  # a tied model's head is its embedding
-    engine.update_weights(new.items(), version=1)
+    engine.load_weights(new.items(), version=1)
     assert torch.equal(engine.model.lm_head.weight, new["model.embed_tokens.weight"])
     ref.load_state_dict(new, strict=False)
     ref.tie_weights()

@@ -23,9 +23,9 @@ import torch
 from megatron_entropy.config import ServerConfig
 from megatron_entropy.rollout.base import SamplingParams
 from megatron_entropy.rollout.servers import RequestRejected, ServerError, free_port
+from megatron_entropy.rollout.sglang import SGLangEngine, weight_sync_address
 from megatron_entropy.runtime.seeds import sample_seed
-from megatron_entropy.rollout.sglang import SGLangEngine, weight_buckets, weight_sync_address
-from serving_model import make_served_model, reference
+from serving_model import make_served_model, push_weights, reference
 
 FAKE = str(Path(__file__).with_name("fake_sglang_server.py"))
 PROMPTS = [[5, 6, 7, 8], [40, 41], [100, 7, 3, 9, 12]]
@@ -168,7 +168,7 @@ def test_fake_is_strict(engine):
 def test_disk_sync_follows_new_weights_and_checks_version(engine, models, tmp_path,
                                                          monkeypatch):
     start = len(requests_of(engine.request_log, "/pause_generation"))
-    stats = engine.update_weights(iter(models["model_b"].state_dict().items()), version=1)
+    stats = push_weights(engine, models["model_b"].state_dict().items(), 1, tmp_path)
     assert stats["weight_sync/bytes"] == sum(t.numel() * 4 for t in
                                              models["model_b"].state_dict().values())
     assert len(requests_of(engine.request_log, "/pause_generation")) == start + 2
@@ -184,19 +184,17 @@ def test_disk_sync_follows_new_weights_and_checks_version(engine, models, tmp_pa
     with pytest.raises(ServerError, match="weight version '7', expected 1"):
         engine.generate([[5, 6]] * 4, SamplingParams(max_new_tokens=2))
     # A tensor of the wrong shape is refused before anything reaches the servers...
-    bad = [("model.embed_tokens.weight", torch.zeros(3, 3))]
-    with pytest.raises(ValueError, match=r"model.embed_tokens.weight: got shape \(3, 3\)"):
-        engine.update_weights(iter(bad), version=2)
+    bad = {**models["model_b"].state_dict(), "model.embed_tokens.weight": torch.zeros(3, 3)}
+    with pytest.raises(ValueError, match=r"model.embed_tokens.weight has shape \(3, 3\)"):
+        push_weights(engine, bad.items(), 2, tmp_path)
     # ...and a folder a server cannot load (written here without that check) fails loudly.
-    import megatron_entropy.rollout.sglang as sglang_engine
-    from megatron_entropy.models.hf_io import save_hf_weights
+    import megatron_entropy.weight_sync.disk as disk_sync
 
-    monkeypatch.setattr(sglang_engine, "save_exported_weights", lambda tensors, folder, hf_dir:
-                        save_hf_weights(tensors, folder, metadata_from=hf_dir))
+    monkeypatch.setattr(disk_sync, "check_hf_checkpoint", lambda files, arch, where: None)
     with pytest.raises(ServerError, match="update_weights_from_disk"):
-        engine.update_weights(iter(bad), version=2)
+        push_weights(engine, bad.items(), 2, tmp_path)
     monkeypatch.undo()
-    engine.update_weights(iter(models["model_a"].state_dict().items()), version=3)
+    push_weights(engine, models["model_a"].state_dict().items(), 3, tmp_path)
     assert_follows(engine, models["model_a"])
 
 
@@ -227,7 +225,7 @@ def test_weight_check_catches_a_silently_wrong_sync(engine, models, tmp_path):
     def wrong_sync(eng):
         for url in urls:
             post(url + "/fake/corrupt_syncs", {"noise": 0.05})
-        eng.update_weights(iter(state.items()), version=5)
+        push_weights(eng, state.items(), 5, tmp_path)
 
     try:
         first, error = run_distributed(probe_served_weights, 1, "sglang", str(models["a"]), urls,
@@ -250,7 +248,7 @@ def test_router_takes_generation_workers_take_updates(engine, models, tmp_path):
     routed = SGLangEngine(make_cfg(launch=0, urls=urls, router_url=urls[0]), str(models["a"]),
                           str(tmp_path))
     before = len(requests_of(engine.request_log, "/update_weights_from_disk"))
-    routed.update_weights(iter(models["model_b"].state_dict().items()), version=4)
+    push_weights(routed, models["model_b"].state_dict().items(), 4, tmp_path)
     updates = requests_of(engine.request_log, "/update_weights_from_disk")[before:]
     assert [r["weight_version"] for r in updates] == ["4", "4"]
     out = routed.generate(PROMPTS, SamplingParams(n=2, max_new_tokens=4, seed=1))
@@ -260,22 +258,15 @@ def test_router_takes_generation_workers_take_updates(engine, models, tmp_path):
     assert_follows(routed, models["model_b"])
 
 
-def test_weight_buckets():
-    tensors = [(f"t{i}", torch.zeros(n)) for i, n in enumerate([10, 10, 30, 5, 5])]
-    buckets = list(weight_buckets(iter(tensors), bucket_bytes=80))
-    assert [[n for n, _ in b] for b, _ in buckets] == [["t0", "t1"], ["t2"], ["t3", "t4"]]
-    assert [last for _, last in buckets] == [False, False, True]
-
-
 @pytest.mark.slow
 def test_distributed_sync_by_gloo_broadcast(models, tmp_path):
     log = tmp_path / "requests.jsonl"
-    cfg = make_cfg(launch=2, weight_sync="distributed", bucket_mb=1,
+    cfg = make_cfg(launch=2, weight_sync="distributed",
                    launch_command=fake_command(log=str(log)))
     eng = SGLangEngine(cfg, str(models["a"]), str(tmp_path))
     try:
         state = models["model_b"].state_dict()
-        stats = eng.update_weights(iter(state.items()), version=1)
+        stats = push_weights(eng, state.items(), 1, tmp_path, bucket_mb=1)
         assert stats["weight_sync/bytes"] == sum(t.numel() * 4 for t in state.values())
         assert_follows(eng, models["model_b"])
         inits = requests_of(log, "/init_weights_update_group")
@@ -295,7 +286,7 @@ def test_distributed_sync_by_gloo_broadcast(models, tmp_path):
         out = eng.generate(PROMPTS, SamplingParams(n=2, max_new_tokens=4, temperature=1.0))
         assert all(c.meta["server"] == 0 for row in out for c in row)
         assert victim.restarts == 1 and victim.weight_version == "initial"
-        eng.update_weights(iter(models["model_a"].state_dict().items()), version=2)
+        push_weights(eng, models["model_a"].state_dict().items(), 2, tmp_path)
         assert len(requests_of(log, "/init_weights_update_group")) == 4
         assert_follows(eng, models["model_a"])
         out = eng.generate(PROMPTS * 3, SamplingParams(max_new_tokens=2))
@@ -492,7 +483,7 @@ def test_connected_server_pause_shutdown_death_and_refusal(models, tmp_path, cap
         assert 2 <= len(body["output_ids"]) < 80
 
         t = other_client("kept")
-        eng.update_weights(iter(models["model_b"].state_dict().items()), version=1)
+        push_weights(eng, models["model_b"].state_dict().items(), 1, tmp_path)
         t.join()
         status, body = answers["kept"]
         assert body["meta_info"]["finish_reason"]["type"] == "length"
@@ -508,7 +499,7 @@ def test_connected_server_pause_shutdown_death_and_refusal(models, tmp_path, cap
 
         post(url + "/fake/die_on_next_sync", {})
         with pytest.raises(ServerError) as failed:
-            eng.update_weights(iter(models["model_a"].state_dict().items()), version=2)
+            push_weights(eng, models["model_a"].state_dict().items(), 2, tmp_path)
         message = str(failed.value)
         assert message.startswith("/update_weights_from_disk failed")
         assert f"connection refused at {url}" in message and "/continue_generation" not in message

@@ -24,7 +24,7 @@ import torch
 from megatron_entropy.config import ServerConfig
 from megatron_entropy.rollout.base import SamplingParams
 from megatron_entropy.rollout.vllm import VLLMEngine
-from serving_model import make_served_model, reference_logprobs
+from serving_model import make_served_model, push_weights, reference_logprobs
 
 VENV_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
 PROMPTS = [[5, 6, 7, 8], [40, 41], [100, 7, 3, 9, 12]]
@@ -137,7 +137,8 @@ def push_aborting_a_rollout(engine, models, max_new: int = 150):
         while generated_tokens(engine) < start + 4 * len(PROMPTS):  # a few tokens each
             assert time.monotonic() < deadline and rollout.is_alive()
             time.sleep(0.01)
-        stats = engine.update_weights(iter(models["model_b"].state_dict().items()), version=1)
+        stats = push_weights(engine, models["model_b"].state_dict().items(), 1,
+                             engine.pool.dir.parent)
         rollout.join(timeout=300)
         assert not rollout.is_alive()
         resumed = engine.metrics()["rollout/aborted_resumed"]

@@ -323,15 +323,7 @@ def export_hf_weights(model, arch: ModelArch
     from megatron_entropy.runtime.roles import is_replica_leader
 
     module = unwrap_model(model)
-    offset = layer_offset(module)
-    order = {name: i for i, name in enumerate(megatron_param_names(arch))}
-    params = {}
-    for name, param in module.named_parameters():
-        gname = to_global_name(name, offset)
-        if not (gname == "output_layer.weight" and arch.tie_word_embeddings):
-            params[gname] = (name, param)
-    # Stages hold consecutive layers, so sorting each stage's parameters gives the global order.
-    params = dict(sorted(params.items(), key=lambda kv: order[local_spec_name(kv[0])]))
+    params = _stage_params(module, arch)
     pp_group = ps.get_pipeline_model_parallel_group()
     pp_rank = ps.get_pipeline_model_parallel_rank()
     tp_rank = ps.get_tensor_model_parallel_rank()
@@ -366,3 +358,54 @@ def export_hf_weights(model, arch: ModelArch
             else:
                 yield from ((n, None) for n in wm.hf)
             del full
+
+
+def _stage_params(module, arch: ModelArch) -> dict[str, tuple[str, torch.nn.Parameter]]:
+    """This stage's parameters, global name -> (local name, parameter), in global order; a tied
+    output layer (the last stage's copy of the embedding) left out: it is exported once."""
+    offset = layer_offset(module)
+    order = {name: i for i, name in enumerate(megatron_param_names(arch))}
+    params = {}
+    for name, param in module.named_parameters():
+        gname = to_global_name(name, offset)
+        if not (gname == "output_layer.weight" and arch.tie_word_embeddings):
+            params[gname] = (name, param)
+    # Stages hold consecutive layers, so sorting each stage's parameters gives the global order.
+    return dict(sorted(params.items(), key=lambda kv: order[local_spec_name(kv[0])]))
+
+
+def export_stage_hf_weights(model, arch: ModelArch
+                            ) -> tuple[list[TensorSpec],
+                                       Iterator[tuple[str, Optional[torch.Tensor]]]]:
+    """This pipeline stage's own HF tensors: (their specs, the stream of them).
+
+    The specs (HF name, full shape, dtype; in stream order) are known on every rank at once.
+    The stream is collective over this stage's TP group only (each tensor is TP-gathered): every
+    TP rank of the stage iterates it to the end in lockstep; on TP rank 0 each item is a whole
+    HF-named tensor (padded vocab rows removed, on the model's device and in its dtype), on the
+    others the same names come with None. Nothing crosses stages. Over all stages, in stage
+    order, the streams are ``export_hf_weights``'s stream; tied embeddings come once, from the
+    first stage.
+    """
+    from megatron.core import parallel_state as ps
+
+    module = unwrap_model(model)
+    params = _stage_params(module, arch)
+    specs = [(n, hf_shape(n, arch), param.dtype)
+             for gname, (_, param) in params.items() for n in weight_map(gname, arch).hf]
+    leader = ps.get_tensor_model_parallel_rank() == 0
+
+    # The decorator (not a ``with`` inside the generator) turns grad off only while the generator
+    # runs: a consumer that stops after the last tensor must not leave it off for the caller.
+    @torch.no_grad()
+    def stream() -> Iterator[tuple[str, Optional[torch.Tensor]]]:
+        for gname, (name, param) in params.items():
+            full = tp_gather(name, param.detach(), param)
+            wm = weight_map(gname, arch)
+            if leader:
+                yield from megatron_to_hf(wm, full, arch)
+            else:
+                yield from ((n, None) for n in wm.hf)
+            del full
+
+    return specs, stream()

@@ -144,8 +144,7 @@ def save_hf_weights(named_tensors: Iterable[tuple[str, torch.Tensor]], out_dir: 
             os.replace(tmp / f"shard-{i:05d}.safetensors", tmp / final)
             weight_map.update({name: final for name in names})
         if n > 1:
-            (tmp / "model.safetensors.index.json").write_text(json.dumps(
-                {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}, indent=2))
+            write_weight_index(tmp, weight_map, total_bytes)
         if metadata_from is not None:
             copy_hf_metadata(metadata_from, tmp)
         if out_dir.exists():
@@ -188,7 +187,7 @@ def _write_buffered(named_tensors: Iterable[tuple[str, torch.Tensor]], tmp: Path
 
 
 def _write_streamed(named_tensors: Iterable[tuple[str, torch.Tensor]], tmp: Path,
-                    max_shard_bytes: int, specs: list[TensorSpec]
+                    max_shard_bytes: int, specs: list[TensorSpec], stem: str = "shard"
                     ) -> tuple[list[list[str]], int]:
     shards: list[list[TensorSpec]] = [[]]
     shard_bytes = 0
@@ -201,7 +200,7 @@ def _write_streamed(named_tensors: Iterable[tuple[str, torch.Tensor]], tmp: Path
     streams: list[_SafetensorsStream] = []
     try:
         for i, shard in enumerate(shards):
-            streams.append(_SafetensorsStream(tmp / f"shard-{i:05d}.safetensors", shard))
+            streams.append(_SafetensorsStream(tmp / f"{stem}-{i:05d}.safetensors", shard))
         where = {name: stream for stream in streams for name in stream.places}
         for name, tensor in named_tensors:
             if name not in where:
@@ -214,6 +213,28 @@ def _write_streamed(named_tensors: Iterable[tuple[str, torch.Tensor]], tmp: Path
     if missing:
         raise ValueError(f"tensor stream ended without {len(missing)} tensors, e.g. {missing[:3]}")
     return [[name for name, _, _ in shard] for shard in shards], sum(map(_nbytes, specs))
+
+
+def write_weight_index(folder: Path, weight_map: dict[str, str], total_bytes: int) -> None:
+    """``model.safetensors.index.json``: which file holds each tensor."""
+    (folder / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}, indent=2))
+
+
+def write_weight_files(named_tensors: Iterable[tuple[str, torch.Tensor]], folder: Path, stem: str,
+                       specs: Sequence[TensorSpec], max_shard_bytes: int = 5 * 1024**3
+                       ) -> tuple[dict[str, str], int]:
+    """Stream tensors of known specs into ``folder/{stem}-0000i.safetensors`` (one tensor held at a
+    time; no index, no rename: for writers that each fill part of one folder). Returns (tensor
+    name -> file name, bytes written)."""
+    shard_names, total_bytes = _write_streamed(named_tensors, folder, max_shard_bytes,
+                                               list(specs), stem=f".{stem}.part")
+    weight_map = {}
+    for i, names in enumerate(shard_names):
+        final = f"{stem}-{i + 1:05d}.safetensors"
+        os.replace(folder / f".{stem}.part-{i:05d}.safetensors", folder / final)
+        weight_map.update({name: final for name in names})
+    return weight_map, total_bytes
 
 
 def hf_weight_files(hf_dir: Union[str, Path]) -> dict[str, Path]:

@@ -1,7 +1,10 @@
-"""The rollout engine interface: generate n samples per prompt, take new weights, report health.
+"""The rollout engine interface: generate n samples per prompt, report health.
 
 Every engine (in-process transformers, vLLM server, SGLang server) implements ``RolloutEngine``.
-The trainer talks to it only from data-parallel leader ranks.
+The trainer talks to it only from data-parallel leader ranks. New weights come through the
+trainer's weight-sync strategies (megatron_entropy/weight_sync), which call each engine's own
+endpoints: ``load_weights`` (in-process), ``reload_from_folder`` (servers),
+``weight_update`` + ``broadcast_bucket`` (SGLang).
 """
 
 from __future__ import annotations
@@ -60,14 +63,6 @@ class RolloutEngine(abc.ABC):
     @abc.abstractmethod
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[list[Completion]]:
         """``sampling.n`` completions for each prompt (token ids), in prompt order."""
-
-    @abc.abstractmethod
-    def update_weights(self, named_tensors: NamedTensors, version: int) -> dict[str, float]:
-        """Replace the weights with full HF-named tensors (as ``model.state_dict()`` of the HF
-        model names them), streamed one at a time. Returns metrics, logged as they are:
-        ``weight_sync/seconds`` (the engine's side of the sync), ``weight_sync/bytes`` and any
-        other ``weight_sync/*``. Raises if any replica fails to take them: training must not go
-        on against stale weights."""
 
     def generate_on_each_replica(self, prompts: list[list[int]], sampling: SamplingParams
                                  ) -> dict[str, list[list[Completion]]]:

@@ -227,34 +227,29 @@ class InProcessEngine(RolloutEngine):
     # ------------------------------------------------------------------------------- weights
 
     @torch.no_grad()
-    def update_weights(self, named_tensors: NamedTensors, version: int) -> dict[str, float]:
-        """Copy full HF-named tensors into the model in place. Every weight must be given (a tied
-        alias counts for both names); an unknown name or a wrong shape raises."""
-        start = time.perf_counter()
+    def load_weights(self, named_tensors: NamedTensors, version: int) -> None:
+        """Copy full HF-named tensors (streamed) into the model in place, as weight version
+        ``version``. Every weight must be given (a tied alias counts for both names); an unknown
+        name or a wrong shape raises."""
         state = self.model.state_dict()
         needed = {t.data_ptr(): name for name, t in state.items()}
         done: set[int] = set()
-        nbytes = count = 0
         for name, tensor in named_tensors:
             if name not in state:
-                raise KeyError(f"update_weights: {name!r} is not a weight of the rollout model "
+                raise KeyError(f"load_weights: {name!r} is not a weight of the rollout model "
                                f"(e.g. {', '.join(list(state)[:3])})")
             dst = state[name]
             if tuple(tensor.shape) != tuple(dst.shape):
-                raise ValueError(f"update_weights: {name!r} has shape {tuple(tensor.shape)}, the "
+                raise ValueError(f"load_weights: {name!r} has shape {tuple(tensor.shape)}, the "
                                  f"rollout model's is {tuple(dst.shape)}")
             dst.copy_(tensor.to(device=dst.device, dtype=dst.dtype))
             done.add(dst.data_ptr())
-            nbytes += tensor.numel() * tensor.element_size()
-            count += 1
         missing = [name for ptr, name in needed.items() if ptr not in done]
         if missing:
-            raise ValueError(f"update_weights: {len(missing)} weights were not sent, e.g. "
+            raise ValueError(f"load_weights: {len(missing)} weights were not sent, e.g. "
                              f"{', '.join(sorted(missing)[:5])}; the rollout model would mix "
                              "old and new weights")
         self.weight_version = version
-        return {"weight_sync/seconds": time.perf_counter() - start,
-                "weight_sync/bytes": float(nbytes), "weight_sync/tensors": float(count)}
 
     def metrics(self) -> dict[str, float]:
         out = {"rollout/response_tokens": float(self._tokens)}

@@ -16,28 +16,29 @@ answer holds the partial ``output_ids``/``output_token_logprobs`` and ``weight_v
 the pool resumes it: ``input_ids`` = prompt + those tokens, ``max_new_tokens`` what is left.
 Not behind a router (which picks the server: the abort would not find the request).
 
-Weight sync, between ``/pause_generation`` (mode ``rollout.server.pause_mode``: ``retract`` or
-``in_place`` keep other clients' in-flight requests, SGLang's default ``abort`` would cut them
-off) and ``/continue_generation``, then ``/flush_cache`` (which SGLang refuses while other
-clients' requests wait: a warning then, their prefixes stay cached):
-- ``disk``: the HF folder written by ``save_exported_weights`` is loaded by
-  ``/update_weights_from_disk``.
+Weight sync (driven by megatron_entropy/weight_sync), between ``/pause_generation`` (mode
+``rollout.server.pause_mode``: ``retract`` or ``in_place`` keep other clients' in-flight
+requests, SGLang's default ``abort`` would cut them off) and ``/continue_generation``, then
+``/flush_cache`` (which SGLang refuses while other clients' requests wait: a warning then, their
+prefixes stay cached):
+- ``disk``: the HF folder the disk strategy wrote is loaded by ``/update_weights_from_disk``
+  (``reload_from_folder``).
 - ``distributed``: global rank 0 and every server's TP ranks form one process group
-  (``/init_weights_update_group``); each bucket of at most ``bucket_mb`` is announced by
-  ``/update_weights_from_distributed`` (names, dtypes, shapes) and sent tensor by tensor with
-  ``broadcast(src=0)``. A restarted server holds stale weights until the next sync re-forms the
-  group with it; until then it gets no requests. The group's master listens on loopback when
-  every server is on this host, else on the address of the interface that routes to the first
-  server (``weight_sync_master_addr`` overrides).
+  (``/init_weights_update_group``); each bucket the broadcast strategy hands over
+  (``broadcast_bucket``) is announced by ``/update_weights_from_distributed`` (names, dtypes,
+  shapes) and sent tensor by tensor with ``broadcast(src=0)``. A restarted server holds stale
+  weights until the next sync re-forms the group with it; until then it gets no requests. The
+  group's master listens on loopback when every server is on this host, else on the address of
+  the interface that routes to the first server (``weight_sync_master_addr`` overrides).
 Every answer's ``meta_info.weight_version`` must be the version last synced.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ipaddress
 import logging
-import shutil
 import socket
 import time
 from datetime import timedelta
@@ -48,8 +49,7 @@ from urllib.parse import urlsplit
 import torch
 
 from megatron_entropy.config import ServerConfig
-from megatron_entropy.models.bridge import save_exported_weights
-from megatron_entropy.rollout.base import Completion, NamedTensors, SamplingParams
+from megatron_entropy.rollout.base import Completion, SamplingParams
 from megatron_entropy.rollout.servers import (AbortApi, RequestAborted, RequestRejected, Server,
                                               ServerEngine, ServerError, ServerPool,
                                               eos_token_ids, fill_command,
@@ -70,27 +70,6 @@ def _version_tuple(text: str) -> tuple[int, ...]:
         digits = "".join(ch for ch in piece if ch.isdigit())
         parts.append(int(digits) if digits else 0)
     return tuple(parts)
-
-
-def weight_buckets(named_tensors: NamedTensors, bucket_bytes: int
-                   ) -> Iterator[tuple[list[tuple[str, torch.Tensor]], bool]]:
-    """Group streamed tensors into buckets of at most ``bucket_bytes`` (a larger tensor goes
-    alone); yields (bucket, is_last)."""
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    pending: Optional[list[tuple[str, torch.Tensor]]] = None
-    for name, tensor in named_tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        if bucket and size + nbytes > bucket_bytes:
-            if pending is not None:
-                yield pending, False
-            pending, bucket, size = bucket, [], 0
-        bucket.append((name, tensor))
-        size += nbytes
-    if pending is not None:
-        yield pending, not bucket
-    if bucket:
-        yield bucket, True
 
 
 def _is_loopback(host: str) -> bool:
@@ -156,7 +135,6 @@ class SGLangEngine(ServerEngine):
     def __init__(self, server_cfg: ServerConfig, hf_dir: str, run_dir: str):
         self.cfg = server_cfg
         self.hf_dir = str(hf_dir)
-        self.sync_root = Path(server_cfg.weight_sync_dir or Path(run_dir) / "weight_sync")
         self.pool = ServerPool(server_cfg, run_dir, "sglang", self.hf_dir, self._command)
         self.pool.launch_version = INITIAL_VERSION
         self.pool.start()
@@ -291,16 +269,11 @@ class SGLangEngine(ServerEngine):
 
     # ------------------------------------------------------------------------ weight sync
 
-    def update_weights(self, named_tensors: NamedTensors, version: int) -> dict[str, float]:
-        t0 = time.monotonic()
+    @contextlib.contextmanager
+    def weight_update(self, version: int) -> Iterator[list[Server]]:
+        """The servers to update (all that are up), paused and drained for the body; after it,
+        their caches flushed and their version ``version``."""
         v = str(version)
-        stats: dict[str, float] = {}
-        if self.cfg.weight_sync == "disk":
-            folder = self.sync_root / f"weights-v{version}"
-            stats = save_exported_weights(named_tensors, folder, self.hf_dir)
-            stats["write_seconds"] = time.monotonic() - t0
-            # A launched server that restarts from now on loads this folder.
-            self.pool.model_dir, self.pool.launch_version = str(folder), v
         self.pool.ensure_up()
         self._inspect_servers()
         # Our own requests in flight (a rollout in another thread) finish on the old weights.
@@ -308,27 +281,26 @@ class SGLangEngine(ServerEngine):
             targets = [s for s in self.pool.servers if s.state == "up"]
             with self.pool.paused(("/pause_generation", {"mode": self.cfg.pause_mode}),
                                   ("/continue_generation", {}), targets):
-                if self.cfg.weight_sync == "disk":
-                    stale = [s for s in targets if s.weight_version != v]
-                    self._check(self.pool.call_all("/update_weights_from_disk", {
-                        "model_path": str(folder), "flush_cache": True,
-                        "abort_all_requests": False, "weight_version": v}, targets=stale),
-                        "/update_weights_from_disk")
-                else:
-                    stats = self._broadcast(named_tensors, v, targets)
+                yield targets
                 self._flush_cache(targets)
             for server in targets:
                 server.weight_version = v
             if self.router is not None:
                 self.router.weight_version = v
-            previous, self.version = self.version, version
+            self.version = version
             self.pool.expected_version = v
-        if self.cfg.weight_sync == "disk" and previous is not None and previous != version:
-            shutil.rmtree(self.sync_root / f"weights-v{previous}", ignore_errors=True)
-        return {"weight_sync/seconds": time.monotonic() - t0,
-                "weight_sync/bytes": stats.get("bytes", 0.0),
-                **({"weight_sync/write_seconds": stats["write_seconds"]}
-                   if "write_seconds" in stats else {})}
+
+    def reload_from_folder(self, folder: Path, version: int) -> None:
+        """Every server that does not hold version ``version`` loads the HF folder."""
+        v = str(version)
+        # A launched server that restarts from now on loads this folder.
+        self.pool.model_dir, self.pool.launch_version = str(folder), v
+        with self.weight_update(version) as targets:
+            stale = [s for s in targets if s.weight_version != v]
+            self._check(self.pool.call_all("/update_weights_from_disk", {
+                "model_path": str(folder), "flush_cache": True,
+                "abort_all_requests": False, "weight_version": v}, targets=stale),
+                "/update_weights_from_disk")
 
     def _flush_cache(self, targets: list[Server]) -> None:
         """SGLang answers 400 while requests wait (another client's, kept by the pause): they
@@ -380,28 +352,30 @@ class SGLangEngine(ServerEngine):
             self._check(f.result(), "/init_weights_update_group")
         self._group, self._group_members, self._group_name = group, members, name
 
-    def _broadcast(self, named_tensors: NamedTensors, version: str, targets: list[Server]
-                   ) -> dict[str, float]:
+    def broadcast_bucket(self, targets: list[Server], bucket: list[tuple[str, torch.Tensor]],
+                         last: bool, version: int) -> None:
+        """Inside ``weight_update``: announce one bucket to ``targets`` and broadcast its
+        tensors from rank 0 of the weight-sync group (formed again when its members changed);
+        the last bucket carries the version."""
+        if self.cfg.weight_sync != "distributed":
+            raise ServerError("broadcast weight sync needs rollout.server.weight_sync="
+                              "distributed (the servers were set up for disk)")
         self._ensure_group(targets)
         device = (torch.device("cuda", torch.cuda.current_device())
                   if self.cfg.weight_sync_backend == "nccl" else torch.device("cpu"))
-        sent = 0
-        for bucket, last in weight_buckets(named_tensors, self.cfg.bucket_mb * 1024**2):
-            tensors = [t.detach().to(device).contiguous() for _, t in bucket]
-            future = self.pool.call_all_async("/update_weights_from_distributed", {
-                "names": [n for n, _ in bucket],
-                "dtypes": [str(t.dtype).removeprefix("torch.") for t in tensors],
-                "shapes": [list(t.shape) for t in tensors],
-                "group_name": self._group_name, "flush_cache": last,
-                **({"weight_version": version} if last else {})}, targets=targets)
-            try:
-                for t in tensors:
-                    torch.distributed.broadcast(t, src=0, group=self._group)
-            except Exception as e:
-                raise ServerError(f"weight broadcast to {len(targets)} servers failed: {e}") from e
-            self._check(future.result(), "/update_weights_from_distributed")
-            sent += sum(t.numel() * t.element_size() for t in tensors)
-        return {"bytes": float(sent)}
+        tensors = [t.detach().to(device).contiguous() for _, t in bucket]
+        future = self.pool.call_all_async("/update_weights_from_distributed", {
+            "names": [n for n, _ in bucket],
+            "dtypes": [str(t.dtype).removeprefix("torch.") for t in tensors],
+            "shapes": [list(t.shape) for t in tensors],
+            "group_name": self._group_name, "flush_cache": last,
+            **({"weight_version": str(version)} if last else {})}, targets=targets)
+        try:
+            for t in tensors:
+                torch.distributed.broadcast(t, src=0, group=self._group)
+        except Exception as e:
+            raise ServerError(f"weight broadcast to {len(targets)} servers failed: {e}") from e
+        self._check(future.result(), "/update_weights_from_distributed")
 
     # ----------------------------------------------------------------------------- other
 

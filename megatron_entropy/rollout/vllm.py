@@ -7,12 +7,11 @@ servers we launch run with ``--logprobs-mode processed_logprobs``: log-softmax a
 and the completions say so in ``meta["logprobs"]``. Servers started by hand must use the same
 flag (and ``VLLM_SERVER_DEV_MODE=1`` for the weight reload).
 
-Weight sync: the new HF weights are written to a folder (``save_exported_weights``), every server
-loads them with ``/collective_rpc reload_weights`` between ``/pause?mode=wait`` and ``/resume``,
-then drops its prefix cache. A server restarted later starts from the newest folder. Each
-completion is tagged with the version its server held (a sync waits for our requests in flight:
-``ServerPool.drained``). A failed
-reload is reported as itself (a resume that then fails too is a note on it). A completion
+Weight sync (the disk strategy of megatron_entropy/weight_sync writes the HF folder): every server
+loads the folder with ``/collective_rpc reload_weights`` between ``/pause?mode=wait`` and
+``/resume``, then drops its prefix cache. A server restarted later starts from the newest
+folder. Each completion is tagged with the version its server held (a sync waits for our
+requests in flight: ``ServerPool.drained``). A failed reload is reported as itself (a resume that then fails too is a note on it). A completion
 answered with finish reason ``abort`` is issued again, never returned.
 
 Abort and resume (``rollout.inflight_at_sync: abort``): each request carries our
@@ -26,14 +25,12 @@ from __future__ import annotations
 
 import atexit
 import logging
-import shutil
 import time
 from pathlib import Path
 from typing import Any, Optional
 
 from megatron_entropy.config import ServerConfig
-from megatron_entropy.models.bridge import save_exported_weights
-from megatron_entropy.rollout.base import Completion, NamedTensors, SamplingParams
+from megatron_entropy.rollout.base import Completion, SamplingParams
 from megatron_entropy.rollout.servers import (AbortApi, RequestAborted, Server, ServerEngine,
                                               ServerError, ServerPool, eos_token_ids,
                                               fill_command, finished_before_resume)
@@ -66,7 +63,6 @@ class VLLMEngine(ServerEngine):
     def __init__(self, server_cfg: ServerConfig, hf_dir: str, run_dir: str):
         self.cfg = server_cfg
         self.hf_dir = str(hf_dir)
-        self.sync_root = Path(server_cfg.weight_sync_dir or Path(run_dir) / "weight_sync")
         if server_cfg.weight_sync != "disk":
             raise ServerError("rollout.server.weight_sync=distributed is SGLang-only; vLLM takes "
                               "weights from disk (set rollout.server.weight_sync=disk)")
@@ -174,11 +170,9 @@ class VLLMEngine(ServerEngine):
 
     # ------------------------------------------------------------------------ weight sync
 
-    def update_weights(self, named_tensors: NamedTensors, version: int) -> dict[str, float]:
-        t0 = time.monotonic()
-        folder = self.sync_root / f"weights-v{version}"
-        stats = save_exported_weights(named_tensors, folder, self.hf_dir)
-        t_write = time.monotonic() - t0
+    def reload_from_folder(self, folder: Path, version: int) -> None:
+        """Every server takes the HF weights in ``folder`` as version ``version``; raises if one
+        does not."""
         # A dead launched server restarts from the new folder and so needs no reload.
         self.pool.model_dir, self.pool.launch_version = str(folder), str(version)
         self.pool.ensure_up()
@@ -199,13 +193,8 @@ class VLLMEngine(ServerEngine):
                                       f"{results.get(server.index)!r}")
             for server in targets:
                 server.weight_version = str(version)
-            previous = self.version
             self.version = version
             self.pool.expected_version = str(version)
-        if previous is not None and previous != version:
-            shutil.rmtree(self.sync_root / f"weights-v{previous}", ignore_errors=True)
-        return {"weight_sync/seconds": time.monotonic() - t0, "weight_sync/write_seconds": t_write,
-                "weight_sync/bytes": stats["bytes"]}
 
     # ----------------------------------------------------------------------------- other
 

@@ -5,7 +5,7 @@
         recompute    old log-probs, entropies (and reference log-probs) with the Megatron actor
         update       ppo_epochs x mini-batches of Clip-Cov / KL-Cov / PPO-clip
         [entropy change: the step's tokens scored again after the update]
-        sync         Megatron weights -> HF names -> rollout engine
+        sync         Megatron weights -> HF names -> rollout engine (weight_sync/)
         log, validate, checkpoint
 """
 
@@ -25,7 +25,7 @@ from megatron.core import parallel_state as ps
 from megatron_entropy.config import Config, save_run_config
 from megatron_entropy.data import PromptSampler, data_notes, load_prompt_dataset, load_tokenizer
 from megatron_entropy.models.arch import load_arch
-from megatron_entropy.models.bridge import export_hf_weights, load_hf_weights
+from megatron_entropy.models.bridge import load_hf_weights
 from megatron_entropy.models.builder import build_gpt_model
 from megatron_entropy.models.megatron_checkpoint import load_model_weights, read_arch
 from megatron_entropy.rewards import RewardScorer
@@ -50,6 +50,7 @@ from megatron_entropy.trainer.rollouts import (collect_step_groups, generate_rou
                                                groups_to_samples, rollout_metrics)
 from megatron_entropy.trainer.weight_check import (check_engine_weights, engine_dtype,
                                                    probe_sampling, probe_tolerance)
+from megatron_entropy.weight_sync import build_weight_sync
 
 
 class Preempted(SystemExit):
@@ -202,6 +203,7 @@ class Trainer:
         # Rollout engine: per DP leader (in-process) or one set of servers for the job.
         self.engine = build_engine(cfg.rollout, self.hf_dir, self.run_dir) \
             if self.roles.talks_to_engine else None
+        self.weight_sync = build_weight_sync(cfg.rollout, self.engine, self.hf_dir, self.run_dir)
         self.logger = MetricsLogger(self.run_dir, cfg.trainer.steps, self.rank0, cfg.logging,
                                     cfg.to_dict(), start_step=self.state.step)
         if resume_from is not None:
@@ -304,12 +306,7 @@ class Trainer:
         Returns the engine's ``weight_sync/*`` metrics (the step's whole sync is ``time/sync``)."""
         stats: dict[str, float] = {}
         if self.roles.feeds_engine:
-            tensors = export_hf_weights(self.model[0], self.arch)
-            if self.engine is not None:
-                stats = self.engine.update_weights(((n, t) for n, t in tensors), version)
-            else:
-                for _ in tensors:  # take part in the collective gather
-                    pass
+            stats = self.weight_sync.sync(self.model[0], self.arch, version)
         dist.barrier()
         return {k: float(v) for k, v in stats.items()}
 

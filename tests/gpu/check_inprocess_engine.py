@@ -64,10 +64,10 @@ def main() -> int:
             failures += not same
             print(f"{'ok  ' if same else 'FAIL'} fp32: samples independent of the batch size")
             state = {k: v * 1.01 for k, v in ref.state_dict().items()}
-            engine.update_weights(state.items(), version=1)
+            engine.load_weights(state.items(), version=1)
             moved = torch.allclose(engine.model.model.norm.weight, state["model.norm.weight"])
             failures += not moved
-            print(f"{'ok  ' if moved else 'FAIL'} fp32: update_weights on the GPU")
+            print(f"{'ok  ' if moved else 'FAIL'} fp32: load_weights on the GPU")
         engine.metrics()  # reset the counters
         torch.cuda.synchronize()
         start = time.perf_counter()

@@ -37,7 +37,7 @@ sys.path.insert(0, str(REPO / "tests"))
 from megatron_entropy.config import ServerConfig  # noqa: E402
 from megatron_entropy.rollout.base import SamplingParams  # noqa: E402
 from megatron_entropy.rollout.sglang import SGLangEngine  # noqa: E402
-from serving_model import make_served_model  # noqa: E402
+from serving_model import make_served_model, push_weights  # noqa: E402
 
 PROMPTS = [[5, 6, 7, 8], [40, 41], [100, 7, 3, 9, 12]]
 FAILED: list[str] = []
@@ -94,7 +94,7 @@ def main() -> None:
         d, local_files_only=True, dtype=torch.float32).cuda().eval() for k, d in dirs.items()}
     cfg = ServerConfig(launch=1, server_python=args.server_python, base_port=34000,
                        max_model_len=512, startup_timeout_s=900, health_timeout_s=60,
-                       health_check_interval_s=2.0, bucket_mb=1, weight_sync="disk",
+                       health_check_interval_s=2.0, weight_sync="disk",
                        weight_sync_master_addr="127.0.0.1",
                        extra_args=["--mem-fraction-static", "0.3", "--disable-cuda-graph",
                                    "--enable-deterministic-inference"])
@@ -109,7 +109,7 @@ def main() -> None:
                == [[c.token_ids for c in r] for r in again],
                tokens_per_s=engine.metrics().get("rollout/tokens_per_s"))
 
-        stats = engine.update_weights(iter(models["b"].state_dict().items()), version=1)
+        stats = push_weights(engine, models["b"].state_dict().items(), 1, tmp / "run")
         greedy = engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=8))
         d = mean_drift(models["b"], PROMPTS, greedy)
         report("disk sync", d <= 1e-2 and greedy_is_argmax(models["b"], greedy), drift=d,
@@ -117,15 +117,15 @@ def main() -> None:
 
         engine.cfg.weight_sync = "distributed"
         engine.cfg.weight_sync_backend = "nccl"
-        stats = engine.update_weights(((n, t.cuda()) for n, t in models["a"].state_dict().items()),
-                                      version=2)
+        stats = push_weights(engine, ((n, t.cuda()) for n, t in models["a"].state_dict().items()),
+                             2, tmp / "run", bucket_mb=1)
         greedy = engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=8))
         d = mean_drift(models["a"], PROMPTS, greedy)
         report("nccl sync", d <= 1e-2 and greedy_is_argmax(models["a"], greedy), drift=d,
                seconds=stats["weight_sync/seconds"], bytes=stats["weight_sync/bytes"])
 
         engine.cfg.weight_sync = "disk"
-        engine.update_weights(iter(models["a"].state_dict().items()), version=3)
+        push_weights(engine, models["a"].state_dict().items(), 3, tmp / "run")
         server = engine.pool.servers[0]
         pid = server.process.pid
 
