@@ -173,7 +173,7 @@ class Trainer:
         self.ckpt = CheckpointManager(self.run_dir, cfg.trainer.keep_last)
         resume_from = self._resume_path()
         sharded_optimizer = cfg.trainer.uses_distributed_optimizer(
-            ps.get_data_parallel_world_size(), on_gpu=dist.get_backend() == "nccl")
+            ps.get_data_parallel_world_size())
         self.model = build_trainable_model(self.arch, cfg.parallel.tensor, cfg.parallel.pipeline,
                                            m.dtype, m.transformer_impl, m.seq_length,
                                            cfg.parallel.sequence_parallel,
