@@ -131,3 +131,11 @@ def test_vllm_cpu_example_is_the_quickstart_with_working_cpu_server_flags():
                                                "VLLM_CPU_OMP_THREADS_BIND": "nobind",
                                                "HF_HUB_OFFLINE": "1"}
     assert cfg.rollout.max_prompt_tokens + cfg.rollout.max_new_tokens <= 256
+
+
+@pytest.mark.parametrize("setting,dp,expected", [
+    ("auto", 1, False), ("auto", 2, True), (False, 2, False), (True, 1, True)])
+def test_distributed_optimizer_auto_is_on_where_there_is_more_than_one_dp_rank(setting, dp,
+                                                                              expected):
+    cfg = load_config(data={"trainer": {"distributed_optimizer": setting}})
+    assert cfg.trainer.uses_distributed_optimizer(dp) is expected
