@@ -333,14 +333,22 @@ def _in_saved_format(request: Any, optimizer) -> tuple[Any, Any]:
     return rest, model_weights
 
 
+def _plain_inner(state: dict) -> dict:
+    """The torch optimizer's state inside a plain optimizer's (mixed precision nests it)."""
+    return state["optimizer"] if "optimizer" in state else state
+
+
 def _saved_adam_step(saved: dict) -> float:
     """Adam's step in an optimizer state of either format: the distributed optimizer keeps it
-    in its param groups, the plain one as ``state.common_step``."""
+    in its param groups, the plain one as ``state.common_step`` (torch's Adam) or in its param
+    groups (apex/TE's fused Adam)."""
     if "param_state_sharding_type" in saved:
-        steps = {float(g["step"]) for g in saved["optimizer"]["param_groups"]}
+        groups = saved["optimizer"]["param_groups"]
     else:
-        inner = saved["optimizer"] if "optimizer" in saved else saved
-        steps = {float(inner["state"]["common_step"])}
+        inner = _plain_inner(saved)
+        groups = [{"step": inner["state"]["common_step"]}] \
+            if "common_step" in inner.get("state", {}) else inner["param_groups"]
+    steps = {float(g["step"]) for g in groups if "step" in g}
     if len(steps) != 1:
         raise CheckpointError(f"the checkpoint's optimizer records several Adam steps {steps}")
     return steps.pop()
@@ -372,8 +380,11 @@ def _converted_optimizer_state(request: dict, loaded: dict, optimizer) -> dict:
         for group in state["optimizer"]["param_groups"]:
             group["step"] = step
     else:
-        inner = state["optimizer"] if "optimizer" in state else state
+        inner = _plain_inner(state)
         inner["state"]["common_step"] = torch.tensor(step)
+        for group in inner["param_groups"]:
+            if "step" in group:  # apex/TE's fused Adam counts here
+                group["step"] = int(step)
     return state
 
 
