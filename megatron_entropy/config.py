@@ -294,8 +294,7 @@ class TrainerConfig(Settings):
     micro_batch_tokens: int = _f(16384, ge=1, help="token budget of one micro-batch (dynamic bsz)")
     distributed_optimizer: Union[bool, Literal["auto"]] = _f(
         "auto", help="Megatron's distributed optimizer: fp32 main weights and Adam moments "
-                     "sharded over DP ranks; 'auto' = on where DP > 1 on GPUs (on the CPU layer "
-                     "its resume is not bit-identical yet, so there only when set to true)")
+                     "sharded over DP ranks; 'auto' = on where DP > 1")
     seed: int = 42
     save_interval: int = _f(0, ge=0, help="steps between checkpoints; 0 = only at the end")
     keep_last: int = _f(2, ge=1)
@@ -318,11 +317,10 @@ class TrainerConfig(Settings):
         """Optimizer steps of the whole run: the learning-rate schedule's length."""
         return self.steps * self.ppo_epochs * self.mini_batches_per_step
 
-    def uses_distributed_optimizer(self, data_parallel: int, on_gpu: bool) -> bool:
+    def uses_distributed_optimizer(self, data_parallel: int) -> bool:
         """``distributed_optimizer`` resolved: 'auto' is on where there is more than one DP
-        rank to shard over, on GPUs. On the CPU layer a resumed run's first step already differs
-        from an uninterrupted run's (entropy by 5e-5 relative at DP=2), so not there."""
-        return (data_parallel > 1 and on_gpu) if self.distributed_optimizer == "auto" \
+        rank to shard over."""
+        return data_parallel > 1 if self.distributed_optimizer == "auto" \
             else bool(self.distributed_optimizer)
 
 

@@ -71,3 +71,61 @@ def test_checkpoint_reshards_model_and_optimizer(tmp_path, save_layout, load_lay
     assert max(m.abs().max() for m in saved[1].values()) > 0  # real optimizer state
     ckpts = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert ckpts == ["latest", "step_00000002"]  # keep_last=1, no temporary left
+
+
+def _resumed_worker(run_dir: str, dtype: str, distributed: bool, first: int, last: int,
+                    save_at: int):
+    """Steps ``first``..``last`` of the tiny model's optimizer (resuming from the latest
+    checkpoint when ``first`` > 1), each with the same grads on every rank, saving after step
+    ``save_at``; returns the full weights and this checkpoint's recorded optimizer format."""
+    import json
+
+    from megatron_entropy.models.sharding import full_state_dict
+    from megatron_entropy.trainer.checkpoint import TRAINER_STATE, CheckpointManager
+    from megatron_entropy.config import ModelConfig, ParallelConfig, TrainerConfig
+    from megatron_entropy.trainer.model_setup import build_optimizer, build_trainable_model
+
+    init_megatron()
+    arch = arch_from_hf_config(tiny_hf_config("qwen2"))
+    chunks = build_trainable_model(
+        arch, ModelConfig(dtype=dtype, transformer_impl="local", seq_length=64), ParallelConfig(),
+        distributed_optimizer=distributed)
+    # No clipping: the two optimizers sum the grad norm in other orders (per shard, then over
+    # DP), so a clipped update would differ by the rounding of the clip coefficient.
+    optimizer, _ = build_optimizer(chunks, TrainerConfig(lr=1e-2, grad_clip=0, weight_decay=0.0,
+                                                         steps=1), dtype,
+                                   distributed_optimizer=distributed)
+    manager = CheckpointManager(run_dir, keep_last=1)
+    if first > 1:
+        assert manager.load(manager.latest(), chunks, optimizer)["step"] == first - 1
+    for step in range(first, last + 1):
+        for p in chunks[0].parameters():
+            p.main_grad.normal_(generator=torch.Generator().manual_seed(step))
+        optimizer.step()
+        if step == save_at:
+            manager.save(step, chunks, optimizer, {"step": step}, arch, "unused")
+    saved = json.loads((manager.latest() / TRAINER_STATE).read_text())
+    return full_state_dict(chunks[0]), saved["distributed_optimizer"]
+
+
+@pytest.mark.parametrize("dtype,runs", [
+    ("fp32", [(2, False), (2, True), (2, False)]),
+    ("bf16", [(2, True), (2, False), (2, True)]),
+    ("bf16", [(2, True), (1, True), (2, True)])],
+    ids=["fp32-plain-distributed-plain", "bf16-distributed-plain-distributed",
+         "bf16-distributed-dp2-dp1-dp2"])
+def test_resumed_optimizer_converts_and_reshards_bit_identical(tmp_path, dtype, runs):
+    """Six updates in one run against the same six in three runs (2 + 2 + 2) that resume from
+    each other's checkpoints with trainer.distributed_optimizer switched (the state converted
+    between the plain and the sharded format), or with the DP size changed (resharded): the
+    weights after are the same bit for bit, so were the main weights, Adam's moments and step
+    after each resume (bias correction makes a wrong step show)."""
+    (world, distributed), middle, last = runs
+    ref = run_distributed(_resumed_worker, world, str(tmp_path), dtype, distributed, 1, 6, 2)
+    assert ref[0][1] is distributed  # the checkpoint is in the format of the run that wrote it
+    out = run_distributed(_resumed_worker, middle[0], str(tmp_path), dtype, middle[1], 3, 4, 4)
+    assert out[0][1] is middle[1]
+    out = run_distributed(_resumed_worker, last[0], str(tmp_path), dtype, last[1], 5, 6, None)
+    (want, _), (got, _) = ref[0], out[0]
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=0, msg=name)

@@ -215,3 +215,11 @@ def test_derived_seeds_are_pinned():
     assert val == generate_problems(3, 1, 2, 20, seed=13)
     assert train == generate_problems(5, 1, 2, 20, seed=12, exclude=frozenset(p.question
                                                                                for p in val))
+
+
+@pytest.mark.parametrize("setting,dp,expected", [
+    ("auto", 1, False), ("auto", 2, True), (False, 2, False), (True, 1, True)])
+def test_distributed_optimizer_auto_is_on_where_there_is_more_than_one_dp_rank(setting, dp,
+                                                                              expected):
+    cfg = load_config(data={"trainer": {"distributed_optimizer": setting}})
+    assert cfg.trainer.uses_distributed_optimizer(dp) is expected

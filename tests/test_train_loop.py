@@ -375,9 +375,9 @@ def test_accuracy_rises_on_the_arithmetic_task(tmp_path):
 @pytest.mark.slow
 def test_killed_run_resumes_bit_identical(tmp_path):
     """DP=2 run killed (SIGKILL, whole process group) after a checkpoint; the resumed run's later
-    steps equal an uninterrupted run's: weights, optimizer state, data order (with dynamic
-    sampling's refills), sampling seeds and the entropy controller (its knob, KL-Cov's k, moves
-    every step) included."""
+    steps equal an uninterrupted run's: weights, optimizer state (the distributed optimizer's,
+    on by default at DP > 1), data order (with dynamic sampling's refills), sampling seeds and
+    the entropy controller (its knob, KL-Cov's k, moves every step) included."""
     import yaml
 
     cfg_path = tmp_path / "c.yaml"
@@ -419,6 +419,9 @@ def test_killed_run_resumes_bit_identical(tmp_path):
         g = {k: v for k, v in g.items() if not k.startswith(STABLE)}
         w = {k: v for k, v in w.items() if not k.startswith(STABLE)}
         assert g == w, f"step {g['step']} differs"
+    ckpts = tmp_path / "victim" / "checkpoints"
+    saved = json.loads((ckpts / (ckpts / "latest").read_text() / "trainer_state.json").read_text())
+    assert saved["distributed_optimizer"] is True
 
 
 def _expect_failure(cfg: dict, match: str) -> None:

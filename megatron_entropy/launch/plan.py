@@ -183,7 +183,7 @@ def make_plan(cfg: Config, arch: ModelArch, nodes: int, arch_source: str = "") -
     plan.trainer.append((f"weights ({cfg.model.dtype})", n * w))
     plan.trainer.append(("grad buffer (fp32)", n * 4))
     # The distributed optimizer keeps each DP rank's 1/DP of the main weights and moments.
-    sharded = t.uses_distributed_optimizer(plan.data_parallel, on_gpu=True)  # a plan is for GPUs
+    sharded = t.uses_distributed_optimizer(plan.data_parallel)
     dp_shard = f", 1/{plan.data_parallel} by the distributed optimizer" if sharded else ""
     optimizer_params = -(-n // plan.data_parallel) if sharded else n
     if w < 4:

@@ -171,6 +171,21 @@ def _keeping_adam_step(set_states):
     return wrapped
 
 
+def _with_own_adam_steps(load_state_dict):
+    """Without apex/TE the distributed optimizer's load gives every parameter's torch Adam state
+    one and the same ``step`` tensor. Torch's Adam increments each parameter's step in place, so
+    a shared one advanced by the number of parameters per update, and the resumed run's bias
+    corrections were wrong from its first step. Each parameter gets its own copy."""
+
+    def wrapped(self, state_dict):
+        load_state_dict(self, state_dict)
+        for state in self.optimizer.state.values():
+            if "step" in state:
+                state["step"] = state["step"].clone()
+
+    return wrapped
+
+
 def _check_version() -> None:
     import megatron.core
 
@@ -238,6 +253,7 @@ def apply() -> bool:
     opt_cls.sharded_state_dict = _with_adam_steps_before_load(opt_cls.sharded_state_dict)
     opt_cls._set_main_param_and_optimizer_states = _keeping_adam_step(
         opt_cls._set_main_param_and_optimizer_states)
+    opt_cls.load_state_dict = _with_own_adam_steps(opt_cls.load_state_dict)
 
     _applied = True
     return True

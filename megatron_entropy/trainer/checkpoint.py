@@ -21,6 +21,7 @@ dist_checkpointing writes each rank's files from processes it forks; those die w
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import queue
@@ -130,6 +131,14 @@ def _barrier() -> None:
 _OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
+def _is_distributed(optimizer) -> bool:
+    """Whether ``optimizer`` is Megatron's distributed optimizer (alone or chained)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    return any(isinstance(o, DistributedOptimizer)
+               for o in getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
 def _has_optimizer_state(optimizer) -> bool:
     """False until the first optimizer step (Adam creates its moments lazily)."""
     inner = getattr(optimizer, "chained_optimizers", [optimizer])
@@ -215,7 +224,8 @@ class CheckpointManager:
             write_checkpoint_metadata(tmp, arch, hf_dir)
             layout = _layout()
             (tmp / TRAINER_STATE).write_text(json.dumps(
-                {**trainer_state, "layout": layout, "optimizer_state": with_optimizer}, indent=1))
+                {**trainer_state, "layout": layout, "optimizer_state": with_optimizer,
+                 "distributed_optimizer": _is_distributed(optimizer)}, indent=1))
             verify_checkpoint(tmp)
             if final.exists():
                 shutil.rmtree(final)
@@ -237,6 +247,7 @@ class CheckpointManager:
         """Collective. Loads model (+ optimizer) resharded to this layout; restores RNG states
         when the layout is the one that was saved. Returns the trainer state."""
         from megatron.core import dist_checkpointing
+        from megatron.core.dist_checkpointing.dict_utils import merge
 
         path = Path(path)
         state = verify_checkpoint(path)
@@ -244,12 +255,24 @@ class CheckpointManager:
         model_sd = model.sharded_state_dict()
         sharded: dict[str, Any] = {"model": model_sd}
         load_optimizer = load_optimizer and state.get("optimizer_state", True)
+        # A checkpoint from before the format was recorded is in this run's format.
+        converting = load_optimizer and \
+            state.get("distributed_optimizer", _is_distributed(optimizer)) != \
+            _is_distributed(optimizer)
         if load_optimizer:
             sharded["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=True,
                                                                 metadata=_OPTIMIZER_METADATA)
+            if converting:
+                request = sharded["optimizer"]
+                sharded["optimizer"], model_weights = _in_saved_format(request, optimizer)
         loaded = dist_checkpointing.load(sharded, str(path))
         model.load_state_dict(loaded["model"])
-        if load_optimizer:
+        if converting:
+            if model_weights is not None:
+                merge(loaded["optimizer"], dist_checkpointing.load(model_weights, str(path)))
+            optimizer.load_state_dict(_converted_optimizer_state(request, loaded["optimizer"],
+                                                                 optimizer))
+        elif load_optimizer:
             optimizer.load_state_dict(loaded["optimizer"])
         else:
             optimizer.reload_model_params()
@@ -257,6 +280,112 @@ class CheckpointManager:
         if state.get("layout") == _layout() and rng_file.is_file():
             _set_rng_state(torch.load(rng_file, weights_only=False))
         return state
+
+
+# The other optimizer's checkpoint: Adam's moments are saved under the same keys by both
+# (``optimizer.state.exp_avg.<param>``), the fp32 main weights under
+# ``optimizer.state.param.<param>`` by the distributed one, ``optimizer.state.fp32_param.<param>``
+# by the plain mixed-precision one; a plain fp32 optimizer's main weights are the model's.
+_DISTRIBUTED_MAIN, _PLAIN_MAIN = "optimizer.state.param.", "optimizer.state.fp32_param."
+
+
+def _inner_optimizers(optimizer) -> list:
+    inner = getattr(optimizer, "chained_optimizers", [optimizer])
+    if len(inner) != 1:
+        raise CheckpointError(
+            f"the checkpoint's optimizer state is in the other format (trainer."
+            f"distributed_optimizer was switched) and this model has {len(inner)} optimizers, "
+            "which the conversion does not cover: resume with the setting it was saved with")
+    return inner
+
+
+def _in_saved_format(request: Any, optimizer) -> tuple[Any, Any]:
+    """This optimizer's load request with its main weights' keys renamed to those the other
+    optimizer saved them under, to load from the checkpoint into this optimizer's layout (the
+    request itself is kept), and apart from it (None if none) the main weights that are the
+    model's own (a plain fp32 optimizer's): the model's key once more in the same load would
+    overlap its shards."""
+    from megatron.core.dist_checkpointing.dict_utils import extract_matching_values
+    from megatron.core.dist_checkpointing.mapping import ShardedBase
+
+    config = _inner_optimizers(optimizer)[0].config
+    if _is_distributed(optimizer):
+        ours, theirs = _DISTRIBUTED_MAIN, _PLAIN_MAIN if config.bf16 or config.fp16 else ""
+    else:
+        ours, theirs = _PLAIN_MAIN, _DISTRIBUTED_MAIN
+
+    def rename(tree: Any) -> Any:
+        if isinstance(tree, ShardedBase) and tree.key.startswith(ours):
+            renamed = copy.copy(tree)
+            renamed.key = theirs + tree.key[len(ours):]
+            return renamed
+        if isinstance(tree, dict):
+            return {k: rename(v) for k, v in tree.items()}
+        if isinstance(tree, list):
+            return [rename(v) for v in tree]
+        return tree
+
+    renamed = rename(request)
+    if theirs:
+        return renamed, None
+    model_weights, rest = extract_matching_values(  # renamed to the model's keys
+        renamed, lambda v: isinstance(v, ShardedBase) and not v.key.startswith("optimizer."))
+    return rest, model_weights
+
+
+def _plain_inner(state: dict) -> dict:
+    """The torch optimizer's state inside a plain optimizer's (mixed precision nests it)."""
+    return state["optimizer"] if "optimizer" in state else state
+
+
+def _saved_adam_step(saved: dict) -> float:
+    """Adam's step in an optimizer state of either format: the distributed optimizer keeps it
+    in its param groups, the plain one as ``state.common_step`` (torch's Adam) or in its param
+    groups (apex/TE's fused Adam)."""
+    if "param_state_sharding_type" in saved:
+        groups = saved["optimizer"]["param_groups"]
+    else:
+        inner = _plain_inner(saved)
+        groups = [{"step": inner["state"]["common_step"]}] \
+            if "common_step" in inner.get("state", {}) else inner["param_groups"]
+    steps = {float(g["step"]) for g in groups if "step" in g}
+    if len(steps) != 1:
+        raise CheckpointError(f"the checkpoint's optimizer records several Adam steps {steps}")
+    return steps.pop()
+
+
+def _converted_optimizer_state(request: dict, loaded: dict, optimizer) -> dict:
+    """The state ``optimizer.load_state_dict`` takes, in its own format: its load request with
+    each sharded entry replaced by the tensor loaded from the other format, and the saved Adam
+    step (the rest is this run's: param groups, whose rates the LR schedule sets, and an fp16
+    loss scale, which starts over)."""
+    from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedBase
+
+    def fill(template: Any, got: Any) -> Any:
+        if isinstance(template, ShardedBase):
+            return got
+        if isinstance(template, LocalNonpersistentObject):
+            return template.unwrap()
+        if isinstance(template, dict):
+            return {k: fill(v, got.get(k) if isinstance(got, dict) else None)
+                    for k, v in template.items()}
+        if isinstance(template, list):
+            return [fill(v, got[i] if isinstance(got, list) and i < len(got) else None)
+                    for i, v in enumerate(template)]
+        return template
+
+    state = fill(request, loaded)
+    step = _saved_adam_step(loaded)
+    if _is_distributed(optimizer):
+        for group in state["optimizer"]["param_groups"]:
+            group["step"] = step
+    else:
+        inner = _plain_inner(state)
+        inner["state"]["common_step"] = torch.tensor(step)
+        for group in inner["param_groups"]:
+            if "step" in group:  # apex/TE's fused Adam counts here
+                group["step"] = int(step)
+    return state
 
 
 def _layout() -> dict[str, int]:

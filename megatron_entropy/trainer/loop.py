@@ -172,7 +172,7 @@ class Trainer:
         self.ckpt = CheckpointManager(self.run_dir, cfg.trainer.keep_last)
         resume_from = self._resume_path()
         sharded_optimizer = cfg.trainer.uses_distributed_optimizer(
-            ps.get_data_parallel_world_size(), on_gpu=dist.get_backend() == "nccl")
+            ps.get_data_parallel_world_size())
         self.model = build_trainable_model(self.arch, m, cfg.parallel, sharded_optimizer)
         if resume_from is None:
             self._load_initial_weights(self.model[0])
