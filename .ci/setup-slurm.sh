@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs Debian's Slurm (slurmctld, slurmd, client tools) and munge for tests/test_slurm*.py.
 # Idempotent: does nothing when the binaries are already there. The tests start and stop their own
-# four-node cluster on this machine (tests/slurm_cluster.py: one slurmd per fake node, each in a
+# four-node cluster on this machine (tests/helpers/slurm_cluster.py: one slurmd per fake node, each in a
 # mount namespace of its own made with util-linux's unshare); nothing is started here.
 set -euo pipefail
 start=$SECONDS

@@ -25,13 +25,12 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from megatron_entropy.models.arch import arch_from_hf_config  # noqa: E402
-from megatron_entropy.models.bridge import hf_tensor_specs  # noqa: E402
-from megatron_entropy.models.hf_io import (hf_weight_files, open_hf_slices,  # noqa: E402
+from megatron_entropy.models.arch import arch_from_hf_config
+from megatron_entropy.models.bridge import hf_tensor_specs
+from megatron_entropy.models.hf_io import (hf_weight_files, open_hf_slices,
                                            save_hf_weights)
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def make_model(out: Path, layers: int, hidden: int, ffn: int, heads: int, groups: int,

@@ -49,10 +49,8 @@ from typing import Optional
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from megatron_entropy.algorithms.policy_loss import PolicyLossSettings, policy_loss  # noqa: E402
-from megatron_entropy.ops.logprob_entropy import (fused_linear_logprob_entropy,  # noqa: E402
+from megatron_entropy.algorithms.policy_loss import PolicyLossSettings, policy_loss
+from megatron_entropy.ops.logprob_entropy import (fused_linear_logprob_entropy,
                                                   vocab_parallel_logprob_entropy)
 
 COLLECTIVES = ["all_gather", "all_gather_into_tensor", "all_reduce", "reduce_scatter",

@@ -25,7 +25,9 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
+# The tests' helpers (tiny served models, forked ranks), shared on purpose: the bench measures
+# what the tests prove correct.
+sys.path.insert(0, str(REPO / "tests" / "helpers"))
 
 from megatron_entropy.config import ServerConfig  # noqa: E402
 from megatron_entropy.models.hf_io import iter_hf_tensors  # noqa: E402

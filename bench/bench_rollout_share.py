@@ -18,7 +18,9 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
+# The tests' helpers (tiny served models, forked ranks), shared on purpose: the bench measures
+# what the tests prove correct.
+sys.path.insert(0, str(REPO / "tests" / "helpers"))
 
 import megatron.core  # noqa: E402,F401  - imported once here, before the ranks are forked
 

@@ -14,7 +14,7 @@
 # Each test's own ranks run one thread each, and no test of one stream looks at the other's
 # processes, ports or files.
 # pytest runs with MEGATRON_ENTROPY_REQUIRE_ALL_TESTS=1, under which a test whose prerequisite is
-# missing fails with the reason instead of being skipped (tests/require_all.py). Plain
+# missing fails with the reason instead of being skipped (tests/helpers/require_all.py). Plain
 # `python -m pytest tests` may still skip such tests, for quick local runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -67,7 +67,7 @@ tests() {  # tests SELECTION... : one pytest run; "no test selected" (5) is no f
 # The second stream: the Slurm jobs and the study, then, once the venv is there, the vLLM tests.
 # Split by measured time (last full run, 2 cores: everything else 1132 s; Slurm jobs and study
 # 643 s, then the vLLM tests 480 s).
-SECOND=(tests/test_slurm_jobs.py tests/test_study.py)
+SECOND=(tests/slurm/test_slurm_jobs.py tests/integration/test_study.py)
 servers() {
   local rc=0
   tests "${SECOND[@]}" -m "not vllm" "$@" || rc=$?

@@ -25,7 +25,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE.parent / "helpers"))
 
 
 def main() -> int:

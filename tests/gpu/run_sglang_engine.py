@@ -1,4 +1,4 @@
-"""The real SGLang engine on a GPU machine: what tests/test_rollout_sglang.py checks against the
+"""The real SGLang engine on a GPU machine: what tests/servers/test_rollout_sglang.py checks against the
 fake server, against `python -m sglang.launch_server` (one CUDA device, TP=1).
 
     python tests/gpu/run_sglang_engine.py [--server-python PY]    # ~3-5 minutes
@@ -32,7 +32,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "tests" / "helpers"))
 
 from megatron_entropy.config import ServerConfig  # noqa: E402
 from megatron_entropy.rollout.base import SamplingParams  # noqa: E402

@@ -16,7 +16,7 @@ from megatron_entropy.data import (DEFAULT_PROMPT_SUFFIX, DatasetError, GroupFil
                                    load_prompt_dataset, load_tokenizer, read_rows, render_prompt,
                                    train_val_problems)
 
-QUICKSTART = Path(__file__).resolve().parents[1] / "examples" / "quickstart_model"
+QUICKSTART = Path(__file__).resolve().parents[2] / "examples" / "quickstart_model"
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from megatron_entropy.config import load_config
 from megatron_entropy.models.arch import arch_from_hf_config
 from megatron_entropy.launch.plan import kv_bytes_per_token, make_plan, stage_params, total_params
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 RECIPES = sorted((REPO / "examples").glob("qwen2.5-*.yaml"))
 
 

@@ -20,7 +20,7 @@ from megatron_entropy.launch.slurm import (NotEnoughNodesError, _visible_gpus, a
 from megatron_entropy.rollout.servers import ServerError
 from megatron_entropy.runtime import ParallelLayoutError, expand_nodelist
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SERVED = ["rollout.engine=sglang", "rollout.server.urls_file=urls.txt"]
 
 

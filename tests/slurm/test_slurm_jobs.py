@@ -1,5 +1,5 @@
 """The slurm/ scripts on a real Slurm cluster of 4 fake nodes with 2 fake GPUs each, all on this
-machine (slurmctld + one slurmd per node + munge, started by tests/slurm_cluster.py): srun ranks
+machine (slurmctld + one slurmd per node + munge, started by tests/helpers/slurm_cluster.py): srun ranks
 across nodes, a too-small job, conversion, the colocated script, the disaggregated split with
 the GPUs every step sees, a time-limit warning (USR1) and a real preemption (GraceTime, SIGTERM to
 every task) that checkpoint, requeue and continue, a controller that fails a command once, a
@@ -29,10 +29,10 @@ from slurm_cluster import SlurmCluster, missing_binaries
 
 from megatron_entropy.runtime.launch_env import SLURM_MASTER_PORT_BASE, SLURM_MASTER_PORT_SPAN
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SLURM = REPO / "slurm"
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
-FAKE_SGLANG = Path(__file__).with_name("fake_sglang_server.py")
+FAKE_SGLANG = Path(__file__).resolve().parents[1] / "helpers" / "fake_sglang_server.py"
 
 pytestmark = pytest.mark.skipif(
     bool(missing_binaries()) or os.geteuid() != 0,
@@ -122,7 +122,7 @@ def stops_listening(port: int, host: str, timeout: float = 30) -> bool:
 
 
 def disaggregated_config(tmp: Path, model: Path, name: str, steps: int, **sections) -> Path:
-    """Servers (the strict fake SGLang server, tests/fake_sglang_server.py) on node1 and node2,
+    """Servers (the strict fake SGLang server, tests/helpers/fake_sglang_server.py) on node1 and node2,
     one per node with both its GPUs; the trainer on node3 and node4, TP=2 inside a node and DP=2
     across them. Each server binds its own node's address, so both may use the same port."""
     request_log = f'{tmp}/requests-"$SLURMD_NODENAME".jsonl'

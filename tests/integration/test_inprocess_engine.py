@@ -19,7 +19,7 @@ from megatron_entropy.rollout.inprocess import InProcessEngine, sample_tokens
 from megatron_entropy.runtime.seeds import sample_seed
 from megatron_entropy.weight_sync import InPlaceSync
 
-QUICKSTART = Path(__file__).resolve().parents[1] / "examples" / "quickstart_model"
+QUICKSTART = Path(__file__).resolve().parents[2] / "examples" / "quickstart_model"
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -20,7 +20,7 @@ from megatron_entropy.models.arch import load_arch
 from megatron_entropy.weight_sync.base import with_last
 from megatron_entropy.weight_sync.stream import plan_buckets, spec_bytes
 
-QUICKSTART = Path(__file__).resolve().parents[1] / "examples" / "quickstart_model"
+QUICKSTART = Path(__file__).resolve().parents[2] / "examples" / "quickstart_model"
 BUCKET = 60_000  # bytes: several buckets per stage of these models, some tensors bigger
 
 

@@ -25,8 +25,8 @@ daemons and kills whatever process of this cluster is left (found by its SLURM_C
 
 Use from pytest (``cluster`` fixture in the tests) or by hand:
 
-    python tests/slurm_cluster.py start /tmp/slurm  # prints export SLURM_CONF=/tmp/slurm/slurm.conf
-    python tests/slurm_cluster.py stop /tmp/slurm
+    python tests/helpers/slurm_cluster.py start /tmp/slurm  # prints export SLURM_CONF=/tmp/slurm/slurm.conf
+    python tests/helpers/slurm_cluster.py stop /tmp/slurm
 """
 
 from __future__ import annotations

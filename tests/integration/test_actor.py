@@ -89,7 +89,7 @@ def drift_engine_logprobs(samples) -> None:
 
 
 def _rounding_paths(samples) -> tuple:
-    """The rounding paths (tests/tolerance.py) of one log-prob of the tiny model over the
+    """The rounding paths (tests/helpers/tolerance.py) of one log-prob of the tiny model over the
     longest sample, and of one gradient (that path plus every response token of the step)."""
     logp_path = transformer_terms(arch_from_hf_config(tiny_hf_config("qwen2")),
                                   max(s.length for s in samples), log_softmax=True)
@@ -113,7 +113,7 @@ def test_global_scope_update_is_independent_of_the_dp_split(loss, selection, cor
     ((wp, _, _),) = run_distributed(_update_worker, 1, "ppo_clip", "micro_batch", "recompute")
     # Split over 2 DP ranks the micro-batches hold other samples (other padding, other GEMM
     # shapes) and the grads are summed in another order: the same math up to rounding along
-    # the path of a log-prob (tests/tolerance.py) and of a gradient (+ every token of the step).
+    # the path of a log-prob (tests/helpers/tolerance.py) and of a gradient (+ every token of the step).
     samples = random_samples(0)
     logp_path, path = _rounding_paths(samples)
     assert m1["selected_frac"] > 0
@@ -262,7 +262,7 @@ def test_token_rule_update_equals_its_formula_and_ignores_the_split(rule):
 
 # Rollout correction through the actor against its one-process formula: each mode and level
 # once, mis at token level with KL-Cov (the rejected tokens leave the Cov population). Every
-# loss with every mode against the formula: tests/test_rollout_correction.py.
+# loss with every mode against the formula: tests/unit/test_rollout_correction.py.
 CORRECTIONS = {
     "ppo_clip": {"none": {}, "tis-geometric": dict(mode="tis", level="geometric", tis_cap=1.2),
                  "mis-geometric": dict(mode="mis", level="geometric", mis_low=0.9,
@@ -276,7 +276,7 @@ def _correction_worker(loss: str):
     """For each of CORRECTIONS[loss], from the same initial weights: the weights after the actor's
     2 updates of one step (1 mini-batch x 2 epochs, 24-token micro-batches, global Cov scope
     selecting with a fresh forward) and after 2 updates whose loss is the one-process formula
-    (tests/test_rollout_correction.py) on the whole step as one micro-batch, with the same
+    (tests/unit/test_rollout_correction.py) on the whole step as one micro-batch, with the same
     optimizer; the actor's metrics; the smallest margin of the reference's selection (rounding
     must not change it); the initial weights; the step's samples."""
     from test_rollout_correction import ref_aggregate, ref_corrected_terms

@@ -204,7 +204,7 @@ def test_run_restarted_before_its_first_checkpoint_logs_step_0_once(tmp_path):
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [0, 1]
 
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _cli_config(tmp_path: Path, **sections) -> Path:

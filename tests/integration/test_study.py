@@ -20,7 +20,7 @@ import yaml
 from megatron_entropy.analysis.study import StudyError, execute, plan_study, settings_of
 from megatron_entropy.config import ConfigError
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 FIGURES = ["entropy", "val_accuracy", "entropy_law", "early_prediction", "covariance",
            "delta_vs_cov", "entropy_bonus", "threshold_sweep"]
 

@@ -106,14 +106,14 @@ def test_seq_length_must_hold_a_full_sequence():
 
 def test_vllm_cpu_example_is_the_quickstart_with_working_cpu_server_flags():
     """examples/quickstart_vllm_cpu.yaml, which the README names for vLLM on a CPU machine (and
-    tests/test_rollout_vllm.py runs against a real server): the quickstart but for the engine, and
+    tests/servers/test_rollout_vllm.py runs against a real server): the quickstart but for the engine, and
     the launched server gets the flags and environment that work there."""
     from pathlib import Path
 
     from megatron_entropy.rollout.servers import _parse_env
     from megatron_entropy.rollout.vllm import server_argv
 
-    examples = Path(__file__).resolve().parents[1] / "examples"
+    examples = Path(__file__).resolve().parents[2] / "examples"
     cfg = load_config(examples / "quickstart_vllm_cpu.yaml")
     quickstart = load_config(examples / "quickstart.yaml").to_dict()
     got = cfg.to_dict()

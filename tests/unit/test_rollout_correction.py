@@ -1,7 +1,7 @@
 """Rollout mismatch correction (algorithms/rollout_correction.py) against a one-process reference
 of its formulas written here, with each of ppo_clip, clip_cov and kl_cov; the step's split
 (micro-batches, DP=2) does not change the gradient; bad settings and config values name the
-setting / key. Through the actor: tests/test_actor.py."""
+setting / key. Through the actor: tests/integration/test_actor.py."""
 
 from __future__ import annotations
 

@@ -42,7 +42,7 @@ that std to every weight (a silently wrong sync); ``/fake/die_on_next_sync``: th
 (``--sync-noise`` sets the noise from the start); ``GET /fake/state``: requests running and
 waiting, tokens decoded.
 
-Run: python tests/fake_sglang_server.py --model-path DIR --host 127.0.0.1 --port P
+Run: python tests/helpers/fake_sglang_server.py --model-path DIR --host 127.0.0.1 --port P
 """
 
 from __future__ import annotations

@@ -58,7 +58,7 @@ def reference(model, prompt: list[int], completion: list[int], temperature: floa
     """log-softmax(logits / T) of each completion token given what precedes it, from one plain
     fp32 forward of the HF model (no padding, no cache), and the tolerance for the same log-probs
     computed another way (batched, padded, from a KV cache, by another implementation): rounding
-    along one log-prob's path (tests/tolerance.py)."""
+    along one log-prob's path (tests/helpers/tolerance.py)."""
     import torch
 
     from megatron_entropy.models.arch import arch_from_hf_config

@@ -23,7 +23,7 @@ from tolerance import rounding_tol, transformer_terms
 
 from megatron_entropy.cli import main as cli_main
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ from megatron_entropy.rollout.base import SamplingParams
 from megatron_entropy.rollout.vllm import VLLMEngine
 from serving_model import make_served_model, push_weights, reference_logprobs
 
-VENV_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
+VENV_PYTHON = Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"
 PROMPTS = [[5, 6, 7, 8], [40, 41], [100, 7, 3, 9, 12]]
 
 pytestmark = [
@@ -273,7 +273,7 @@ def test_quickstart_rl_steps_on_a_server_the_trainer_launches(tmp_path):
 
     from harness import metrics_rows, run_distributed, train_from_dict
 
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     # The shipped CPU example as it is, but for where the venv is and the test's port and waits.
     cfg = yaml.safe_load((repo / "examples" / "quickstart_vllm_cpu.yaml").read_text())
     cfg["model"]["hf_path"] = str(repo / cfg["model"]["hf_path"])

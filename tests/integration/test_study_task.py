@@ -17,7 +17,7 @@ from megatron_entropy.data import (generate_sum_problems, load_prompt_dataset, l
                                    sums_rows, train_val_sum_problems, worked_solution)
 from megatron_entropy.rewards import math_rewards
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 QUICKSTART = EXAMPLES / "quickstart_model"
 STUDY_MODEL = EXAMPLES / "study_model"
 LINE = re.compile(r"(-?\d+(?:[+-]\d+)+)=(-?\d+)")  # "7+15-4=18"

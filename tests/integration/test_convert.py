@@ -24,7 +24,7 @@ from tiny_models import FAMILIES, save_tiny_hf_model
 
 from megatron_entropy.models.arch import load_arch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 FAMILY_NAMES = list(FAMILIES) + ["qwen2_tied"]
 
 

@@ -3,7 +3,7 @@
 
 transformers dequantizes the Q4_1 GGUF into a LlamaForCausalLM (134.5M parameters, vocab 49152,
 tied embeddings, with a chat template). The folder is built once and cached; ``python
-tests/smollm2.py`` builds it ahead of the tests.
+tests/helpers/smollm2.py`` builds it ahead of the tests.
 """
 
 from __future__ import annotations

@@ -24,8 +24,8 @@ from serving_model import make_served_model, make_tp2_model
 
 from megatron_entropy.trainer import preemption
 
-REPO = Path(__file__).resolve().parents[1]
-FAKE_SGLANG = Path(__file__).with_name("fake_sglang_server.py")
+REPO = Path(__file__).resolve().parents[2]
+FAKE_SGLANG = Path(__file__).resolve().parents[1] / "helpers" / "fake_sglang_server.py"
 
 
 def _kill_marked(mark: str) -> None:

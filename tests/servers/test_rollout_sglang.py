@@ -1,4 +1,4 @@
-"""SGLangEngine against the strict fake SGLang 0.5.x server (tests/fake_sglang_server.py).
+"""SGLangEngine against the strict fake SGLang 0.5.x server (tests/helpers/fake_sglang_server.py).
 
 The fake serves a real transformers model, so completions and their log-probs are checked against
 an fp32 reference here, weight syncs (from disk, and by a real gloo broadcast) against the new
@@ -27,7 +27,7 @@ from megatron_entropy.rollout.sglang import SGLangEngine, weight_sync_address
 from megatron_entropy.runtime.seeds import sample_seed
 from serving_model import make_served_model, push_weights, reference
 
-FAKE = str(Path(__file__).with_name("fake_sglang_server.py"))
+FAKE = str(Path(__file__).resolve().parents[1] / "helpers" / "fake_sglang_server.py")
 PROMPTS = [[5, 6, 7, 8], [40, 41], [100, 7, 3, 9, 12]]
 
 

@@ -20,9 +20,9 @@ from megatron_entropy.rewards import (RewardScorer, get_reward, math_reward, mat
                                       register_reward, resolve_reward)
 from rewards_under_test import length_reward
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 FORMAT_REWARD = f"{REPO / 'examples' / 'rewards_format.py'}:format_reward"
-HERE = "rewards_under_test"  # tests/rewards_under_test.py: workers import it (pytest's sys.path)
+HERE = "rewards_under_test"  # tests/helpers/rewards_under_test.py: workers import it (pytest's sys.path)
 
 
 def _scorer(function: str, **settings) -> RewardScorer:

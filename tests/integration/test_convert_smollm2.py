@@ -1,6 +1,6 @@
 """A real model: SmolLM2-135M-Instruct (Llama, GQA 9 heads / 3 groups, tied embeddings, vocab 49152)
 converted to a Megatron dist checkpoint computes transformers' fp32 logits on a real chat prompt up
-to rounding along its 30 layers (tests/tolerance.py) and picks the same greedy tokens, at TP=1 and
+to rounding along its 30 layers (tests/helpers/tolerance.py) and picks the same greedy tokens, at TP=1 and
 TP=3; converting back is bit-identical."""
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 The staleness filter, partial rollouts' joins and the background producer's ordering on their
 own; rollouts in flight in another thread while weights are pushed (aborted and resumed, then
 finished) and a server is killed, against the strict fake SGLang server
-(tests/fake_sglang_server.py) serving real transformers models; and the trainer at
-max_staleness=1 killed by SIGKILL and resumed (tests/test_async_train.py holds that one).
+(tests/helpers/fake_sglang_server.py) serving real transformers models; and the trainer at
+max_staleness=1 killed by SIGKILL and resumed.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from serving_model import make_served_model, push_weights, reference
 from test_preemption import _kill_marked
 from test_rollout_sglang import fake_command, greedy_reference, make_cfg, models  # noqa: F401
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _completion(version) -> Completion:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from require_all import REQUIRE_ALL
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 
 
 def test_a_skip_fails_with_its_reason_when_every_test_is_required(tmp_path):
@@ -24,7 +24,7 @@ def test_a_skip_fails_with_its_reason_when_every_test_is_required(tmp_path):
         "def test_known_failure():\n    assert False\n")
 
     def run(required: bool) -> subprocess.CompletedProcess:
-        env = {**os.environ, "PYTHONPATH": str(TESTS)}
+        env = {**os.environ, "PYTHONPATH": str(TESTS / "helpers")}
         env.pop(REQUIRE_ALL, None)
         if required:
             env[REQUIRE_ALL] = "1"
@@ -43,8 +43,8 @@ def test_a_skip_fails_with_its_reason_when_every_test_is_required(tmp_path):
 
 
 # The three pytest runs of tests/run.sh, told apart by their arguments (first match wins).
-RUNS = {"slurm": "tests/test_slurm_jobs.py tests/test_study.py -m not vllm", "vllm": "-m vllm",
-        "main": "-m not vllm --ignore=tests/test_slurm_jobs.py --ignore=tests/test_study.py"}
+RUNS = {"slurm": "tests/slurm/test_slurm_jobs.py tests/integration/test_study.py -m not vllm", "vllm": "-m vllm",
+        "main": "-m not vllm --ignore=tests/slurm/test_slurm_jobs.py --ignore=tests/integration/test_study.py"}
 
 
 def _stub_checkout(tmp: Path, pytest_exit: dict[str, int], setup_exit: int = 0) -> Path:
