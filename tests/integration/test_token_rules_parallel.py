@@ -6,6 +6,8 @@ choosing with fresh log-probs and entropies (algorithm.global_selection_logprobs
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -36,8 +38,9 @@ def _layout_worker(tp: int, pp: int, weights: dict, args: tuple):
 
     build = model_setup.build_trainable_model
 
-    def build_in_layout(arch, _tp, _pp, *rest, **kwargs):
-        chunks = build(arch, tp, pp, *rest, **kwargs)
+    def build_in_layout(arch, model_cfg, parallel, *rest, **kwargs):
+        chunks = build(arch, model_cfg, dataclasses.replace(parallel, tensor=tp, pipeline=pp),
+                       *rest, **kwargs)
         load_full_state_dict(chunks[0], weights)
         return chunks
 
