@@ -223,3 +223,10 @@ def test_distributed_optimizer_auto_is_on_where_there_is_more_than_one_dp_rank(s
                                                                               expected):
     cfg = load_config(data={"trainer": {"distributed_optimizer": setting}})
     assert cfg.trainer.uses_distributed_optimizer(dp) is expected
+
+
+@pytest.mark.parametrize("setting,on_gpu,expected", [
+    ("auto", False, False), ("auto", True, True), (False, True, False), (True, False, True)])
+def test_overlap_communication_auto_is_on_where_collectives_run_on_gpus(setting, on_gpu, expected):
+    cfg = load_config(data={"trainer": {"overlap_communication": setting}})
+    assert cfg.trainer.uses_overlap(on_gpu) is expected
