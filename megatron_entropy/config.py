@@ -295,6 +295,10 @@ class TrainerConfig(Settings):
     distributed_optimizer: Union[bool, Literal["auto"]] = _f(
         "auto", help="Megatron's distributed optimizer: fp32 main weights and Adam moments "
                      "sharded over DP ranks; 'auto' = on where DP > 1")
+    overlap_communication: Union[bool, Literal["auto"]] = _f(
+        "auto", help="overlap the DP grad reduce with the backward (bucket by bucket) and, with "
+                     "the distributed optimizer, the param all-gather with the next forward; "
+                     "'auto' = on GPUs (NCCL). Same update either way")
     seed: int = 42
     save_interval: int = _f(0, ge=0, help="steps between checkpoints; 0 = only at the end")
     keep_last: int = _f(2, ge=1)
@@ -316,6 +320,12 @@ class TrainerConfig(Settings):
     def total_updates(self) -> int:
         """Optimizer steps of the whole run: the learning-rate schedule's length."""
         return self.steps * self.ppo_epochs * self.mini_batches_per_step
+
+    def uses_overlap(self, on_gpu: bool) -> bool:
+        """``overlap_communication`` resolved: 'auto' is on where the collectives run on GPUs
+        (on gloo they run on the same cores as the compute, so there is nothing to hide them
+        behind)."""
+        return on_gpu if self.overlap_communication == "auto" else bool(self.overlap_communication)
 
     def uses_distributed_optimizer(self, data_parallel: int) -> bool:
         """``distributed_optimizer`` resolved: 'auto' is on where there is more than one DP

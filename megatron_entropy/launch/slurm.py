@@ -296,11 +296,11 @@ def server_command(cfg: Config, host: str, port: int) -> tuple[list[str], dict[s
     """
     # Here, not at the top: the engines import torch, and `layout`/`wait-servers` start without.
     from megatron_entropy.rollout import sglang, vllm
-    from megatron_entropy.rollout.servers import _parse_env
+    from megatron_entropy.rollout.servers import parse_extra_env
 
     s = dataclasses.replace(cfg.rollout.server, host=host)
     tp = cfg.cluster.server_gpus
-    env = _parse_env(s.extra_env)
+    env = parse_extra_env(s.extra_env)
     if cfg.rollout.engine == "vllm":
         argv = vllm.server_argv(s, cfg.model.hf_path, port)
         env["VLLM_SERVER_DEV_MODE"] = "1"  # the weight reload endpoints

@@ -229,7 +229,9 @@ def free_port(host: str, start: int, taken: set[int]) -> int:
     raise ServerError(f"no free port on {host} in [{start}, {start + 1000})")
 
 
-def _parse_env(items: list[str]) -> dict[str, str]:
+def parse_extra_env(items: list[str]) -> dict[str, str]:
+    """``rollout.server.extra_env`` (KEY=VALUE items) as a dict: the one parser, for the servers
+    the engines launch and for those `megatron-entropy slurm serve` starts."""
     env = {}
     for item in items:
         if "=" not in item:
@@ -250,7 +252,7 @@ class ServerPool:
         self.kind = kind
         self.model_dir = model_dir  # folder a (re)started server loads: the latest weights
         self.launch_command = launch_command
-        self.env = {**(env or {}), **_parse_env(cfg.extra_env)}
+        self.env = {**(env or {}), **parse_extra_env(cfg.extra_env)}
         self.health_path = health_path
         self.dir = Path(run_dir) / "servers"
         self.dir.mkdir(parents=True, exist_ok=True)

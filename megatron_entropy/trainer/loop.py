@@ -44,7 +44,8 @@ from megatron_entropy.trainer.entropy_control import (apply_knob, build_controll
                                                       controller_state, restore_controller,
                                                       update_controller)
 from megatron_entropy.trainer.metrics import MetricsLogger, PhaseTimer
-from megatron_entropy.trainer.model_setup import build_optimizer, build_trainable_model
+from megatron_entropy.trainer.model_setup import (build_optimizer, build_trainable_model,
+                                                  gather_params)
 from megatron_entropy.trainer.preemption import PREEMPTED_EXIT_CODE
 from megatron_entropy.trainer.rollouts import (collect_step_groups, generate_round,
                                                groups_to_samples, rollout_metrics)
@@ -173,7 +174,9 @@ class Trainer:
         resume_from = self._resume_path()
         sharded_optimizer = cfg.trainer.uses_distributed_optimizer(
             ps.get_data_parallel_world_size())
-        self.model = build_trainable_model(self.arch, m, cfg.parallel, sharded_optimizer)
+        self.model = build_trainable_model(
+            self.arch, m, cfg.parallel, sharded_optimizer,
+            overlap=cfg.trainer.uses_overlap(on_gpu=dist.get_backend() == "nccl"))
         if resume_from is None:
             self._load_initial_weights(self.model[0])
         optimizer, scheduler = build_optimizer(self.model, cfg.trainer, m.dtype,
@@ -305,6 +308,7 @@ class Trainer:
         engine takes part in the gather; the replica's leader streams tensors to its engine.
         Returns the engine's ``weight_sync/*`` metrics (the step's whole sync is ``time/sync``)."""
         stats: dict[str, float] = {}
+        gather_params(self.model)  # an overlapped param all-gather still in flight
         if self.roles.feeds_engine:
             stats = self.weight_sync.sync(self.model[0], self.arch, version)
         dist.barrier()
@@ -341,6 +345,7 @@ class Trainer:
                 "val/reward/failures": _summed_over_ranks(self.reward.take_failures())}
 
     def save(self, step: int) -> None:
+        gather_params(self.model)
         self.ckpt.save(step, self.model, self.actor.optimizer,
                        {"step": step, "sampler": self.sampler.state_dict(),
                         "rollout_seed": self.state.rollout_seed,

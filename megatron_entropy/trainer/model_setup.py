@@ -27,12 +27,14 @@ def _finalize_without_rescale(model, num_tokens=None, *args, **kwargs):
 
 
 def build_trainable_model(arch: ModelArch, model_cfg: ModelConfig, parallel: ParallelConfig,
-                          distributed_optimizer: bool = False) -> list:
+                          distributed_optimizer: bool = False, overlap: bool = False) -> list:
     """GPTModel in Megatron's DDP (one chunk: no virtual pipeline), ready for the schedules, as
     the ``model`` and ``parallel`` sections say (dtype, layer spec, seq_length, recompute; TP, PP,
     sequence parallel). ``distributed_optimizer`` lays the grad buffer out for Megatron's
     distributed optimizer (grads reduce-scattered over DP, each rank updating its shard); pass
-    the same to `build_optimizer`."""
+    the same to `build_optimizer`. ``overlap``: the DP grad reduce runs bucket by bucket during the
+    backward, and (distributed optimizer) the param all-gather after an update during the next
+    forward; `gather_params` completes it before anything reads the weights directly."""
     model = build_gpt_model(arch, parallel.tensor, parallel.pipeline, model_cfg.dtype,
                             model_cfg.transformer_impl, model_cfg.seq_length,
                             parallel.sequence_parallel, model_cfg.recompute_activations)
@@ -40,10 +42,24 @@ def build_trainable_model(arch: ModelArch, model_cfg: ModelConfig, parallel: Par
     config.calculate_per_token_loss = True
     config.finalize_model_grads_func = _finalize_without_rescale
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+        grad_reduce_in_fp32=True, overlap_grad_reduce=overlap,
+        overlap_param_gather=overlap and distributed_optimizer,
         use_distributed_optimizer=distributed_optimizer, check_for_nan_in_grad=True)
     ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    if overlap:
+        # The schedules then hold the reduce back until the last micro-batch's backward and
+        # start it stage by stage (Megatron-LM's wiring).
+        config.no_sync_func = ddp.no_sync
+        config.grad_sync_func = ddp.start_grad_sync
     return [ddp]
+
+
+def gather_params(model_chunks: list) -> None:
+    """Complete a param all-gather the last update left in flight (overlapped with the next
+    forward): before weights are read other than by a forward (weight sync, checkpoint)."""
+    for chunk in model_chunks:
+        if chunk.ddp_config.overlap_param_gather:
+            chunk.start_param_sync(force_sync=True)
 
 
 def build_optimizer(model_chunks: list, settings: TrainerConfig, dtype: str = "fp32",

@@ -20,7 +20,8 @@ def _update_worker(loss: str, scope: str, selection_logprobs: str,
                    loss_agg_mode: str = "token-mean", empty_response: bool = False,
                    micro_batch_tokens: int = 24, rules: dict | None = None,
                    clip_ratio: float = 1.0, temperature: float = 1.0,
-                   distributed_optimizer: bool = False, correction: dict | None = None):
+                   distributed_optimizer: bool = False, correction: dict | None = None,
+                   overlap: bool = False):
     """One RL step's updates (2 epochs x 2 mini-batches) of the tiny model on ``random_samples(0)`` (plus
     a sample with an empty response, last), with the token rules ``rules`` (TokenRuleSettings
     fields) and the rollout correction ``correction`` (RolloutCorrectionSettings fields; engine
@@ -32,14 +33,15 @@ def _update_worker(loss: str, scope: str, selection_logprobs: str,
                                          TrainerConfig)
     from megatron_entropy.models.sharding import full_state_dict
     from megatron_entropy.trainer.actor import Actor
-    from megatron_entropy.trainer.model_setup import build_optimizer, build_trainable_model
+    from megatron_entropy.trainer.model_setup import (build_optimizer, build_trainable_model,
+                                                      gather_params)
     from megatron_entropy.trainer.rollouts import dp_share
 
     init_megatron()
     arch = arch_from_hf_config(tiny_hf_config("qwen2"))
     chunks = build_trainable_model(
         arch, ModelConfig(dtype="fp32", transformer_impl="local", seq_length=64),
-        ParallelConfig(), distributed_optimizer=distributed_optimizer)
+        ParallelConfig(), distributed_optimizer=distributed_optimizer, overlap=overlap)
     initial = full_state_dict(chunks[0])
     # adam_eps = 1: updates proportional to the gradients. With a tiny eps Adam turns float noise
     # in near-zero gradients into full-size steps, and the comparison would test that noise.
@@ -70,6 +72,7 @@ def _update_worker(loss: str, scope: str, selection_logprobs: str,
     metrics["recompute_entropies"] = [s.entropy.double() for s in mine]
     metrics["optimizers"] = [type(o).__name__
                              for o in getattr(optimizer, "chained_optimizers", [optimizer])]
+    gather_params(chunks)
     return full_state_dict(chunks[0]), metrics, initial
 
 
@@ -148,6 +151,21 @@ def test_distributed_optimizer_at_dp2_equals_the_plain_optimizer_at_dp1():
                                    atol=update_tol(w1[name], w0[name], UPDATES, path))
         torch.testing.assert_close(w2b[name], w2[name], rtol=0, atol=0, msg=name)
     assert max((w1[n] - w0[n]).abs().max() for n in w1) > 1e-3  # the updates moved the weights
+
+
+def test_overlapped_grad_reduce_and_param_gather_give_the_same_update():
+    """trainer.overlap_communication (on GPUs by default) at DP=2 with the distributed optimizer:
+    grads reduce-scattered bucket by bucket during the backward and the params all-gathered
+    during the next mini-batch's forward give, on both ranks, the same weights bit for bit as
+    the synchronous reduce and gather (the same reductions in the same buckets)."""
+    sync = run_distributed(_update_worker, 2, "kl_cov", "global", "recompute",
+                           distributed_optimizer=True)
+    overlapped = run_distributed(_update_worker, 2, "kl_cov", "global", "recompute",
+                                 distributed_optimizer=True, overlap=True)
+    for (ws, ms, _), (wo, mo, _) in zip(sync, overlapped):
+        assert ms["selected_frac"] == mo["selected_frac"]
+        for name in ws:
+            torch.testing.assert_close(wo[name], ws[name], rtol=0, atol=0, msg=name)
 
 
 def test_micro_batch_scope_selects_inside_each_micro_batch():

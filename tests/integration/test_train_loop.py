@@ -377,7 +377,10 @@ def test_killed_run_resumes_bit_identical(tmp_path):
     """DP=2 run killed (SIGKILL, whole process group) after a checkpoint; the resumed run's later
     steps equal an uninterrupted run's: weights, optimizer state (the distributed optimizer's,
     on by default at DP > 1), data order (with dynamic sampling's refills), sampling seeds and
-    the entropy controller (its knob, KL-Cov's k, moves every step) included."""
+    the entropy controller (its knob, KL-Cov's k, moves every step) included. The killed and
+    the resumed run overlap their DP communication (trainer.overlap_communication, on GPUs by
+    default): grads reduced during the backward, params gathered after the update while the
+    next forward starts, completed before a sync or a checkpoint reads them: the same numbers."""
     import yaml
 
     cfg_path = tmp_path / "c.yaml"
@@ -390,7 +393,9 @@ def test_killed_run_resumes_bit_identical(tmp_path):
                       algorithm={"entropy_control": control})
     cfg_path.write_text(yaml.safe_dump(cfg))
     ref = _cli(cfg_path, "--nproc", "2", log=tmp_path / "ref.log")
-    victim = _cli(cfg_path, "logging.name=victim", "--nproc", "2", log=tmp_path / "victim.log")
+    overlap = "trainer.overlap_communication=true"
+    victim = _cli(cfg_path, "logging.name=victim", overlap, "--nproc", "2",
+                  log=tmp_path / "victim.log")
     metrics = tmp_path / "victim" / "metrics.jsonl"
     deadline = time.monotonic() + 300
     while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 1):
@@ -400,7 +405,8 @@ def test_killed_run_resumes_bit_identical(tmp_path):
     os.killpg(victim.pid, signal.SIGKILL)
     victim.wait()
     killed_at = len(metrics.read_text().splitlines())
-    resumed = _cli(cfg_path, "logging.name=victim", "--nproc", "2", log=tmp_path / "resumed.log")
+    resumed = _cli(cfg_path, "logging.name=victim", overlap, "--nproc", "2",
+                   log=tmp_path / "resumed.log")
     assert resumed.wait(timeout=300) == 0, (tmp_path / "resumed.log").read_text()[-3000:]
     assert ref.wait(timeout=300) == 0, (tmp_path / "ref.log").read_text()[-3000:]
     resumed_log = (tmp_path / "resumed.log").read_text()

@@ -110,7 +110,7 @@ def test_vllm_cpu_example_is_the_quickstart_with_working_cpu_server_flags():
     the launched server gets the flags and environment that work there."""
     from pathlib import Path
 
-    from megatron_entropy.rollout.servers import _parse_env
+    from megatron_entropy.rollout.servers import parse_extra_env
     from megatron_entropy.rollout.vllm import server_argv
 
     examples = Path(__file__).resolve().parents[2] / "examples"
@@ -128,7 +128,7 @@ def test_vllm_cpu_example_is_the_quickstart_with_working_cpu_server_flags():
     assert argv[argv.index("--max-model-len") + 1] == "256"
     assert "--enforce-eager" in argv and argv[argv.index("--max-num-batched-tokens") + 1] == "8192"
     assert argv[argv.index("--dtype") + 1] == "bfloat16"  # rollout.server.dtype bf16, as vLLM says
-    assert _parse_env(server["extra_env"]) == {"VLLM_CPU_KVCACHE_SPACE": "1",
+    assert parse_extra_env(server["extra_env"]) == {"VLLM_CPU_KVCACHE_SPACE": "1",
                                                "VLLM_CPU_OMP_THREADS_BIND": "nobind",
                                                "HF_HUB_OFFLINE": "1"}
     assert cfg.rollout.max_prompt_tokens + cfg.rollout.max_new_tokens <= 256
@@ -223,3 +223,10 @@ def test_distributed_optimizer_auto_is_on_where_there_is_more_than_one_dp_rank(s
                                                                               expected):
     cfg = load_config(data={"trainer": {"distributed_optimizer": setting}})
     assert cfg.trainer.uses_distributed_optimizer(dp) is expected
+
+
+@pytest.mark.parametrize("setting,on_gpu,expected", [
+    ("auto", False, False), ("auto", True, True), (False, True, False), (True, False, True)])
+def test_overlap_communication_auto_is_on_where_collectives_run_on_gpus(setting, on_gpu, expected):
+    cfg = load_config(data={"trainer": {"overlap_communication": setting}})
+    assert cfg.trainer.uses_overlap(on_gpu) is expected
