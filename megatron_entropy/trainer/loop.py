@@ -304,8 +304,8 @@ class Trainer:
         raise Preempted()
 
     def sync_weights(self, version: int) -> dict[str, float]:
-        """Megatron weights -> the engine. Every model-parallel rank of a replica that feeds an
-        engine takes part in the gather; the replica's leader streams tensors to its engine.
+        """Megatron weights -> the engine through the sync strategy (weight_sync/): every rank of a
+        replica that feeds an engine takes part; each pipeline stage's leader sends its stage.
         Returns the engine's ``weight_sync/*`` metrics (the step's whole sync is ``time/sync``)."""
         stats: dict[str, float] = {}
         gather_params(self.model)  # an overlapped param all-gather still in flight
