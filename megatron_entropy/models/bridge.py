@@ -352,12 +352,16 @@ def export_hf_weights(model, arch: ModelArch
                 elif pp_rank == 0:
                     full = torch.empty(shape, dtype=dtype, device=device)
                     dist.recv(full, src=stage_ranks[stage])
-            wm = weight_map(gname, arch)
-            if leader:
-                yield from megatron_to_hf(wm, full, arch)
-            else:
-                yield from ((n, None) for n in wm.hf)
+            yield from _hf_items(gname, full, arch, leader)
             del full
+
+
+def _hf_items(gname: str, full: Optional[torch.Tensor], arch: ModelArch, leader: bool
+              ) -> Iterator[tuple[str, Optional[torch.Tensor]]]:
+    """One Megatron parameter's HF tensors on the exporting rank; its HF names with None on the
+    others (they take part in the gathers only)."""
+    wm = weight_map(gname, arch)
+    return megatron_to_hf(wm, full, arch) if leader else ((n, None) for n in wm.hf)
 
 
 def _stage_params(module, arch: ModelArch) -> dict[str, tuple[str, torch.nn.Parameter]]:
@@ -401,11 +405,7 @@ def export_stage_hf_weights(model, arch: ModelArch
     def stream() -> Iterator[tuple[str, Optional[torch.Tensor]]]:
         for gname, (name, param) in params.items():
             full = tp_gather(name, param.detach(), param)
-            wm = weight_map(gname, arch)
-            if leader:
-                yield from megatron_to_hf(wm, full, arch)
-            else:
-                yield from ((n, None) for n in wm.hf)
+            yield from _hf_items(gname, full, arch, leader)
             del full
 
     return specs, stream()
