@@ -1,7 +1,9 @@
 """VLLMEngine against a real vLLM CPU server (.venv-vllm from .ci/setup-vllm.sh), bf16 serving.
 
 One server for the module (start-up ~30 s). Checks: completions and log-probs against an fp32
-transformers reference; after a weight sync the greedy output and the log-probs follow the new
+transformers reference; a weight sync with inflight_at_sync=abort aborts the rollout in flight
+and resumes it on the new weights (old greedy prefix + new greedy continuation, each within
+bf16 drift of its own weights); after it the greedy output and the log-probs follow the new
 weights (drift <= 1e-2); the server killed by its PID mid-rollout is restarted from the newest
 weights and every sample comes back once; the trainer's weight check catches a checkpoint
 reloaded behind the engine's back; RL steps log the weight check's drift and cost.
@@ -13,6 +15,7 @@ import os
 import signal
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -105,10 +108,71 @@ def greedy_drift(engine, model) -> float:
     return sum(drifts) / len(drifts)
 
 
+def generated_tokens(engine) -> float:
+    """The tokens the server generated since it started (its Prometheus counter)."""
+    text = urllib.request.urlopen(engine.pool.servers[0].url + "/metrics").read().decode()
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith("vllm:generation_tokens_total"))
+
+
+def push_aborting_a_rollout(engine, models, max_new: int = 240):
+    """inflight_at_sync=abort: a greedy rollout (model a does not stop within 240 tokens, ~4 s on
+    this CPU, so the push lands mid-rollout; b's
+    continuation of a's prefix may end on EOS, as vLLM's finish reason `stop` says) runs in a
+    thread while model b is pushed as version 1. Our requests in flight are aborted
+    (/abort_requests by id), vLLM answers them with the tokens and log-probs they had, and they
+    resume on the new weights: each sample is a's greedy prefix (tagged with the launch
+    version, None) then b's greedy continuation of it (tagged 1), each token's log-prob within
+    bf16 drift of its own weights'. Returns the push's stats."""
+    engine.pool.run_in_background()
+    engine.pool.inflight_at_sync = "abort"
+    result: dict = {}
+    rollout = threading.Thread(target=lambda: result.update(out=engine.generate(
+        PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=max_new))))
+    try:
+        rollout.start()
+        deadline = time.monotonic() + 120
+        while engine.pool._inflight_total < len(PROMPTS):
+            assert time.monotonic() < deadline and rollout.is_alive()
+            time.sleep(0.01)
+        start = generated_tokens(engine)
+        while generated_tokens(engine) < start + 4 * len(PROMPTS):  # a few tokens each
+            assert time.monotonic() < deadline and rollout.is_alive()
+            time.sleep(0.01)
+        stats = push_weights(engine, models["model_b"].state_dict().items(), 1,
+                             engine.pool.dir.parent)
+        rollout.join(timeout=300)
+        assert not rollout.is_alive()
+        resumed = engine.metrics()["rollout/aborted_resumed"]
+    finally:
+        engine.pool.inflight_at_sync = "finish"
+        engine.pool._stop_loop()  # the other tests run on the default dispatch
+    partial = 0
+    for prompt, (c,) in zip(PROMPTS, result["out"]):
+        n = len(c.token_ids)
+        assert n == len(c.logprobs)
+        assert (n == max_new and c.finish_reason == "length") or (
+            n < max_new and c.finish_reason == "stop"), (n, c.finish_reason)
+        runs = c.meta.get("version_runs", [(c.meta["weight_version"], n)])
+        assert [v for v, _ in runs] in ([None, 1], [None], [1]), runs
+        assert sum(k for _, k in runs) == n, runs
+        head = runs[0][1] if runs[0][0] is None else 0
+        partial += 0 < head < n
+        for model, before, part in (("model_a", prompt, slice(0, head)),
+                                    ("model_b", prompt + c.token_ids[:head],
+                                     slice(head, n))):
+            if c.token_ids[part]:
+                assert greedy_sample_drift(models[model], before, c.token_ids[part],
+                                           c.logprobs[part]) <= 1e-2, model
+    print(f"vLLM abort at a push: {partial} of {len(PROMPTS)} samples resumed, version runs "
+          f"{[c.meta.get('version_runs') for (c,) in result['out']]}")
+    assert partial >= 1 and resumed == partial
+    return stats
+
+
 def test_weight_sync_follows_new_weights(engine, models):
     assert greedy_drift(engine, models["model_a"]) <= 1e-2
-    stats = push_weights(engine, models["model_b"].state_dict().items(), 1,
-                         engine.pool.dir.parent)
+    stats = push_aborting_a_rollout(engine, models)
     assert stats["weight_sync/bytes"] == sum(t.numel() * 4 for t in
                                              models["model_b"].state_dict().values())
     after = greedy_drift(engine, models["model_b"])
