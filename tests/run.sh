@@ -20,12 +20,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 total=$SECONDS
 
-part() {  # part NAME COMMAND...: run one part, say how long it took; its exit code
-  local name=$1 start=$SECONDS rc=0
+part() {  # part NAME COMMAND...: run one part, say how long it took and the CPU it used
+  local name=$1 rc=0 TIMEFORMAT
   shift
   echo "== $name"
-  "$@" || rc=$?  # kept, not lost to the echo below (set -e is off under a caller's ||)
-  echo "== $name: $((SECONDS - start)) s"
+  # wall against CPU (user + sys of the part's processes) shows whether it computed or waited
+  TIMEFORMAT="== $name: %1R s (CPU %1U s user + %1S s sys)"
+  time "$@" || rc=$?  # kept, not lost to the echo (set -e is off under a caller's ||)
   return "$rc"
 }
 
@@ -58,8 +59,10 @@ part "SmolLM2-135M test model (.ci/setup-smollm2.sh)" bash .ci/setup-smollm2.sh
 export MEGATRON_ENTROPY_REQUIRE_ALL_TESTS=1
 tests() {  # tests SELECTION... : one pytest run; "no test selected" (5) is no failure
   local rc=0
-  # --durations: the slowest tests in every log, to keep the suite's time in view
-  part "python -m pytest -q $(printf '%q ' "$@")" python -m pytest -q --durations=15 "$@" || rc=$?
+  # the slowest tests in every log, wall against CPU (tests/helpers/cpu_time.py), to keep the
+  # suite's time in view and to tell the tests that wait from those that compute
+  part "python -m pytest -q $(printf '%q ' "$@")" python -m pytest -q --cpu-durations=20 "$@" \
+    || rc=$?
   if [ "$rc" -eq 5 ]; then rc=0; fi
   return "$rc"
 }
@@ -87,5 +90,8 @@ servers_status=0
 wait "$servers_pid" || servers_status=$?
 cat "$servers_log"
 if [ "$status" -eq 0 ]; then status=$servers_status; fi
-echo "== tests/run.sh: $((SECONDS - total)) s in all; exit code $status"
+times >"$servers_log"  # user and sys of every process this script waited for (not in a $(...))
+cpu=$(tail -n 1 "$servers_log")
+echo "== tests/run.sh: $((SECONDS - total)) s in all (CPU ${cpu% *} user + ${cpu#* } sys on" \
+  "$(nproc) cores); exit code $status"
 exit $status
