@@ -4,6 +4,10 @@ real vLLM CPU server and the trainer on separate cores, so that they behave like
     python bench/bench_async.py                          # quickstart model, 8 steps per arm
     python bench/bench_async.py --prompts 16 --max-new-tokens 64 --steps 8 --warmup 2
 
+Three arms: staleness 0; staleness 1 with requests in flight at a weight push finishing on the old
+weights (``rollout.inflight_at_sync: finish``: the push waits for them); staleness 1 with those
+requests aborted and resumed on the new weights (``abort``: the push waits for nothing).
+
 Needs .venv-vllm (.ci/setup-vllm.sh) and two cores: the trainer runs under ``taskset -c 1`` (one
 rank, gloo), the vLLM server it launches under ``taskset -c 0`` (bf16). Both arms train the
 quickstart model on the arithmetic task with the same samples per step (dynamic sampling off),
@@ -44,12 +48,14 @@ def server_command(max_model_len: int) -> list[str]:
             "--max-num-batched-tokens", "8192"]
 
 
-def config(args: argparse.Namespace, staleness: int, out: Path, port: int) -> dict:
+def config(args: argparse.Namespace, staleness: int, inflight: str, name: str, out: Path,
+           port: int) -> dict:
     return {
         "model": {"hf_path": str(REPO / "examples" / "quickstart_model"), "dtype": "fp32",
                   "seq_length": 512},
         "parallel": {"tensor": 1, "backend": "gloo"},
-        "rollout": {"engine": "vllm", "max_staleness": staleness, "n_samples": args.n,
+        "rollout": {"engine": "vllm", "max_staleness": staleness, "inflight_at_sync": inflight,
+                    "n_samples": args.n,
                     "max_new_tokens": args.max_new_tokens, "max_prompt_tokens": 128,
                     "temperature": 1.0, "weight_check": False,
                     "server": {"launch": 1, "base_port": port, "server_python": str(VENV_PYTHON),
@@ -62,26 +68,28 @@ def config(args: argparse.Namespace, staleness: int, out: Path, port: int) -> di
                     "micro_batch_tokens": 8192, "mini_batches_per_step": args.mini_batches,
                     "ppo_epochs": args.ppo_epochs, "val_interval": 0,
                     "val_before_train": False, "save_interval": 0},
-        "logging": {"name": f"staleness{staleness}", "runs_dir": str(out),
+        "logging": {"name": name, "runs_dir": str(out),
                     "progress_bar": False},
     }
 
 
-def run_arm(args: argparse.Namespace, staleness: int, out: Path, port: int) -> list[dict]:
-    cfg_path = out / f"staleness{staleness}.yaml"
-    cfg_path.write_text(yaml.safe_dump(config(args, staleness, out, port)))
+def run_arm(args: argparse.Namespace, staleness: int, inflight: str, out: Path, port: int
+            ) -> list[dict]:
+    name = f"staleness{staleness}-{inflight}"
+    cfg_path = out / f"{name}.yaml"
+    cfg_path.write_text(yaml.safe_dump(config(args, staleness, inflight, name, out, port)))
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
            "PYTHONUNBUFFERED": "1"}
-    log = out / f"staleness{staleness}.log"
+    log = out / f"{name}.log"
     t0 = time.monotonic()
     with log.open("w") as f:
         rc = subprocess.call(["taskset", "-c", "1", sys.executable, "-m", "megatron_entropy.cli",
                               "train", str(cfg_path)], env=env, stdout=f,
                              stderr=subprocess.STDOUT, cwd=REPO)
     if rc != 0:
-        sys.exit(f"staleness {staleness}: exit {rc}; see {log}")
-    print(f"staleness {staleness}: {time.monotonic() - t0:.0f} s with start-up", flush=True)
-    rows = [json.loads(line) for line in (out / f"staleness{staleness}" / "metrics.jsonl")
+        sys.exit(f"{name}: exit {rc}; see {log}")
+    print(f"{name}: {time.monotonic() - t0:.0f} s with start-up", flush=True)
+    rows = [json.loads(line) for line in (out / name / "metrics.jsonl")
             .read_text().splitlines()]
     # The last step has no next step to generate beside it: left out of both arms.
     return [r for r in rows if args.warmup < r.get("step", 0) < args.steps]
@@ -116,19 +124,21 @@ def main() -> None:
     out = args.out or Path(tempfile.mkdtemp(prefix="bench_async_"))
     out.mkdir(parents=True, exist_ok=True)
     samples = args.prompts * args.n
-    results = {k: summary(run_arm(args, k, out, args.port), samples) for k in (0, 1)}
+    arms = [(0, "finish"), (1, "finish"), (1, "abort")]
+    results = {arm: summary(run_arm(args, *arm, out, args.port), samples) for arm in arms}
     print(f"\n{args.prompts} prompts x {args.n} samples of <= {args.max_new_tokens} tokens per "
           f"step, steps {args.warmup + 1}-{args.steps - 1}; runs in {out}\n")
-    print("| max_staleness | step s | samples/s | trainer idle | engine idle | rollout s | "
-          "train s | staleness mean | dropped |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for k, r in results.items():
-        print(f"| {k} | {r['step_s']:.2f} | {r['samples_per_s']:.1f} | {r['trainer_idle']:.0%} | "
-              f"{r['engine_idle']:.0%} | {r['rollout_s']:.2f} | {r['train_s']:.2f} | "
-              f"{r['staleness_mean']:.2f} | {r['dropped']:.0f} |")
-    print(f"\nspeed-up (samples/s): "
-          f"{results[1]['samples_per_s'] / results[0]['samples_per_s']:.2f}x")
-    (out / "bench_async.json").write_text(json.dumps(results, indent=1))
+    print("| max_staleness | in flight at a push | step s | samples/s | speed-up | trainer idle "
+          "| engine idle | rollout s | train s | staleness mean | dropped |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    base = results[arms[0]]["samples_per_s"]
+    for (k, inflight), r in results.items():
+        print(f"| {k} | {inflight if k else '-'} | {r['step_s']:.2f} | {r['samples_per_s']:.1f} "
+              f"| {r['samples_per_s'] / base:.2f}x | {r['trainer_idle']:.0%} "
+              f"| {r['engine_idle']:.0%} | {r['rollout_s']:.2f} | {r['train_s']:.2f} "
+              f"| {r['staleness_mean']:.2f} | {r['dropped']:.0f} |")
+    (out / "bench_async.json").write_text(json.dumps(
+        {f"staleness{k}-{inflight}": r for (k, inflight), r in results.items()}, indent=1))
 
 
 if __name__ == "__main__":
