@@ -21,6 +21,8 @@ from typing import Any, Callable
 import psutil
 import torch
 
+from readme_metrics import undocumented_metrics
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -122,8 +124,14 @@ def train_from_dict(cfg: dict) -> dict:
 
 
 def metrics_rows(run_dir) -> list[dict]:
-    """Every line of a run's metrics.jsonl, as written (a step logged twice shows twice)."""
+    """Every line of a run's metrics.jsonl, as written (a step logged twice shows twice), after
+    checking that the README's metrics table names every key (readme_metrics.py): each test
+    that reads a run's metrics keeps that table, the one list of metric names, complete."""
     import json
     from pathlib import Path
 
-    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line)
+            for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    missing = undocumented_metrics(k for row in rows for k in row)
+    assert not missing, f"{run_dir}: metrics missing from README's table: {missing}"
+    return rows
