@@ -26,6 +26,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from matplotlib.figure import Figure
+
 REPO = Path(__file__).resolve().parents[1]
 KEYS = ("loss/pg", "entropy/seq_mean", "reward/mean")
 DTYPES = ("fp32", "bf16")
@@ -80,12 +82,8 @@ def table(rows: dict[str, list[dict]]) -> str:
 
 
 def plot(rows: dict[str, list[dict]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(KEYS), figsize=(4.2 * len(KEYS), 3.4))
+    fig = Figure(figsize=(4.2 * len(KEYS), 3.4))  # no pyplot: savefig draws it with Agg
+    axes = fig.subplots(1, len(KEYS))
     for ax, key in zip(axes, KEYS):
         for dtype in DTYPES:
             ax.plot([r["step"] for r in rows[dtype]], [r[key] for r in rows[dtype]],
@@ -98,7 +96,6 @@ def plot(rows: dict[str, list[dict]], path: Path) -> None:
                  fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def main() -> None:

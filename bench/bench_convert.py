@@ -68,8 +68,8 @@ def import_baseline() -> float:
     """Peak RSS of a process that imports what the tools import and starts Megatron, no data."""
     code = ("import os; os.environ['CUDA_VISIBLE_DEVICES']=''\n"
             "from megatron_entropy.models import megatron_checkpoint as m\n"
-            "with m._single_process_megatron(): pass\n"
-            "print(m._peak_rss_bytes())")
+            "with m.single_process_megatron(): pass\n"
+            "print(m.peak_rss_bytes())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
                          check=True).stdout
     return float(out.strip().splitlines()[-1])

@@ -48,6 +48,9 @@ from types import SimpleNamespace
 from typing import Optional
 
 import torch
+import torch.distributed as dist
+# Imported once here (~5 s), not in every forked case that needs its parallel state.
+from megatron.core import parallel_state as ps
 
 from megatron_entropy.algorithms.policy_loss import PolicyLossSettings, policy_loss
 from megatron_entropy.ops.logprob_entropy import (fused_linear_logprob_entropy,
@@ -58,6 +61,8 @@ COLLECTIVES = ["all_gather", "all_gather_into_tensor", "all_reduce", "reduce_sca
                "gather", "scatter", "send", "recv", "isend", "irecv", "barrier"]
 SEQ = 512  # tokens per sequence when the loss views [T] as [T / SEQ, SEQ]
 LOSS = PolicyLossSettings(loss="kl_cov", kl_cov_ratio=2e-3, entropy_coef=1e-3)
+
+# Deferred imports: verl is optional (its rows say "unavailable" without it), imported where used.
 
 
 def verl_import_error() -> Optional[str]:
@@ -97,8 +102,6 @@ def _reset_peak() -> int:
 
 class _Counter:
     def __init__(self) -> None:
-        import torch.distributed as dist
-
         self.n = 0
         for name in COLLECTIVES:
             original = getattr(dist, name)
@@ -179,9 +182,6 @@ def _case_worker(rank: int, world: int, port: int, spec: dict, queue) -> None:
         torch.set_num_threads(1)
         group, counter = None, None
         if world > 1 or spec["method"] == "verl":
-            import torch.distributed as dist
-            from megatron.core import parallel_state as ps
-
             dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                     world_size=world)
             ps.initialize_model_parallel(tensor_model_parallel_size=world)
@@ -361,9 +361,6 @@ def main() -> None:
                 ("logits", 2, 2048, 151936, 0, bf16), ("logits", 2, 8192, 151936, 0, bf16),
                 ("hidden", 2, 2048, 151936, 256, bf16), ("hidden", 2, 8192, 151936, 256, bf16)]
         reps = args.reps
-    # Import Megatron (~5 s) once here, not in every forked case that needs its parallel state.
-    from megatron.core import parallel_state  # noqa: F401
-
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, verl "
           f"{'available' if have_verl else f'unavailable ({verl_error})'}; "
           f"loss = {LOSS.loss} + entropy bonus, "

@@ -23,27 +23,26 @@ import time
 from pathlib import Path
 
 import torch
+import transformers
+
+from megatron_entropy.config import ServerConfig
+from megatron_entropy.models.hf_io import iter_hf_tensors
+from megatron_entropy.rollout.base import SamplingParams
+from megatron_entropy.rollout.inprocess import InProcessEngine
+from megatron_entropy.rollout.vllm import VLLMEngine
+# The tiny models the tests serve, shared on purpose: the bench measures what the tests prove
+# correct.
+from megatron_entropy.testing import smollm2
+from megatron_entropy.testing.toy_models import (make_served_model, save_tiny_hf_model,
+                                                 save_tokenizer)
+from megatron_entropy.weight_sync import DiskSync, InPlaceSync
 
 REPO = Path(__file__).resolve().parents[1]
-# The tests' helpers (tiny served models, forked ranks), shared on purpose: the bench measures
-# what the tests prove correct.
-sys.path.insert(0, str(REPO / "tests" / "helpers"))
-
-from megatron_entropy.config import ServerConfig  # noqa: E402
-from megatron_entropy.models.hf_io import iter_hf_tensors  # noqa: E402
-from megatron_entropy.rollout.base import SamplingParams  # noqa: E402
-from megatron_entropy.rollout.inprocess import InProcessEngine  # noqa: E402
-from megatron_entropy.rollout.vllm import VLLMEngine  # noqa: E402
-from megatron_entropy.weight_sync import DiskSync, InPlaceSync  # noqa: E402
-
 VENV_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 CPU_ENV = ["VLLM_CPU_KVCACHE_SPACE=2", "VLLM_CPU_OMP_THREADS_BIND=nobind", "HF_HUB_OFFLINE=1"]
 
 
 def build_models(names: list[str], root: Path) -> dict[str, Path]:
-    from serving_model import make_served_model, save_tokenizer
-    from tiny_models import save_tiny_hf_model
-
     out: dict[str, Path] = {}
     for name in names:
         if name == "tiny":
@@ -57,8 +56,6 @@ def build_models(names: list[str], root: Path) -> dict[str, Path]:
             save_tokenizer(d, 4096)
             out[name] = d
         elif name == "smollm2":
-            import smollm2
-
             if not smollm2.cache_dir().joinpath("model.safetensors").is_file():
                 print("smollm2: not cached (run .ci/setup-smollm2.sh); skipped")
                 continue
@@ -100,8 +97,6 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         for name, folder in build_models(args.models, tmp).items():
-            import transformers
-
             config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
             rng = random.Random(0)
             prompts = [[rng.randrange(10, config.vocab_size) for _ in range(16)]

@@ -14,32 +14,27 @@ from __future__ import annotations
 
 import json
 import pickle
-import sys
 from pathlib import Path
 
+import torch.distributed as dist
+
+# Imported once here (megatron-core with them), before the ranks are forked.
+from megatron_entropy.config import load_config
+from megatron_entropy.data import PromptSampler, load_prompt_dataset, load_tokenizer
+from megatron_entropy.rewards import RewardScorer
+from megatron_entropy.rollout import build_engine
+from megatron_entropy.rollout.base import SamplingParams
+# The forked gloo ranks of the tests, shared on purpose: the bench measures what the tests prove
+# correct.
+from megatron_entropy.testing.ranks import init_megatron, run_distributed
+from megatron_entropy.trainer.rollouts import collect_step_groups
+
 REPO = Path(__file__).resolve().parents[1]
-# The tests' helpers (tiny served models, forked ranks), shared on purpose: the bench measures
-# what the tests prove correct.
-sys.path.insert(0, str(REPO / "tests" / "helpers"))
-
-import megatron.core  # noqa: E402,F401  - imported once here, before the ranks are forked
-
-from harness import init_megatron, run_distributed  # noqa: E402
-from megatron_entropy.config import load_config  # noqa: E402
-
 QUICKSTART = REPO / "examples" / "quickstart.yaml"
 LAYOUTS = [(2, 2, True), (2, 1, True), (4, 1, True), (2, 2, False), (2, 1, False)]
 
 
 def _worker(tensor: int, shared: bool) -> dict:
-    import torch.distributed as dist
-
-    from megatron_entropy.data import PromptSampler, load_prompt_dataset, load_tokenizer
-    from megatron_entropy.rewards import RewardScorer
-    from megatron_entropy.rollout import build_engine
-    from megatron_entropy.rollout.base import SamplingParams
-    from megatron_entropy.trainer.rollouts import collect_step_groups
-
     init_megatron(tensor)
     cfg = load_config(QUICKSTART, [f"model.hf_path={REPO / 'examples' / 'quickstart_model'}"])
     r, d = cfg.rollout, cfg.data

@@ -36,10 +36,22 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+
+from megatron_entropy.config import ServerConfig
+from megatron_entropy.models import hf_io
+from megatron_entropy.models.arch import load_arch
+from megatron_entropy.models.bridge import (export_hf_weights, load_hf_weights,
+                                            save_exported_weights)
+from megatron_entropy.models.builder import build_gpt_model
+from megatron_entropy.rollout.vllm import VLLMEngine
+# The forked gloo ranks and tiny models of the tests, shared on purpose: the bench measures what
+# the tests prove correct.
+from megatron_entropy.testing.ranks import init_megatron, run_distributed
+from megatron_entropy.testing.toy_models import save_tiny_hf_model, save_tokenizer
+from megatron_entropy.weight_sync import DiskSync
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
-
 VENV_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 CPU_ENV = ["VLLM_CPU_KVCACHE_SPACE=1", "VLLM_CPU_OMP_THREADS_BIND=nobind", "HF_HUB_OFFLINE=1"]
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -78,12 +90,8 @@ class Counters:
     """Bytes this rank sends to other ranks and writes into safetensors files."""
 
     def __init__(self) -> None:
-        import torch.distributed as dist
-
-        from megatron_entropy.models import hf_io
-
         self.sent = self.written = 0
-        send, write = dist.send, hf_io._SafetensorsStream.write
+        send, write = dist.send, hf_io.SafetensorsStream.write
 
         def counted_send(tensor, *args, **kwargs):
             self.sent += tensor.numel() * tensor.element_size()
@@ -94,7 +102,7 @@ class Counters:
             return write(stream, name, tensor)
 
         dist.send = counted_send
-        hf_io._SafetensorsStream.write = counted_write
+        hf_io.SafetensorsStream.write = counted_write
 
     def take(self) -> tuple[int, int]:
         out = (self.sent, self.written)
@@ -106,8 +114,6 @@ def full_gather_sync(model, arch, engine, sync_root: Path, hf_dir: Path, version
                      previous: list) -> None:
     """The path before weight_sync/ (reference): every tensor through rank 0, which writes the
     folder alone, then the server reloads it."""
-    from megatron_entropy.models.bridge import export_hf_weights, save_exported_weights
-
     stream = export_hf_weights(model, arch)
     if engine is None:
         for _ in stream:
@@ -122,16 +128,6 @@ def full_gather_sync(model, arch, engine, sync_root: Path, hf_dir: Path, version
 
 
 def worker(hf_dir: Path, run_dir: Path, repeats: int) -> list[dict]:
-    import torch.distributed as dist
-
-    from harness import init_megatron
-    from megatron_entropy.config import ServerConfig
-    from megatron_entropy.models.arch import load_arch
-    from megatron_entropy.models.bridge import load_hf_weights
-    from megatron_entropy.models.builder import build_gpt_model
-    from megatron_entropy.rollout.vllm import VLLMEngine
-    from megatron_entropy.weight_sync import DiskSync
-
     init_megatron(pipeline=2)
     rank = dist.get_rank()
     arch = load_arch(hf_dir)
@@ -219,12 +215,6 @@ def main() -> None:
     args = ap.parse_args()
     if not VENV_PYTHON.exists():
         sys.exit(f"{VENV_PYTHON} is missing: run .ci/setup-vllm.sh first")
-    from harness import run_distributed
-    from serving_model import save_tokenizer
-    from tiny_models import save_tiny_hf_model
-
-    from megatron_entropy.models.hf_io import iter_hf_tensors
-
     with tempfile.TemporaryDirectory() as tmp, \
             tempfile.TemporaryDirectory(dir=args.sync_dir, prefix="bench_weight_sync_") as runs:
         hf_dir = save_tiny_hf_model("qwen2", Path(tmp) / "model", hidden_size=args.hidden,
@@ -233,7 +223,7 @@ def main() -> None:
                                     num_attention_heads=args.hidden // 64, num_key_value_heads=1,
                                     vocab_size=args.vocab, max_position_embeddings=512)
         save_tokenizer(hf_dir, args.vocab)
-        model_bytes = sum(t.numel() * t.element_size() for _, t in iter_hf_tensors(hf_dir))
+        model_bytes = sum(t.numel() * t.element_size() for _, t in hf_io.iter_hf_tensors(hf_dir))
         results = run_distributed(worker, 2, hf_dir, Path(runs), args.repeats, timeout=3000)
     rows = [r for by_rank in results for r in by_rank]
     summary = print_table(rows, model_bytes, f"qwen2 h{args.hidden} x {args.layers} layers, "

@@ -3,23 +3,37 @@
 from __future__ import annotations
 
 import argparse
+import datetime
 import importlib
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Callable, Iterator, Mapping, Optional
 
-# Everything else loads inside the command that needs it: `--help` and the config and model
-# checks run without torch, and `train` loads torch and Megatron only after installing the
-# preemption handler. Of the other commands' modules only the one named on the command line
-# loads (the Slurm helpers start without numpy and the analysis modules).
+from megatron_entropy.config import ConfigError, load_config
+from megatron_entropy.models.arch import UnsupportedModelError, load_arch
+from megatron_entropy.runtime import ParallelLayoutError, check_layout, detect_launch_env
+from megatron_entropy.trainer import preemption
+
+# Torch-free above. What needs torch loads inside the function that uses it: `--help` and the
+# config checks run without torch (tests/slurm/test_slurm_layout.py), and `train` loads torch
+# and Megatron only after installing the preemption handler. Of the other commands' modules only
+# the one named on the command line loads (the Slurm helpers start without numpy and the
+# analysis modules).
 
 # Errors that are the user's to fix: printed as one line, exit code 2, no traceback.
-USER_ERRORS: tuple[type[BaseException], ...] = (FileNotFoundError,)
+USER_ERRORS: tuple[type[BaseException], ...] = (FileNotFoundError, ConfigError,
+                                                UnsupportedModelError, ParallelLayoutError)
+# The same, of modules that load torch: named, not imported. A class whose module never loaded
+# cannot have been raised, so a command without torch does not load it to print an error.
+TORCH_USER_ERRORS = (("megatron_entropy.data.dataset", "DatasetError"),
+                     ("megatron_entropy.models.megatron_checkpoint", "CheckpointError"))
 
 # megatron-core's start-up notes that are known to be harmless, matched by the start of their
 # message: fallbacks on machines without Transformer Engine/Apex, deprecations inside
@@ -59,14 +73,8 @@ def silence_harmless_warnings() -> None:
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
-    from megatron_entropy.config import ConfigError
-    from megatron_entropy.data import DatasetError
-    from megatron_entropy.models.arch import UnsupportedModelError
-    from megatron_entropy.models.megatron_checkpoint import CheckpointError
-    from megatron_entropy.runtime import ParallelLayoutError
-
-    return USER_ERRORS + (ConfigError, DatasetError, UnsupportedModelError, ParallelLayoutError,
-                          CheckpointError)
+    return USER_ERRORS + tuple(getattr(sys.modules[module], name)
+                               for module, name in TORCH_USER_ERRORS if module in sys.modules)
 
 
 # ------------------------------------------------------------------------------------ train
@@ -83,9 +91,6 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
 def _spawn_local(args: argparse.Namespace, nproc: int, run_dir: Path) -> int:
     """Start ``nproc`` ranks of this command on this machine; rank 0 prints, the others log to
     ``<run_dir>/logs/rank_N.log``. The first rank to fail stops the rest."""
-    import socket
-    import time
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -144,8 +149,6 @@ def _exit_status(code: int) -> str:
 def _open_rank_log(path: Path):
     """Rank logs are appended to, after a line that marks this start: a failed attempt's log
     stays for the next start to read."""
-    import datetime
-
     log = path.open("a")
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
     log.write(f"===== megatron-entropy train started {stamp} =====\n")
@@ -154,12 +157,7 @@ def _open_rank_log(path: Path):
 
 
 def _run_train(args: argparse.Namespace) -> int:
-    from megatron_entropy.trainer import preemption
-
     preemption.install()  # first: a USR1/TERM during the minutes of start-up is held, not fatal
-    from megatron_entropy.config import load_config
-    from megatron_entropy.runtime import check_layout, detect_launch_env
-
     silence_harmless_warnings()
 
     cfg = load_config(args.config, args.overrides)
@@ -182,8 +180,6 @@ def _check_model(cfg) -> None:
     """The model the run will train, checked from its files before any rank starts: its
     architecture against parallel.tensor/pipeline and (HF weights) every tensor's name and shape
     against config.json, from the safetensors headers only."""
-    from megatron_entropy.config import ConfigError
-    from megatron_entropy.models.arch import load_arch
     from megatron_entropy.models.bridge import check_hf_checkpoint
     from megatron_entropy.models.hf_io import hf_weight_files
     from megatron_entropy.models.megatron_checkpoint import read_arch

@@ -1,7 +1,7 @@
 """``megatron-entropy plot RUN_DIR``, ``megatron-entropy fit RUN_DIR`` and
 ``megatron-entropy study CONFIG``.
 
-Kept free of heavy imports: the CLI builds its parser from here before any command runs.
+Kept free of torch: the CLI builds its parser from here before any command runs.
 """
 
 from __future__ import annotations
@@ -11,18 +11,21 @@ import json
 import sys
 from typing import Optional
 
+from megatron_entropy.analysis.entropy_law import (ceiling_interval, fit_and_predict,
+                                                   fit_entropy_law, law_warning)
+from megatron_entropy.analysis.plots import law_points, plot_run, read_metrics
+from megatron_entropy.config import ConfigError
+
+# Deferred imports: the study's modules load torch (trainer/checkpoint.py), so they load when
+# `study` runs and `megatron-entropy --help` stays without torch.
+
 
 def add_plot_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", help="run folder (runs/<name>) or its metrics.jsonl")
     p.add_argument("--out", default=None, help="folder for the PNGs (default: RUN_DIR/plots)")
 
 
-# Each command imports its modules when it runs, so that `megatron-entropy --help` stays fast.
-
-
 def run_plot(args: argparse.Namespace) -> int:
-    from megatron_entropy.analysis.plots import plot_run
-
     for path in plot_run(args.run_dir, args.out):
         print(path)
     return 0
@@ -45,10 +48,6 @@ def add_fit_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_fit(args: argparse.Namespace) -> int:
-    from megatron_entropy.analysis.entropy_law import (ceiling_interval, fit_and_predict,
-                                                       fit_entropy_law, law_warning)
-    from megatron_entropy.analysis.plots import law_points, read_metrics
-
     h, r, hk, rk = law_points(read_metrics(args.run_dir), args.entropy_key, args.performance_key)
     try:
         fit = fit_entropy_law(h, r)
@@ -114,8 +113,6 @@ def add_study_args(p: argparse.ArgumentParser) -> None:
 
 
 def _comma_list(text: Optional[str], flag: str, integers: bool = False) -> Optional[list]:
-    from megatron_entropy.config import ConfigError
-
     if text is None:
         return None
     items = [t.strip() for t in text.split(",") if t.strip()]
@@ -129,7 +126,8 @@ def _comma_list(text: Optional[str], flag: str, integers: bool = False) -> Optio
 
 
 def run_study(args: argparse.Namespace) -> int:
-    from megatron_entropy.analysis.study import StudyError, execute, plan_study
+    from megatron_entropy.analysis.study import StudyError, plan_study
+    from megatron_entropy.analysis.study_runner import execute
 
     plan = plan_study(args.config, args.overrides, args.out, args.quick,
                       _comma_list(args.losses, "--losses"),

@@ -12,7 +12,12 @@ import math
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
+import numpy as np
+
 from megatron_entropy.analysis.entropy_law import EntropyLawFit, fit_entropy_law
+
+# Deferred import: matplotlib (~1 s) loads when a figure is drawn: the CLI imports this module
+# for `--help` and `fit`, which draw none.
 
 METRICS_FILE = "metrics.jsonl"
 # Preference order of the law's axes: the paper plots validation accuracy against the mean of
@@ -166,8 +171,6 @@ def plot_run(run_dir: Union[str, Path], out_dir: Optional[Union[str, Path]] = No
     # Performance against entropy, with the fitted law R = -a exp(H) + b.
     h, r, hk, rk = law_points(records)
     if h:
-        import numpy as np
-
         fig, ax = plt.subplots(figsize=(6, 4.5))
         ax.scatter(h, r, s=14, c=range(len(h)), cmap="viridis", label="steps (dark = early)")
         title = f"{name}: {rk} vs {hk}"

@@ -8,6 +8,8 @@ from pathlib import Path
 from typing import Sequence
 
 import numpy as np
+from matplotlib import colormaps
+from matplotlib.figure import Figure
 
 from megatron_entropy.analysis.plots import series
 from megatron_entropy.analysis.study import StudyPlan
@@ -48,15 +50,17 @@ def _finish(ax, ylabel: str, title: str) -> None:
     ax.legend(fontsize=7)
 
 
+def _subplots(*grid: int, figsize: tuple[float, float], **kwargs):
+    """pyplot.subplots without pyplot: a figure of no backend (savefig draws it with Agg), so
+    drawing changes no global matplotlib state and needs no close."""
+    fig = Figure(figsize=figsize)
+    return fig, fig.subplots(*grid, **kwargs)
+
+
 def plot_study(plan: StudyPlan, results: Sequence[RunResult], summary: dict, out: Path
                ) -> dict[str, Path]:
     """Write the study's PNGs into ``out``; returns figure name -> file, in report order."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    colors = plt.get_cmap("tab10")
+    colors = colormaps["tab10"]
     by_name = {r.run.name: r for r in results}
     arms = summary["arms"]
     arm_records = {a: [by_name[n].records for n in arm["runs"]] for a, arm in arms.items()}
@@ -67,10 +71,9 @@ def plot_study(plan: StudyPlan, results: Sequence[RunResult], summary: dict, out
             fig.tight_layout()
             fig.savefig(out / f"{name}.png", dpi=110)
             written[name] = out / f"{name}.png"
-        plt.close(fig)
 
     def arm_bands(key: str, name: str, ylabel: str, title: str, marker: bool = False) -> None:
-        fig, ax = plt.subplots(figsize=(7, 4.2))
+        fig, ax = _subplots(figsize=(7, 4.2))
         drawn = [_band(ax, recs, key, a, colors(i), marker)
                  for i, (a, recs) in enumerate(arm_records.items())]
         if any(drawn):
@@ -82,7 +85,7 @@ def plot_study(plan: StudyPlan, results: Sequence[RunResult], summary: dict, out
     arm_bands(VAL, "val_accuracy", "validation accuracy", "validation accuracy", marker=True)
 
     # The law per arm: all seeds' points, the fit, its ceiling and interval.
-    fig, ax = plt.subplots(figsize=(7, 4.8))
+    fig, ax = _subplots(figsize=(7, 4.8))
     laws = {a: arm["law"] for a, arm in arms.items() if arm["law"]}
     top = max((max(law["h"]) for law in laws.values()), default=1.0)
     grid = np.linspace(0.0, top * 1.05, 200)
@@ -110,7 +113,7 @@ def plot_study(plan: StudyPlan, results: Sequence[RunResult], summary: dict, out
     with_early = {a: [summary["runs"][n]["early"] for n in arm["runs"]
                       if summary["runs"][n]["early"] is not None] for a, arm in arms.items()}
     with_early = {a: e for a, e in with_early.items() if e}
-    fig, axes = plt.subplots(1, max(len(with_early), 1), figsize=(4.2 * max(len(with_early), 1),
+    fig, axes = _subplots(1, max(len(with_early), 1), figsize=(4.2 * max(len(with_early), 1),
                                                                   3.8), squeeze=False)
     for ax, (a, runs) in zip(axes[0], with_early.items()):
         for j, e in enumerate(runs):
@@ -128,7 +131,7 @@ def plot_study(plan: StudyPlan, results: Sequence[RunResult], summary: dict, out
     save(fig, "early_prediction", bool(with_early))
 
     # Cov and dH over steps, then dH against Cov.
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+    fig, (ax1, ax2) = _subplots(2, 1, figsize=(7, 6), sharex=True)
     d1 = [_band(ax1, recs, COV, a, colors(i)) for i, (a, recs) in enumerate(arm_records.items())]
     d2 = [_band(ax2, recs, DELTA, a, colors(i)) for i, (a, recs) in enumerate(arm_records.items())]
     if any(d1):
@@ -137,7 +140,7 @@ def plot_study(plan: StudyPlan, results: Sequence[RunResult], summary: dict, out
         _finish(ax2, "entropy/delta", "exact entropy change of the step (H_after - H_before)")
     save(fig, "covariance", any(d1) or any(d2))
 
-    fig, ax = plt.subplots(figsize=(6, 4.8))
+    fig, ax = _subplots(figsize=(6, 4.8))
     drawn = False
     for i, a in enumerate(arm_records):
         dc = delta_vs_cov([by_name[n] for n in arms[a]["runs"]])
@@ -164,7 +167,7 @@ def plot_study(plan: StudyPlan, results: Sequence[RunResult], summary: dict, out
         if not sweep:
             continue
         leaf = sweep["key"].rsplit(".", 1)[-1]
-        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+        fig, (ax1, ax2) = _subplots(1, 2, figsize=(11, 4.2))
         drawn = False
         for i, (value, d) in enumerate(sweep["values"].items()):
             recs = [by_name[n].records for n in d["runs"]]

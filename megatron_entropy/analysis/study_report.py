@@ -1,5 +1,5 @@
-"""The numbers of a finished study and its report: ``OUT/report.md``, ``OUT/summary.json`` and
-the figures (``study_plots``).
+"""The numbers of a finished study and the text of its report (``OUT/report.md``; study_runner.py
+writes it with ``OUT/summary.json`` and the figures of ``study_plots``).
 
 Definitions (also stated in the report):
 - a run's start / end value of a metric: the mean over its first / last ``study.window`` steps
@@ -20,7 +20,6 @@ Definitions (also stated in the report):
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -393,15 +392,3 @@ FIGURE_TITLES = {
     "entropy_bonus": "The entropy bonus at several coefficients (Fig. 6)",
     "threshold_sweep": "Threshold sweep (Fig. 7)",
 }
-
-
-def write_report(plan: StudyPlan) -> Path:
-    from megatron_entropy.analysis.study_plots import plot_study
-
-    results = load_results(plan)
-    summary = summarize(plan, results)
-    figures = plot_study(plan, results, summary, plan.out)
-    (plan.out / "summary.json").write_text(json.dumps(summary, indent=1, default=float))
-    report = plan.out / "report.md"
-    report.write_text(render_report(summary, figures))
-    return report

@@ -12,13 +12,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Literal, Sequence, Union
+from typing import Any, Iterator, Literal, Sequence, Union
 
+import pyarrow.parquet as pq
+from transformers import AutoTokenizer
+
+from megatron_entropy.config import ArithmeticConfig, DataConfig, SumsConfig
 from megatron_entropy.data.arithmetic import train_val_problems
 from megatron_entropy.data.sums import train_val_sum_problems
-
-if TYPE_CHECKING:
-    from megatron_entropy.config import ArithmeticConfig, DataConfig, SumsConfig
 
 # The instruction appended to every question in the paper's training data (verl / PRIME format).
 DEFAULT_PROMPT_SUFFIX = "Let's think step by step and output the final answer within \\boxed{}."
@@ -91,8 +92,6 @@ def _iter_records(path: Path) -> Iterator[tuple[str, Any]]:
         for i, record in enumerate(records):
             yield f"{path} row {i}", record
     elif suffix == ".parquet":
-        import pyarrow.parquet as pq
-
         try:
             table = pq.read_table(path)
         except Exception as e:  # noqa: BLE001 - pyarrow raises several types for a bad file
@@ -142,7 +141,7 @@ def read_rows(path: Union[str, Path], prompt_key: str = "prompt", answer_key: st
     return rows
 
 
-def arithmetic_rows(cfg: "ArithmeticConfig", split: Literal["train", "val"]) -> list[PromptRow]:
+def arithmetic_rows(cfg: ArithmeticConfig, split: Literal["train", "val"]) -> list[PromptRow]:
     train, val = train_val_problems(cfg.num_train, cfg.num_val, cfg.min_ops, cfg.max_ops,
                                     cfg.max_operand, cfg.seed)
     problems = train if split == "train" else val
@@ -150,7 +149,7 @@ def arithmetic_rows(cfg: "ArithmeticConfig", split: Literal["train", "val"]) -> 
                       where=f"arithmetic {split} problem {i}") for i, p in enumerate(problems)]
 
 
-def sums_rows(cfg: "SumsConfig", split: Literal["train", "val"]) -> list[PromptRow]:
+def sums_rows(cfg: SumsConfig, split: Literal["train", "val"]) -> list[PromptRow]:
     train, val = train_val_sum_problems(cfg.num_train, cfg.num_val, cfg.min_terms, cfg.max_terms,
                                         cfg.max_operand, cfg.seed, cfg.subtract_prob)
     problems = train if split == "train" else val
@@ -236,12 +235,10 @@ class PromptDataset(Sequence[PromptItem]):
 
 def load_tokenizer(hf_dir: Union[str, Path]) -> Any:
     """The tokenizer of an HF model folder, offline."""
-    from transformers import AutoTokenizer
-
     return AutoTokenizer.from_pretrained(str(hf_dir), local_files_only=True)
 
 
-def load_prompt_dataset(data: "DataConfig", tokenizer: Any, max_prompt_tokens: int,
+def load_prompt_dataset(data: DataConfig, tokenizer: Any, max_prompt_tokens: int,
                         split: Literal["train", "val"]) -> PromptDataset:
     """The train or validation prompts of a run. No ``data.train_files`` means the synthetic
     task ``data.task`` (both splits); real training files without ``data.val_files`` mean no

@@ -26,14 +26,16 @@ from pathlib import Path
 from typing import Iterable, Iterator, Literal, Optional, Sequence, Union
 
 import torch
+import torch.distributed as dist
 
 from megatron_entropy.models.arch import ModelArch, load_arch
 from megatron_entropy.models.hf_io import (TensorSpec, hf_weight_files, open_hf_slices,
                                            save_hf_weights)
 from megatron_entropy.models.sharding import layer_offset, tp_gather, to_global_name, unwrap_model
 
-# Megatron loads inside the functions that use it: the CLI checks the model with this
-# module before any rank starts (cli._check_model), without paying for Megatron's import.
+# Deferred imports: Megatron (~4-5 s), and runtime/roles.py which imports it, load inside the
+# functions that use them: the CLI checks the model with this module before any rank starts
+# (cli._check_model), without paying for Megatron's import.
 Kind = Literal["copy", "qkv", "glu", "vocab"]
 
 
@@ -317,7 +319,6 @@ def export_hf_weights(model, arch: ModelArch
     ``hf_tensor_specs(arch, dtype)`` whatever the layer spec, so ``hf_io.save_hf_weights(...,
     specs=hf_tensor_specs(arch, dtype))`` can write the stream holding one tensor at a time.
     """
-    import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     from megatron_entropy.runtime.roles import is_replica_leader

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import warnings
 from typing import Literal, Optional
 
 import torch
@@ -11,8 +12,11 @@ import torch.nn.functional as F
 from megatron_entropy.models.arch import ModelArch
 from megatron_entropy.runtime import dtypes
 
-# Megatron loads inside the functions that use it: models/megatron_checkpoint.py (which the CLI
-# uses before any rank starts) imports DTYPES from here. The torch view of the one dtype table.
+# Deferred imports: Megatron (~4-5 s) loads inside the functions that use it, because the CLI
+# checks the model with models/ before any rank starts (cli._check_model, which imports DTYPES
+# from here through megatron_checkpoint.py); transformer_engine is optional (GPU only).
+
+# The torch view of the one dtype table.
 DTYPES = {name: getattr(torch, d.long_name) for name, d in dtypes.DTYPES.items()}
 
 
@@ -108,8 +112,6 @@ def build_gpt_model(arch: ModelArch, tensor: int = 1, pipeline: int = 1, dtype: 
     vocab is padded to ``arch.padded_vocab_size`` and the padded columns must be masked by the
     caller (the ops take the real vocab size).
     """
-    import warnings
-
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 

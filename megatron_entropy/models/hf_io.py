@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import IO, Iterable, Iterator, Optional, Sequence, Union
 
 import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 
 # Files that describe the model but are not weights; copied along with exported weights.
 HF_METADATA_FILES = ("config.json", "generation_config.json", "tokenizer.json",
@@ -78,7 +80,7 @@ def _nbytes(spec: TensorSpec) -> int:
     return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
 
 
-class _SafetensorsStream:
+class SafetensorsStream:
     """One safetensors file written tensor by tensor, in any order: the header comes first,
     computed from the specs, and each tensor goes to its planned offset, so no tensor has to be
     held after it is written."""
@@ -159,8 +161,6 @@ def save_hf_weights(named_tensors: Iterable[tuple[str, torch.Tensor]], out_dir: 
 def _write_buffered(named_tensors: Iterable[tuple[str, torch.Tensor]], tmp: Path,
                     max_shard_bytes: int, dtype: Optional[torch.dtype]
                     ) -> tuple[list[list[str]], int]:
-    from safetensors.torch import save_file
-
     shard: dict[str, torch.Tensor] = {}
     shard_bytes = 0
     shard_names: list[list[str]] = []
@@ -197,10 +197,10 @@ def _write_streamed(named_tensors: Iterable[tuple[str, torch.Tensor]], tmp: Path
             shard_bytes = 0
         shards[-1].append(spec)
         shard_bytes += _nbytes(spec)
-    streams: list[_SafetensorsStream] = []
+    streams: list[SafetensorsStream] = []
     try:
         for i, shard in enumerate(shards):
-            streams.append(_SafetensorsStream(tmp / f"{stem}-{i:05d}.safetensors", shard))
+            streams.append(SafetensorsStream(tmp / f"{stem}-{i:05d}.safetensors", shard))
         where = {name: stream for stream in streams for name in stream.places}
         for name, tensor in named_tensors:
             if name not in where:
@@ -266,8 +266,6 @@ def hf_weight_files(hf_dir: Union[str, Path]) -> dict[str, Path]:
 def iter_hf_tensors(hf_dir: Union[str, Path], names: Optional[Iterable[str]] = None
                     ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, tensor) lazily, file by file, reading only the requested names."""
-    from safetensors import safe_open
-
     files = hf_weight_files(hf_dir)
     wanted = list(files) if names is None else list(names)
     unknown = [n for n in wanted if n not in files]
@@ -284,8 +282,6 @@ def iter_hf_tensors(hf_dir: Union[str, Path], names: Optional[Iterable[str]] = N
 
 @contextlib.contextmanager
 def _open_safetensors(path: Path):
-    from safetensors import SafetensorError, safe_open
-
     try:
         handle = safe_open(str(path), "pt")
     except (SafetensorError, OSError) as e:

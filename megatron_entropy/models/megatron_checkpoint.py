@@ -32,8 +32,15 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
-from torch.distributed.checkpoint import DefaultSavePlanner
-from torch.distributed.checkpoint.planner import SavePlan
+import torch.distributed as dist
+from torch.distributed.checkpoint import (DefaultSavePlanner, FileSystemReader, FileSystemWriter,
+                                          save as dcp_save)
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex,
+                                                   TensorProperties)
+from torch.distributed.checkpoint.planner import (SavePlan, TensorWriteData, WriteItem,
+                                                  WriteItemType)
+from tqdm import tqdm
 
 from megatron_entropy.models.arch import ModelArch, load_arch
 from megatron_entropy.models.bridge import (check_hf_checkpoint, hf_tensor_specs, hf_to_megatron,
@@ -44,8 +51,9 @@ from megatron_entropy.models.hf_io import (copy_hf_metadata, hf_weight_files, op
                                            save_hf_weights, temp_sibling)
 from megatron_entropy.models.sharding import unwrap_model
 
-# Megatron loads inside the functions that use it: the CLI checks the model with this
-# module before any rank starts (cli._check_model), without paying for Megatron's import.
+# Deferred imports: Megatron (~4-5 s) loads inside the functions that use it: the CLI checks
+# the model with this module before any rank starts (cli._check_model, read_arch), without
+# paying for Megatron's import.
 ARCH_FILE = "arch.json"
 HF_SUBDIR = "hf"
 _LAYERS = "decoder.layers."
@@ -93,8 +101,6 @@ def resolve_checkpoint_dir(path: Union[str, Path]) -> Path:
 def check_checkpoint_files(ckpt_dir: Path) -> Any:
     """The checkpoint's torch.distributed.checkpoint metadata, after checking that every data file
     it points into exists and is long enough (missing or partial shards raise)."""
-    from torch.distributed.checkpoint import FileSystemReader
-
     if not (ckpt_dir / ".metadata").is_file():
         raise CheckpointError(f"{ckpt_dir} has no .metadata file: the checkpoint is incomplete "
                               "(a save that did not finish?)")
@@ -152,13 +158,12 @@ def load_model_weights(model, ckpt_dir: Union[str, Path]) -> None:
 
 
 @contextlib.contextmanager
-def _single_process_megatron() -> Iterator[None]:
+def single_process_megatron() -> Iterator[None]:
     """Megatron's parallel state for one process (TP=1, PP=1), unless the caller has one.
 
     Conversion builds the model on the meta device and reads and writes CPU tensors: it needs no
     RNG tracker and no CUDA, so it runs without the CPU compatibility layer and with any
     megatron-core the package accepts."""
-    import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     own_group = not dist.is_initialized()
@@ -195,7 +200,7 @@ def _replace(tmp: Path, out_dir: Path) -> None:
     os.replace(tmp, out_dir)
 
 
-def _peak_rss_bytes() -> int:
+def peak_rss_bytes() -> int:
     """This process's peak resident memory. VmHWM belongs to the process's own address space;
     ru_maxrss would also count the parent's memory at the fork that started this process."""
     try:
@@ -222,8 +227,6 @@ def _cast_checked(t: torch.Tensor, dtype: torch.dtype, what: str) -> torch.Tenso
 
 
 def _progress(total: int, desc: str, enabled: bool):
-    from tqdm import tqdm
-
     return tqdm(total=total, desc=desc, unit="tensor", disable=not enabled, dynamic_ncols=True)
 
 
@@ -283,12 +286,6 @@ def convert_hf_to_checkpoint(hf_dir: Union[str, Path], out_dir: Union[str, Path]
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedObject, is_main_replica
     from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
-    from torch.distributed.checkpoint import FileSystemWriter
-    from torch.distributed.checkpoint import save as dcp_save
-    from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex,
-                                                       TensorProperties)
-    from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
     start = time.perf_counter()
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
@@ -305,7 +302,7 @@ def convert_hf_to_checkpoint(hf_dir: Union[str, Path], out_dir: Union[str, Path]
     check_hf_checkpoint(files, arch, hf_dir)
     tmp = _prepare_output(out_dir, overwrite)
     try:
-        with _single_process_megatron():
+        with single_process_megatron():
             # The model Megatron would save, described without memory: its sharded state dict
             # gives every key, global shape, chunk and dtype of the torch_dist layout.
             with torch.device("meta"):
@@ -379,7 +376,7 @@ def convert_hf_to_checkpoint(hf_dir: Union[str, Path], out_dir: Union[str, Path]
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return {"tensors": float(len(tensors)), "bytes": float(written[0]),
-            "seconds": time.perf_counter() - start, "peak_rss_bytes": float(_peak_rss_bytes())}
+            "seconds": time.perf_counter() - start, "peak_rss_bytes": float(peak_rss_bytes())}
 
 
 # ---------------------------------------------------------------------------------- mcore -> HF
@@ -480,7 +477,7 @@ def convert_checkpoint_to_hf(ckpt_dir: Union[str, Path], out_dir: Union[str, Pat
                 bar.update(1)
                 yield hf_name, _cast_checked(t, torch_dtype, hf_name)
 
-    with _single_process_megatron(), _progress(len(specs), f"mcore -> HF {out_dir.name}",
+    with single_process_megatron(), _progress(len(specs), f"mcore -> HF {out_dir.name}",
                                                progress) as bar:
         stats = save_hf_weights(hf_tensors(bar), out_dir, metadata_from=meta_dir,
                                 max_shard_bytes=max_shard_bytes, specs=specs)
@@ -489,4 +486,4 @@ def convert_checkpoint_to_hf(ckpt_dir: Union[str, Path], out_dir: Union[str, Pat
         cfg.update({k: long_name(dtype) for k in ("dtype", "torch_dtype") if k in cfg})
         (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
     return {**stats, "seconds": time.perf_counter() - start,
-            "peak_rss_bytes": float(_peak_rss_bytes())}
+            "peak_rss_bytes": float(peak_rss_bytes())}

@@ -19,8 +19,8 @@ from typing import Iterator, Optional
 
 import torch
 
-# Megatron loads inside the functions that use it: models/bridge.py (which the CLI uses before
-# any rank starts) imports this module.
+# Deferred imports: Megatron (~4-5 s) loads inside the functions that use it, because
+# models/bridge.py, which the CLI uses before any rank starts, imports this module.
 _LAYER_RE = re.compile(r"(^|\.)decoder\.layers\.(\d+)\.")
 
 

@@ -18,6 +18,8 @@ from megatron_entropy.rewards.registry import register_reward
 from megatron_entropy.rewards.workers import (STARTUP_TIMEOUT_S, TIMED_OUT, ChildExited,
                                               ChildUnavailable, LineProcess)
 
+# Deferred import: math-verify (and sympy, ~0.8 s and their memory) loads only in the checker
+# process (_checker_handler), not in the trainer's ranks.
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*")
 _INT = re.compile(r"[+-]?\d+")
 MAX_ANSWER_CHARS = 512  # longer "answers" are not math answers

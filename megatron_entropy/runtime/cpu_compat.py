@@ -26,6 +26,7 @@ import importlib
 import types
 from typing import Any
 
+import megatron.core
 import torch
 
 SUPPORTED_MEGATRON_VERSIONS = ("0.16",)
@@ -187,8 +188,6 @@ def _with_own_adam_steps(load_state_dict):
 
 
 def _check_version() -> None:
-    import megatron.core
-
     version = megatron.core.__version__
     if not any(version == v or version.startswith(v + ".") for v in SUPPORTED_MEGATRON_VERSIONS):
         raise RuntimeError(

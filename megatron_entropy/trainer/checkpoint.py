@@ -43,8 +43,8 @@ from megatron_entropy.models.sharding import unwrap_model
 from megatron_entropy.runtime.processes import die_with_parent
 from megatron_entropy.trainer import preemption
 
-# Megatron loads inside the functions that use it: analysis/study.py finds and verifies
-# checkpoints with CheckpointManager in a process that never loads Megatron.
+# Deferred imports: Megatron (~4-5 s) loads inside the functions that use it: the study's process
+# (analysis/study.py) finds and verifies checkpoints with CheckpointManager without Megatron.
 TRAINER_STATE = "trainer_state.json"
 _COMMON_FILES = ("metadata.json", "common.pt")  # dist_checkpointing's, beside .metadata
 

@@ -11,6 +11,8 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
+from tqdm import tqdm
+
 from megatron_entropy.config import LoggingConfig
 
 # Shown in the progress bar, in this order, when present.
@@ -61,10 +63,8 @@ class MetricsLogger:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._truncate_after(start_step)
-        # Each backend loads only when asked for: tensorboard and wandb are optional packages.
+        # Deferred imports: tensorboard and wandb are optional packages, loaded when asked for.
         if settings.progress_bar:
-            from tqdm import tqdm
-
             self._bar = tqdm(total=total_steps, initial=start_step, desc="RL steps",
                              dynamic_ncols=True)
         if settings.tensorboard:

@@ -18,7 +18,9 @@ from typing import Iterable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
 
+from megatron_entropy.models.bridge import export_stage_hf_weights
 from megatron_entropy.models.hf_io import TensorSpec
 
 Bucket = list[tuple[str, torch.Tensor]]
@@ -55,10 +57,6 @@ class StageStream:
 
 def model_stage_stream(model, arch) -> StageStream:
     """This rank's stage of a built Megatron model (parallel state initialised)."""
-    from megatron.core import parallel_state as ps
-
-    from megatron_entropy.models.bridge import export_stage_hf_weights
-
     specs, tensors = export_stage_hf_weights(model, arch)
     group = ps.get_pipeline_model_parallel_group()
     return StageStream(stage=ps.get_pipeline_model_parallel_rank(),

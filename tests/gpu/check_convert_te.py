@@ -22,14 +22,10 @@ from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(HERE.parent / "helpers"))
+REPO = Path(__file__).resolve().parents[2]
 
 
 def main() -> int:
-    from tiny_models import FAMILIES, save_tiny_hf_model
     import transformers
     from safetensors.torch import load_file
 
@@ -38,6 +34,7 @@ def main() -> int:
     from megatron_entropy.models.builder import build_gpt_model, transformer_engine_available
     from megatron_entropy.models.megatron_checkpoint import load_model_weights
     from megatron_entropy.runtime import init_distributed, set_seed
+    from megatron_entropy.testing.toy_models import FAMILIES, save_tiny_hf_model
 
     assert torch.cuda.is_available(), "this check needs a GPU"
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

@@ -15,14 +15,11 @@ Exits 1 if a correctness check fails. Prints one line per measurement.
 
 from __future__ import annotations
 
-import os
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
-
-from megatron_entropy.ops.logprob_entropy import (fused_linear_logprob_entropy,  # noqa: E402
+from megatron_entropy.ops.logprob_entropy import (fused_linear_logprob_entropy,
                                                   vocab_parallel_logprob_entropy)
 
 

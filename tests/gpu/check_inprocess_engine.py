@@ -19,7 +19,6 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
 MODEL = REPO / "examples" / "quickstart_model"
 
 

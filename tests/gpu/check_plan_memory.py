@@ -24,7 +24,6 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
 
 QWEN25_15B = dict(architectures=["Qwen2ForCausalLM"], vocab_size=151936, hidden_size=1536,
                   intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,

@@ -12,7 +12,10 @@
 set -u
 OUT=${OUT:-/tmp/gpu_checks}
 mkdir -p "$OUT"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# The checks import the package (the repository root: the GPU box may not have it pip-installed)
+# and the tests' helpers (tests/helpers, as pytest.ini's pythonpath gives them to the tests); run
+# one check alone the same way: PYTHONPATH=.:tests/helpers python3 tests/gpu/<check>.py
+export PYTHONPATH="$PWD:$PWD/tests/helpers${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
     && export PYTHONPATH="$PYTHONPATH:/tmp/site"

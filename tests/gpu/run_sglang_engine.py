@@ -1,7 +1,7 @@
 """The real SGLang engine on a GPU machine: what tests/servers/test_rollout_sglang.py checks against the
 fake server, against `python -m sglang.launch_server` (one CUDA device, TP=1).
 
-    python tests/gpu/run_sglang_engine.py [--server-python PY]    # ~3-5 minutes
+    PYTHONPATH=.:tests/helpers python tests/gpu/run_sglang_engine.py [--server-python PY]  # 3-5 min
 
 Needs SGLang 0.5.x importable by --server-python (default: this interpreter; the GPU box usually
 has none, and then the script prints SKIP and exits 0) and torch with CUDA here.
@@ -30,14 +30,13 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests" / "helpers"))
+from megatron_entropy.config import ServerConfig
+from megatron_entropy.rollout.base import SamplingParams
+from megatron_entropy.rollout.sglang import SGLangEngine
+from megatron_entropy.testing.toy_models import make_served_model
+from serving_model import push_weights  # tests/helpers, on PYTHONPATH (tests/gpu/run_all.sh)
 
-from megatron_entropy.config import ServerConfig  # noqa: E402
-from megatron_entropy.rollout.base import SamplingParams  # noqa: E402
-from megatron_entropy.rollout.sglang import SGLangEngine  # noqa: E402
-from serving_model import make_served_model, push_weights  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 PROMPTS = [[5, 6, 7, 8], [40, 41], [100, 7, 3, 9, 12]]
 FAILED: list[str] = []

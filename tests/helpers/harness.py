@@ -1,118 +1,16 @@
-"""Multi-process tests on CPU: fork gloo workers from the pytest process.
-
-The pytest process has already imported megatron (conftest), so a fork costs ~0.3 s instead of the
-~8 s of a fresh interpreter. A failing rank's traceback is raised in the test; a rank that hangs is
-killed after ``timeout`` seconds, with every rank's Python stack dumped to stderr first.
+"""Multi-process tests on CPU: gloo workers forked from the pytest process, which has already
+imported megatron (conftest), and what tests run inside them. The ranks themselves are
+megatron_entropy/testing/ranks.py, which the benchmarks share.
 """
 
 from __future__ import annotations
 
-import faulthandler
-import io
-import multiprocessing as mp
-import os
-import queue
-import socket
-import sys
-import time
-import traceback
-from typing import Any, Callable
-
-import psutil
-import torch
+import json
+from pathlib import Path
 
 from readme_metrics import undocumented_metrics
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(fn, rank, world_size, port, results, timeout, args, kwargs):
-    status, payload = "error", None
-    try:
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        torch.set_num_threads(1)
-        # Dump this rank's stack shortly before the parent gives up on it.
-        faulthandler.dump_traceback_later(max(timeout - 3, 1), exit=False)
-        torch.distributed.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-        out = fn(*args, **kwargs)
-        buf = io.BytesIO()
-        torch.save(out, buf)
-        status, payload = "ok", buf.getvalue()
-    except BaseException:  # noqa: BLE001 - everything goes back to the test
-        payload = f"rank {rank} failed:\n{traceback.format_exc()}"
-    finally:
-        results.put((rank, status, payload))
-        results.close()
-        results.join_thread()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        # os._exit skips multiprocessing's finalizers: helper processes this rank started (the
-        # spawn Manager and resource tracker of dist_checkpointing saves) would outlive it and
-        # hold pytest's output pipe open.
-        for child in psutil.Process().children(recursive=True):
-            child.kill()
-        os._exit(0)
-
-
-def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120,
-                    **kwargs: Any) -> list[Any]:
-    """Run ``fn(*args, **kwargs)`` on ``world_size`` forked gloo ranks; return the results by rank.
-
-    ``fn`` runs with torch.distributed initialised (RANK etc. set); it returns anything torch.save
-    can write. Raises AssertionError with the first failing rank's traceback, or on timeout.
-    """
-    ctx = mp.get_context("fork")
-    results = ctx.Queue()
-    port = free_port()
-    # Not daemonic: dist_checkpointing starts helper processes inside a rank.
-    procs = [ctx.Process(target=_worker, daemon=False,
-                         args=(fn, r, world_size, port, results, timeout, args, kwargs))
-             for r in range(world_size)]
-    for p in procs:
-        p.start()
-    outputs: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout
-    try:
-        while len(outputs) < world_size:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                missing = sorted(set(range(world_size)) - set(outputs))
-                raise AssertionError(f"ranks {missing} did not finish within {timeout} s "
-                                     "(stacks dumped to stderr)")
-            try:
-                rank, status, payload = results.get(timeout=min(remaining, 1.0))
-            except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in outputs]
-                if dead and results.empty():
-                    time.sleep(0.2)
-                    if results.empty():
-                        raise AssertionError(f"ranks {dead} died without reporting "
-                                             f"(exit codes {[procs[r].exitcode for r in dead]})")
-                continue
-            if status != "ok":
-                raise AssertionError(payload)
-            outputs[rank] = torch.load(io.BytesIO(payload), weights_only=False)
-    finally:
-        for p in procs:
-            p.join(timeout=2)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    return [outputs[r] for r in range(world_size)]
-
-
-def init_megatron(tensor: int = 1, pipeline: int = 1, seed: int = 1234) -> None:
-    """Inside a worker: Megatron parallel state on the already-initialised gloo group, seeded."""
-    from megatron_entropy.runtime import init_distributed, set_seed
-
-    init_distributed(tensor=tensor, pipeline=pipeline, backend="gloo")
-    set_seed(seed)
+# Re-exported: the tests import the forked ranks from here, beside the loop helpers.
+from megatron_entropy.testing.ranks import free_port, init_megatron, run_distributed  # noqa: F401
 
 
 def train_from_dict(cfg: dict) -> dict:
@@ -127,9 +25,6 @@ def metrics_rows(run_dir) -> list[dict]:
     """Every line of a run's metrics.jsonl, as written (a step logged twice shows twice), after
     checking that the README's metrics table names every key (readme_metrics.py): each test
     that reads a run's metrics keeps that table, the one list of metric names, complete."""
-    import json
-    from pathlib import Path
-
     rows = [json.loads(line)
             for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
     missing = undocumented_metrics(k for row in rows for k in row)

@@ -2,46 +2,11 @@
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
-from tiny_models import save_tiny_hf_model
-
-# head_dim 64: a size every vLLM CPU attention backend takes.
-SERVED_ARCH = dict(hidden_size=128, intermediate_size=256, num_attention_heads=2,
-                   num_key_value_heads=1, vocab_size=512, max_position_embeddings=512)
-
-
-def save_tokenizer(out_dir: Path, vocab_size: int = 512) -> None:
-    """A byte-level BPE trained on arithmetic text; <pad>, <s>, </s> are ids 0, 1, 2."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    rng = random.Random(0)
-    corpus = [f"{rng.randint(0, 99)} + {rng.randint(0, 99)} = {rng.randint(0, 200)}. "
-              f"The answer is \\boxed{{{rng.randint(0, 200)}}}" for _ in range(2000)]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(corpus, trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=["<pad>", "<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
-                            pad_token="<pad>").save_pretrained(out_dir)
-
-
-def make_served_model(out_dir: Path, seed: int = 0, logit_scale: float = 5.0) -> Path:
-    """``logit_scale`` sharpens the LM head so that log-probs spread over nats: with the default
-    init every token is ~log(1/V) and any two models would look alike. (Sharper heads raise the
-    bf16 serving error: x5 gives ~6e-3 mean |dlogp| under vLLM bf16, x15 ~2e-2.)"""
-    from safetensors.torch import load_file, save_file
-
-    out_dir = save_tiny_hf_model("qwen2", Path(out_dir), seed=seed, **SERVED_ARCH)
-    weights = load_file(str(out_dir / "model.safetensors"))
-    weights["lm_head.weight"] = weights["lm_head.weight"] * logit_scale
-    save_file(weights, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    save_tokenizer(out_dir, SERVED_ARCH["vocab_size"])
-    return out_dir
+# Re-exported: the tests import the served model from here, beside the helpers below.
+from megatron_entropy.testing.toy_models import (make_served_model,  # noqa: F401
+                                                 save_tiny_hf_model, save_tokenizer)
 
 
 def make_tp2_model(out_dir: Path) -> Path:

@@ -8,13 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-import smollm2
 from harness import run_distributed
 from test_bridge import load_and_run
 from test_convert import _convert
 from tolerance import rounding_tol, transformer_terms
 
 from megatron_entropy.models.arch import load_arch
+from megatron_entropy.testing import smollm2
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not smollm2.available(),

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 import yaml
 
-from megatron_entropy.analysis.study import StudyError, execute, plan_study, settings_of
+from megatron_entropy.analysis.study import StudyError, plan_study, settings_of
+from megatron_entropy.analysis.study_runner import execute
 from megatron_entropy.config import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]

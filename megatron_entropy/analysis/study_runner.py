@@ -1,0 +1,163 @@
+"""Running a planned study (analysis/study.py): one ``train`` process per run, in plan order,
+resumable, then its report (analysis/study_report.py: the numbers; analysis/study_plots.py: the
+figures). The module of the study's process, above the plan, the report and the figures."""
+
+from __future__ import annotations
+
+import fcntl
+import functools
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+from megatron_entropy.analysis.plots import read_metrics, series
+from megatron_entropy.analysis.study import (RUN_LOG_FILE, StudyError, StudyPlan, StudyRun,
+                                             check_same_run, checkpoint_step, last_step,
+                                             read_run_state, run_wall_seconds, settings_of,
+                                             write_run_state)
+from megatron_entropy.analysis.study_plots import plot_study
+from megatron_entropy.analysis.study_report import load_results, render_report, summarize
+from megatron_entropy.runtime.processes import die_with_parent
+from megatron_entropy.trainer.preemption import PREEMPTED_EXIT_CODE
+
+
+class _Interrupt:
+    """SIGTERM, SIGINT or SIGUSR1 to the study: the running train run is asked to checkpoint at
+    the end of its step (SIGTERM, which its ranks handle), and the study stops after it."""
+
+    def __init__(self) -> None:
+        self.raised = False
+        self.child: Optional[subprocess.Popen] = None
+        self._previous = {sig: signal.signal(sig, self._handle)
+                          for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
+
+    def _handle(self, signum, frame) -> None:
+        self.raised = True
+        if self.child is not None and self.child.poll() is None:
+            self.child.send_signal(signal.SIGTERM)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def _lock(out: Path, echo: Callable[[str], None]) -> int:
+    fd = os.open(out / "study.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 64, 0).decode(errors="replace").strip()
+        echo(f"{out} is held by another study (pid {holder or '?'}), or by a run a killed study "
+             "started that is finishing its step; waiting for it")
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    return fd
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except FileNotFoundError:
+        return ""
+
+
+def _summary_line(run: StudyRun) -> str:
+    records = read_metrics(run.run_dir)
+    parts = []
+    for key, short in (("entropy/seq_mean", "H"), ("val/acc/mean", "val")):
+        _, values = series(records, key)
+        if values:
+            parts.append(f"{short} {values[0]:.3f} -> {values[-1]:.3f}")
+    return f" ({', '.join(parts)})" if parts else ""
+
+
+def _train(run: StudyRun, config_path: str, lock_fd: int, interrupt: _Interrupt
+           ) -> tuple[int, float]:
+    cmd = [sys.executable, "-m", "megatron_entropy.cli", "train", config_path, *run.overrides]
+    start = time.perf_counter()
+    with open(run.run_dir / RUN_LOG_FILE, "a") as log:
+        log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(cmd)}\n")
+        log.flush()
+        # The lock's descriptor goes with the run: the lock is free only when both have ended.
+        # SIGTERM when the study dies: the run checkpoints at the end of its step and exits.
+        child = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, pass_fds=(lock_fd,),
+                                 preexec_fn=functools.partial(die_with_parent, signal.SIGTERM,
+                                                              os.getpid()))
+        interrupt.child = child
+        try:
+            code = child.wait()
+        finally:
+            interrupt.child = None
+    return code, time.perf_counter() - start
+
+
+def execute(plan: StudyPlan, echo: Callable[[str], None] = print) -> int:
+    """Run every run of the plan that has not finished, then write the report. Returns 0, or
+    75 when interrupted (run the same command again to go on)."""
+    plan.out.mkdir(parents=True, exist_ok=True)
+    lock_fd = _lock(plan.out, echo)
+    interrupt = _Interrupt()
+    try:
+        total = len(plan.runs)
+        for i, run in enumerate(plan.runs, start=1):
+            head = f"[{i}/{total}] {run.name}"
+            state = read_run_state(run)
+            if state is not None:
+                check_same_run(run, state)
+                if state.get("finished"):
+                    echo(f"{head}: finished earlier ({run_wall_seconds(state):.0f} s), "
+                         "not re-run")
+                    continue
+            run.run_dir.mkdir(parents=True, exist_ok=True)
+            state = state or {"name": run.name, "fingerprint": run.fingerprint,
+                              "settings": settings_of(run.config), "overrides": run.overrides,
+                              "attempts": [], "finished": False}
+            done = checkpoint_step(run.run_dir)
+            if done:
+                echo(f"{head}: resuming from the checkpoint of step {done} "
+                     f"(log: {run.run_dir / RUN_LOG_FILE})")
+            else:
+                echo(f"{head}: training (log: {run.run_dir / RUN_LOG_FILE})")
+            state["attempts"].append({"started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                                      "from_step": done, "wall_s": None, "exit_code": None})
+            write_run_state(run, state)
+            code, wall = _train(run, plan.config_path, lock_fd, interrupt)
+            state["attempts"][-1].update(wall_s=round(wall, 3), exit_code=code)
+            steps = run.config.trainer.steps
+            if code == 0 and last_step(run.run_dir) >= steps:
+                state["finished"] = True
+            write_run_state(run, state)
+            if interrupt.raised or code == PREEMPTED_EXIT_CODE:
+                echo(f"{head}: interrupted after {wall:.0f} s at step {last_step(run.run_dir)}; "
+                     "run the same command again to resume")
+                return PREEMPTED_EXIT_CODE
+            if not state["finished"]:
+                raise StudyError(
+                    f"run {run.name} failed (exit code {code}, at step "
+                    f"{last_step(run.run_dir)} of {steps}); its log: "
+                    f"{run.run_dir / RUN_LOG_FILE}\n{_tail(run.run_dir / RUN_LOG_FILE)}")
+            echo(f"{head}: done in {wall:.0f} s{_summary_line(run)}")
+        report = write_report(plan)
+        echo(f"report: {report}")
+        return 0
+    finally:
+        interrupt.restore()
+        os.close(lock_fd)
+
+
+def write_report(plan: StudyPlan) -> Path:
+    """The study's report (OUT/report.md, returned), OUT/summary.json and the figures, from the
+    runs' metrics as they are."""
+    results = load_results(plan)
+    summary = summarize(plan, results)
+    figures = plot_study(plan, results, summary, plan.out)
+    (plan.out / "summary.json").write_text(json.dumps(summary, indent=1, default=float))
+    report = plan.out / "report.md"
+    report.write_text(render_report(summary, figures))
+    return report
