@@ -8,9 +8,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from readme_metrics import undocumented_metrics
 # Re-exported: the tests import the forked ranks from here, beside the loop helpers.
 from megatron_entropy.testing.ranks import free_port, init_megatron, run_distributed  # noqa: F401
+from readme_metrics import undocumented_metrics
 
 
 def train_from_dict(cfg: dict) -> dict:
