@@ -1,4 +1,5 @@
-"""pytest plugin: `--cpu-durations=N` lists the N slowest tests with the CPU they used.
+"""pytest plugin: `--cpu-durations=N` lists the N slowest tests, and the N slowest test files,
+with the CPU they used.
 
 Per test (setup, call and teardown together; a module fixture's start-up counts to the module's
 first test): wall seconds, and CPU seconds (user + sys) of the pytest process and of every
@@ -46,3 +47,10 @@ def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
     for node, (w, c) in sorted(_measured.items(), key=lambda kv: -kv[1][0])[:n]:
         terminalreporter.write_line(f"{w:8.1f} s wall {c:8.1f} s CPU  {node}")
     terminalreporter.write_line(f"{wall:8.1f} s wall {cpu:8.1f} s CPU  all {len(_measured)} tests")
+    files: dict[str, list[float]] = {}
+    for node, (w, c) in _measured.items():
+        total = files.setdefault(node.split("::")[0], [0.0, 0.0, 0])
+        total[0], total[1], total[2] = total[0] + w, total[1] + c, total[2] + 1
+    terminalreporter.section(f"slowest {n} files: wall and CPU seconds of their tests")
+    for name, (w, c, count) in sorted(files.items(), key=lambda kv: -kv[1][0])[:n]:
+        terminalreporter.write_line(f"{w:8.1f} s wall {c:8.1f} s CPU  {name} ({count} tests)")

@@ -27,6 +27,8 @@ def test_cpu_durations_tell_waiting_from_computing(pytester, monkeypatch):
     rows = {m[3]: (float(m[1]), float(m[2])) for m in re.finditer(
         r"^\s*([\d.]+) s wall\s+([\d.]+) s CPU  \S*::(\w+)$", result.stdout.str(), re.M)}
     assert set(rows) == {"test_waits", "test_child_computes"}, result.stdout.str()
+    out = result.stdout.str()
+    assert re.search(r"^\s*[\d.]+ s wall\s+[\d.]+ s CPU  test_two.py \(2 tests\)$", out, re.M), out
     wall, cpu = rows["test_waits"]
     assert wall >= 0.6 and cpu < 0.3, rows
     wall, cpu = rows["test_child_computes"]
