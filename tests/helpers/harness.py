@@ -127,3 +127,14 @@ def metrics_rows(run_dir) -> list[dict]:
     from pathlib import Path
 
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def kill_marked(mark: str) -> None:
+    """Kill every process started under this test (they carry its mark in their environment),
+    also those a killed parent left behind."""
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get("ME_TEST_MARK") == mark:
+                p.kill()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
