@@ -33,7 +33,7 @@ from megatron_entropy.config import ServerConfig  # noqa: E402
 from megatron_entropy.models.hf_io import iter_hf_tensors  # noqa: E402
 from megatron_entropy.rollout.base import SamplingParams  # noqa: E402
 from megatron_entropy.rollout.inprocess import InProcessEngine  # noqa: E402
-from megatron_entropy.rollout.vllm import VLLMEngine  # noqa: E402
+from megatron_entropy.rollout.server.vllm import VLLMEngine  # noqa: E402
 from megatron_entropy.weight_sync import DiskSync, InPlaceSync  # noqa: E402
 
 VENV_PYTHON = REPO / ".venv-vllm" / "bin" / "python"

@@ -129,7 +129,7 @@ def worker(hf_dir: Path, run_dir: Path, repeats: int) -> list[dict]:
     from megatron_entropy.models.arch import load_arch
     from megatron_entropy.models.bridge import load_hf_weights
     from megatron_entropy.models.builder import build_gpt_model
-    from megatron_entropy.rollout.vllm import VLLMEngine
+    from megatron_entropy.rollout.server.vllm import VLLMEngine
     from megatron_entropy.weight_sync import DiskSync
 
     init_megatron(pipeline=2)

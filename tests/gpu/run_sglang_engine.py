@@ -36,7 +36,7 @@ sys.path.insert(0, str(REPO / "tests" / "helpers"))
 
 from megatron_entropy.config import ServerConfig  # noqa: E402
 from megatron_entropy.rollout.base import SamplingParams  # noqa: E402
-from megatron_entropy.rollout.sglang import SGLangEngine  # noqa: E402
+from megatron_entropy.rollout.server.sglang import SGLangEngine  # noqa: E402
 from serving_model import make_served_model, push_weights  # noqa: E402
 
 PROMPTS = [[5, 6, 7, 8], [40, 41], [100, 7, 3, 9, 12]]

@@ -24,9 +24,9 @@ import yaml
 
 from megatron_entropy.config import ConfigError, load_config
 from megatron_entropy.rollout.base import Completion, SamplingParams
-from megatron_entropy.rollout.servers import (finished_before_resume, join_completions,
-                                              version_runs)
-from megatron_entropy.rollout.sglang import SGLangEngine
+from megatron_entropy.rollout.server.partial import (finished_before_resume, join_completions,
+                                                     version_runs)
+from megatron_entropy.rollout.server.sglang import SGLangEngine
 from megatron_entropy.trainer.async_rollouts import (RolloutPrefetcher, RolloutProducerError,
                                                      stale_samples, token_versions,
                                                      weight_version_of)

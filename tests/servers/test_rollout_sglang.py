@@ -22,8 +22,9 @@ import torch
 
 from megatron_entropy.config import ServerConfig
 from megatron_entropy.rollout.base import SamplingParams
-from megatron_entropy.rollout.servers import RequestRejected, ServerError, free_port
-from megatron_entropy.rollout.sglang import SGLangEngine, weight_sync_address
+from megatron_entropy.rollout.server.errors import RequestRejected, ServerError
+from megatron_entropy.rollout.server.process import free_port
+from megatron_entropy.rollout.server.sglang import SGLangEngine, weight_sync_address
 from megatron_entropy.runtime.seeds import sample_seed
 from serving_model import make_served_model, push_weights, reference
 
