@@ -141,10 +141,13 @@ class ServerPool:
     # ------------------------------------------------------------------------- life cycle
 
     def start(self) -> None:
+        """Launch the ``launch`` servers and wait until every server answers. When one does
+        not, the servers launched so far are stopped before the error goes up: none outlives a
+        pool that failed to start."""
         cfg = self.cfg
         urls = list(cfg.urls) + (read_urls_file(cfg.urls_file) if cfg.urls_file else [])
         self.servers = [Server(url=u.rstrip("/"), index=i) for i, u in enumerate(urls)]
-        if cfg.launch:
+        try:
             taken: set[int] = set()
             for k in range(cfg.launch):
                 port = free_port(cfg.host, cfg.base_port + k, taken)
@@ -154,9 +157,13 @@ class ServerPool:
                                 log_path=self.dir / f"{self.kind}-{k}.log")
                 self.servers.append(server)
                 self._launch(server)
-        if not self.servers:
-            raise ServerError("no rollout servers: set rollout.server.urls, urls_file or launch")
-        self._run(self._wait_all_up(self.cfg.startup_timeout_s))
+            if not self.servers:
+                raise ServerError("no rollout servers: set rollout.server.urls, urls_file or "
+                                  "launch")
+            self._run(self._wait_all_up(self.cfg.startup_timeout_s))
+        except BaseException:
+            self.stop()
+            raise
 
     def _launch(self, server: Server) -> None:
         why = (f"restart {server.restarts} of at most {self.cfg.max_retries}, after: "
