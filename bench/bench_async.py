@@ -39,8 +39,8 @@ SERVER_ENV = ["VLLM_CPU_KVCACHE_SPACE=1", "VLLM_CPU_OMP_THREADS_BIND=nobind", "H
 
 
 def server_command(max_model_len: int) -> list[str]:
-    """vLLM's command as rollout/vllm.py builds it (processed log-probs, the served name), pinned
-    to core 0."""
+    """vLLM's command as rollout/server/vllm.py builds it (processed log-probs, the served name),
+    pinned to core 0."""
     return ["taskset", "-c", "0", "{python}", "-m", "vllm.entrypoints.openai.api_server",
             "--model", "{model}", "--served-model-name", "policy", "--host", "{host}",
             "--port", "{port}", "--dtype", "bfloat16", "--logprobs-mode", "processed_logprobs",

@@ -29,7 +29,7 @@ from megatron_entropy.config import ServerConfig
 from megatron_entropy.models.hf_io import iter_hf_tensors
 from megatron_entropy.rollout.base import SamplingParams
 from megatron_entropy.rollout.inprocess import InProcessEngine
-from megatron_entropy.rollout.vllm import VLLMEngine
+from megatron_entropy.rollout.server.vllm import VLLMEngine
 # The tiny models the tests serve, shared on purpose: the bench measures what the tests prove
 # correct.
 from megatron_entropy.testing import smollm2

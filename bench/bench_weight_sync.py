@@ -44,7 +44,7 @@ from megatron_entropy.models.arch import load_arch
 from megatron_entropy.models.bridge import (export_hf_weights, load_hf_weights,
                                             save_exported_weights)
 from megatron_entropy.models.builder import build_gpt_model
-from megatron_entropy.rollout.vllm import VLLMEngine
+from megatron_entropy.rollout.server.vllm import VLLMEngine
 # The forked gloo ranks and tiny models of the tests, shared on purpose: the bench measures what
 # the tests prove correct.
 from megatron_entropy.testing.ranks import init_megatron, run_distributed

@@ -287,16 +287,16 @@ def _visible_gpus(local_id: int, gpus: int, gpus_per_node: int) -> Optional[str]
 def server_command(cfg: Config, host: str, port: int) -> tuple[list[str], dict[str, str]]:
     """Command line and extra environment of one rollout server for ``rollout.engine``.
 
-    The engines' own ``server_argv`` (rollout/vllm.py, rollout/sglang.py) builds the argv, so a
-    server started by Slurm runs with exactly the flags of one the engine starts itself (vLLM's
-    processed log-probs, SGLang's weight version). The server's tensor parallel size is
-    ``cluster.server_gpus``.
+    The engines' own ``server_argv`` (rollout/server/vllm.py, rollout/server/sglang.py) builds
+    the argv, so a server started by Slurm runs with exactly the flags of one the engine starts
+    itself (vLLM's processed log-probs, SGLang's weight version). The server's tensor parallel
+    size is ``cluster.server_gpus``.
     ``rollout.server.extra_env`` is read by the parser of the servers the engines launch
     themselves, so both kinds get the same environment (and an item without ``=`` is an error).
     """
     # Here, not at the top: the engines import torch, and `layout`/`wait-servers` start without.
-    from megatron_entropy.rollout import sglang, vllm
-    from megatron_entropy.rollout.servers import parse_extra_env
+    from megatron_entropy.rollout.server import sglang, vllm
+    from megatron_entropy.rollout.server.process import parse_extra_env
 
     s = dataclasses.replace(cfg.rollout.server, host=host)
     tp = cfg.cluster.server_gpus
@@ -482,7 +482,7 @@ def run_slurm(args: argparse.Namespace) -> int:
         for url in wait_for_servers(args.urls_dir, args.count, args.out, args.timeout, alive):
             print(url)
         return 0
-    # ServerError (rollout/servers.py: a bad extra_env item) is a RuntimeError.
+    # ServerError (rollout/server/errors.py: a bad extra_env item) is a RuntimeError.
     except (ConfigError, ParallelLayoutError, NotEnoughNodesError, RuntimeError,
             TimeoutError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -1,5 +1,5 @@
-"""Rollout engines behind one interface (base.py): in-process transformers, vLLM and SGLang
-servers."""
+"""Rollout engines behind one interface (base.py): in-process transformers (inprocess.py), vLLM
+and SGLang servers (server/)."""
 
 from __future__ import annotations
 
@@ -31,11 +31,11 @@ def build_engine(rollout_cfg, hf_dir: Union[str, Path], run_dir: Union[str, Path
         return InProcessEngine(hf_dir, dtype=rollout_cfg.dtype, batch_size=rollout_cfg.batch_size,
                                device=device)
     if rollout_cfg.engine == "vllm":
-        from megatron_entropy.rollout.vllm import VLLMEngine
+        from megatron_entropy.rollout.server.vllm import VLLMEngine
 
         return VLLMEngine(rollout_cfg.server, str(hf_dir), str(run_dir))
     if rollout_cfg.engine == "sglang":
-        from megatron_entropy.rollout.sglang import SGLangEngine
+        from megatron_entropy.rollout.server.sglang import SGLangEngine
 
         return SGLangEngine(rollout_cfg.server, str(hf_dir), str(run_dir))
     raise ValueError(f"rollout.engine={rollout_cfg.engine!r}: choose inprocess, vllm or sglang")

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from megatron_entropy.data import PromptItem, PromptSampler
 from megatron_entropy.rollout.base import Completion, RolloutEngine, SamplingParams
-from megatron_entropy.rollout.servers import version_runs
+from megatron_entropy.rollout.server.partial import version_runs
 from megatron_entropy.trainer.rollouts import (Group, LocalStep, StepGroups, distribute_step,
                                                generate_step_local)
 

@@ -1,5 +1,5 @@
 """Broadcast: the engine's servers and the first stage's leader form one process group (the
-engine's, rollout/sglang.py); buckets of at most ``bucket_bytes`` go out in stage order, each
+engine's, rollout/server/sglang.py); buckets of at most ``bucket_bytes`` go out in stage order, each
 announced to the servers and then broadcast from the leader. Later stages' buckets reach the
 leader one at a time (stream.buckets_at_first_stage): no rank holds more than its own stage and
 one bucket."""

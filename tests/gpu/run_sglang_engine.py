@@ -32,7 +32,7 @@ import torch
 
 from megatron_entropy.config import ServerConfig
 from megatron_entropy.rollout.base import SamplingParams
-from megatron_entropy.rollout.sglang import SGLangEngine
+from megatron_entropy.rollout.server.sglang import SGLangEngine
 from megatron_entropy.testing.toy_models import make_served_model
 from serving_model import push_weights  # tests/helpers, on PYTHONPATH (tests/gpu/run_all.sh)
 

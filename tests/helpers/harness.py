@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import psutil
+
 # Re-exported: the tests import the forked ranks from here, beside the loop helpers.
 from megatron_entropy.testing.ranks import free_port, init_megatron, run_distributed  # noqa: F401
 from readme_metrics import undocumented_metrics
@@ -30,3 +32,14 @@ def metrics_rows(run_dir) -> list[dict]:
     missing = undocumented_metrics(k for row in rows for k in row)
     assert not missing, f"{run_dir}: metrics missing from README's table: {missing}"
     return rows
+
+
+def kill_marked(mark: str) -> None:
+    """Kill every process started under this test (they carry its mark in their environment),
+    also those a killed parent left behind."""
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get("ME_TEST_MARK") == mark:
+                p.kill()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass

@@ -70,9 +70,9 @@ def probe_served_weights(engine_kind: str, hf_dir: str, urls: list[str], run_dir
     actor = Actor(arch, model, None, None, AlgorithmConfig(),
                   TrainerConfig(micro_batch_tokens=1024, seed=0), 1.0)
     if engine_kind == "vllm":
-        from megatron_entropy.rollout.vllm import VLLMEngine as Engine
+        from megatron_entropy.rollout.server.vllm import VLLMEngine as Engine
     else:
-        from megatron_entropy.rollout.sglang import SGLangEngine as Engine
+        from megatron_entropy.rollout.server.sglang import SGLangEngine as Engine
     engine = Engine(ServerConfig(urls=urls, request_timeout_s=120), hf_dir, run_dir)
     prompts = [[5, 6, 7, 8], [40, 41], [100, 7, 3, 9, 12], [9, 8]]
     sampling = probe_sampling(1.0, 8)

@@ -19,24 +19,13 @@ import psutil
 import pytest
 import yaml
 
-from harness import free_port, metrics_rows
+from harness import free_port, kill_marked, metrics_rows
 from serving_model import make_served_model, make_tp2_model
 
 from megatron_entropy.trainer import preemption
 
 REPO = Path(__file__).resolve().parents[2]
 FAKE_SGLANG = Path(__file__).resolve().parents[1] / "helpers" / "fake_sglang_server.py"
-
-
-def _kill_marked(mark: str) -> None:
-    """Kill every process started under this test (they carry its mark in their environment),
-    also those a killed parent left behind."""
-    for p in psutil.process_iter():
-        try:
-            if p.environ().get("ME_TEST_MARK") == mark:
-                p.kill()
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            pass
 
 
 @pytest.mark.slow
@@ -86,7 +75,7 @@ def test_usr1_during_start_up_stops_after_the_first_rollout_round(tmp_path):
         go.touch()
         rc = proc.wait(timeout=300)
     finally:
-        _kill_marked(mark)
+        kill_marked(mark)
     out = log.read_text()
     assert rc == 75, f"exit {rc}\n{out[-3000:]}"
     assert "signal received during step 1 (not applied): no step to checkpoint" in out

@@ -24,16 +24,15 @@ import yaml
 
 from megatron_entropy.config import ConfigError, load_config
 from megatron_entropy.rollout.base import Completion, SamplingParams
-from megatron_entropy.rollout.servers import (finished_before_resume, join_completions,
-                                              version_runs)
-from megatron_entropy.rollout.sglang import SGLangEngine
+from megatron_entropy.rollout.server.partial import (finished_before_resume, join_completions,
+                                                     version_runs)
+from megatron_entropy.rollout.server.sglang import SGLangEngine
 from megatron_entropy.trainer.async_rollouts import (RolloutPrefetcher, RolloutProducerError,
                                                      stale_samples, token_versions,
                                                      weight_version_of)
 from megatron_entropy.trainer.rollouts import Group, LocalStep
-from harness import metrics_rows
+from harness import kill_marked, metrics_rows
 from serving_model import make_served_model, push_weights, reference
-from test_preemption import _kill_marked
 from test_rollout_sglang import fake_command, greedy_reference, make_cfg, models  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[2]
@@ -357,12 +356,12 @@ def test_async_run_killed_and_resumed_loses_and_repeats_no_step(tmp_path):
             time.sleep(0.1)
         os.killpg(victim.pid, signal.SIGKILL)
         victim.wait()
-        _kill_marked(mark)  # its rollout server
+        kill_marked(mark)  # its rollout server
         killed_at = len(metrics_rows(run))
         resumed = start(tmp_path / "resumed.log")
         assert resumed.wait(timeout=300) == 0, (tmp_path / "resumed.log").read_text()[-3000:]
     finally:
-        _kill_marked(mark)
+        kill_marked(mark)
     assert killed_at < 4 and "resumed from" in (tmp_path / "resumed.log").read_text()
     rows = [r for r in metrics_rows(run) if r["step"] > 0]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]

@@ -17,13 +17,15 @@ import time
 import urllib.error
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
 from megatron_entropy.config import ServerConfig
 from megatron_entropy.rollout.base import SamplingParams
-from megatron_entropy.rollout.servers import RequestRejected, ServerError, free_port
-from megatron_entropy.rollout.sglang import SGLangEngine, weight_sync_address
+from megatron_entropy.rollout.server.errors import RequestRejected, ServerError
+from megatron_entropy.rollout.server.process import free_port
+from megatron_entropy.rollout.server.sglang import SGLangEngine, weight_sync_address
 from megatron_entropy.runtime.seeds import sample_seed
 from serving_model import make_served_model, push_weights, reference
 
@@ -414,6 +416,27 @@ def test_server_that_never_comes_up_names_its_log(models, tmp_path):
     cmd = [sys.executable, "-c", "import sys; print('model folder is broken'); sys.exit(3)"]
     with pytest.raises(ServerError, match=r"(?s)exited with code 3.*model folder is broken"):
         SGLangEngine(make_cfg(launch_command=cmd), str(models["a"]), str(tmp_path))
+
+
+def test_a_pool_that_fails_to_start_stops_the_servers_that_came_up(models, tmp_path):
+    """No launched server outlives the engine that could not start: of two launched servers one
+    exits while starting, and the one that came up is stopped with it."""
+    first, pid_file = tmp_path / "first", tmp_path / "first.pid"
+    # mkdir is atomic: one server wins and serves (exec keeps its pid), the other exits.
+    gate = (f'if mkdir {first} 2>/dev/null; then echo $$ > {pid_file}; exec "$0" "$@"; fi; '
+            'exit 3')
+    cmd = ["/bin/sh", "-c", gate, *fake_command()]
+    with pytest.raises(ServerError, match=r"(?s)1 of 2 sglang servers did not come up.*"
+                                          r"exited with code 3"):
+        SGLangEngine(make_cfg(launch=2, launch_command=cmd), str(models["a"]), str(tmp_path))
+    pid = int(pid_file.read_text())
+    try:
+        gone = psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        gone = True
+    if not gone:
+        os.kill(pid, signal.SIGKILL)
+    assert gone, f"server pid {pid} outlived the engine that failed to start"
 
 
 def test_weight_sync_address():

@@ -23,7 +23,7 @@ import torch
 
 from megatron_entropy.config import ServerConfig
 from megatron_entropy.rollout.base import SamplingParams
-from megatron_entropy.rollout.vllm import VLLMEngine
+from megatron_entropy.rollout.server.vllm import VLLMEngine
 from serving_model import make_served_model, push_weights, reference_logprobs
 
 VENV_PYTHON = Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"

@@ -17,7 +17,7 @@ from megatron_entropy.launch.slurm import (NotEnoughNodesError, _visible_gpus, a
                                            job_gpus_on_node, job_layout, layout_shell, read_urls,
                                            server_bind_address, server_command, split_nodes,
                                            step_gpus, wait_for_servers, write_url)
-from megatron_entropy.rollout.servers import ServerError
+from megatron_entropy.rollout.server.errors import ServerError
 from megatron_entropy.runtime import ParallelLayoutError, expand_nodelist
 
 REPO = Path(__file__).resolve().parents[2]
@@ -273,8 +273,9 @@ def test_scripts_expand_arrays_safely_under_set_u():
 
 
 def test_server_environment_is_parsed_as_the_engines_own_servers_parse_it():
-    """One parser for rollout.server.extra_env (rollout/servers.py's): the value keeps its '=',
-    and an item without one is an error naming it (a Slurm server once dropped it silently)."""
+    """One parser for rollout.server.extra_env (rollout/server/process.py's): the value keeps its
+    '=', and an item without one is an error naming it (a Slurm server once dropped it
+    silently)."""
     served = ("rollout.engine=vllm", "rollout.server.urls_file=u", "model.hf_path=/m")
     _, env = server_command(cfg(*served, "rollout.server.extra_env=[A=1=2]"), "h", 1)
     assert env["A"] == "1=2"

@@ -110,8 +110,8 @@ def test_vllm_cpu_example_is_the_quickstart_with_working_cpu_server_flags():
     the launched server gets the flags and environment that work there."""
     from pathlib import Path
 
-    from megatron_entropy.rollout.servers import parse_extra_env
-    from megatron_entropy.rollout.vllm import server_argv
+    from megatron_entropy.rollout.server.process import parse_extra_env
+    from megatron_entropy.rollout.server.vllm import server_argv
 
     examples = Path(__file__).resolve().parents[2] / "examples"
     cfg = load_config(examples / "quickstart_vllm_cpu.yaml")

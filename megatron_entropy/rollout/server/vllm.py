@@ -11,8 +11,9 @@ Weight sync (the disk strategy of megatron_entropy/weight_sync writes the HF fol
 loads the folder with ``/collective_rpc reload_weights`` between ``/pause?mode=wait`` and
 ``/resume``, then drops its prefix cache. A server restarted later starts from the newest
 folder. Each completion is tagged with the version its server held (a sync waits for our
-requests in flight: ``ServerPool.drained``). A failed reload is reported as itself (a resume that then fails too is a note on it). A completion
-answered with finish reason ``abort`` is issued again, never returned.
+requests in flight: ``ServerPool.drained``). A failed reload is reported as itself (a resume
+that then fails too is a note on it). A completion answered with finish reason ``abort`` is
+issued again, never returned.
 
 Abort and resume (``rollout.inflight_at_sync: abort``): each request carries our
 ``request_id``; a weight push aborts ours with ``/abort_requests {request_ids}`` (vLLM 0.32,
@@ -23,19 +24,19 @@ tokens and ``max_tokens`` what is left.
 
 from __future__ import annotations
 
-import atexit
 import logging
-import time
 from pathlib import Path
 from typing import Any, Optional
 
 from megatron_entropy.config import ServerConfig
 from megatron_entropy.rollout.base import Completion, SamplingParams
-from megatron_entropy.rollout.servers import (AbortApi, RequestAborted, Server, ServerEngine,
-                                              ServerError, ServerPool, eos_token_ids,
-                                              fill_command, finished_before_resume)
+from megatron_entropy.rollout.server.engine import ServerEngine
+from megatron_entropy.rollout.server.errors import ServerError
+from megatron_entropy.rollout.server.partial import (AbortApi, RequestAborted, eos_token_ids,
+                                                     finished_before_resume)
+from megatron_entropy.rollout.server.pool import Server
+from megatron_entropy.rollout.server.process import server_command
 from megatron_entropy.runtime.dtypes import long_name
-from megatron_entropy.runtime.seeds import sample_seed
 
 log = logging.getLogger(__name__)
 
@@ -47,29 +48,24 @@ def server_argv(c: ServerConfig, model_dir: str, port: int,
                 weight_version: Optional[str] = None) -> list[str]:
     """The command line of one vLLM server (also used by slurm/ to start servers itself): the
     flags the engine relies on (processed log-probs, a stable served name) are always there."""
-    if c.launch_command:
-        return fill_command(c.launch_command, c.server_python, model_dir, c.host, port,
-                            str(weight_version))
     argv = [c.server_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
             "--served-model-name", SERVED_NAME, "--host", c.host, "--port", str(port),
             "--dtype", long_name(c.dtype), "--logprobs-mode", "processed_logprobs", "--seed", "0"]
-    if c.max_model_len:
-        argv += ["--max-model-len", str(c.max_model_len)]
-    return argv + list(c.extra_args)
+    return server_command(c, argv, "--max-model-len", model_dir, port, weight_version)
 
 
 class VLLMEngine(ServerEngine):
+    """vLLM servers: ``/v1/completions`` per sample, weights from disk."""
+
+    kind = "vllm"
+    generate_path = "/v1/completions"
+    _server_argv = staticmethod(server_argv)
 
     def __init__(self, server_cfg: ServerConfig, hf_dir: str, run_dir: str):
-        self.cfg = server_cfg
-        self.hf_dir = str(hf_dir)
         if server_cfg.weight_sync != "disk":
             raise ServerError("rollout.server.weight_sync=distributed is SGLang-only; vLLM takes "
                               "weights from disk (set rollout.server.weight_sync=disk)")
-        self.pool = ServerPool(server_cfg, run_dir, "vllm", self.hf_dir, self._command,
-                               env={"VLLM_SERVER_DEV_MODE": "1"})
-        self.pool.start()
-        atexit.register(self.shutdown)
+        super().__init__(server_cfg, hf_dir, run_dir, env={"VLLM_SERVER_DEV_MODE": "1"})
         self.model_name = self._served_name()
         self._eos = eos_token_ids(self.hf_dir)
         # /v1/completions runs our request_id R as "cmpl-R-0" (one prompt); /abort_requests
@@ -79,13 +75,7 @@ class VLLMEngine(ServerEngine):
             abort_calls=lambda rids: [("/abort_requests",
                                        {"request_ids": [f"cmpl-{rid}-0" for rid in rids]})],
             resume=self._resume)
-        self.version: Optional[int] = None
-        self._tokens = 0
-        self._seconds = 0.0
         self._warned_renormalised = False
-
-    def _command(self, port: int, model_dir: str) -> list[str]:
-        return server_argv(self.cfg, model_dir, port, self.pool.launch_version)
 
     def _served_name(self) -> str:
         names = {i: r["data"][0]["id"] for i, r in
@@ -145,28 +135,17 @@ class VLLMEngine(ServerEngine):
             raise ServerError(f"{server.describe()}: unknown finish_reason {reason!r}")
         return completion
 
-    def _generate(self, prompts: list[list[int]], sampling: SamplingParams,
-                  targets: Optional[list[Server]]) -> list[list[Completion]]:
-        renormalised = sampling.top_p < 1.0 or sampling.top_k > 0
-        if renormalised and sampling.temperature > 0 and not self._warned_renormalised:
+    def _sampling_meta(self, sampling: SamplingParams) -> dict:
+        """With top-p/top-k on, vLLM's log-probs are renormalised over the kept tokens: the
+        completions say so (and a warning, once)."""
+        if not (sampling.temperature > 0 and (sampling.top_p < 1.0 or sampling.top_k > 0)):
+            return {}
+        if not self._warned_renormalised:
             log.warning("vLLM log-probs are renormalised over the top-p/top-k set "
                         "(top_p=%s, top_k=%s), not over the full vocabulary",
                         sampling.top_p, sampling.top_k)
             self._warned_renormalised = True
-        self.pool.ensure_up()
-        seed = sampling.seed
-        payloads = [self._payload(prompt, sampling,
-                                  None if seed is None else sample_seed(seed, i, j))
-                    for i, prompt in enumerate(prompts) for j in range(sampling.n)]
-        t0 = time.monotonic()
-        flat = self.pool.map("/v1/completions", payloads, self._parse, targets=targets)
-        self._seconds += time.monotonic() - t0
-        self._tokens += sum(len(c.token_ids) for c in flat)
-        if renormalised and sampling.temperature > 0:
-            for c in flat:
-                c.meta["logprobs"] = "renormalised_top_p_top_k"
-        n = sampling.n
-        return [flat[i * n:(i + 1) * n] for i in range(len(prompts))]
+        return {"logprobs": "renormalised_top_p_top_k"}
 
     # ------------------------------------------------------------------------ weight sync
 
@@ -195,8 +174,3 @@ class VLLMEngine(ServerEngine):
                 server.weight_version = str(version)
             self.version = version
             self.pool.expected_version = str(version)
-
-    # ----------------------------------------------------------------------------- other
-
-    def shutdown(self) -> None:
-        self.pool.stop()

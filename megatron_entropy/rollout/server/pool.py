@@ -1,49 +1,34 @@
-"""Inference servers behind the rollout engines: launch or connect, health, dispatch, faults.
+"""The servers of one engine (vLLM or SGLang): dispatch, health, faults, drains, metrics.
 
-A ``ServerPool`` owns a set of HTTP servers of one kind (vLLM or SGLang). It either launches them
-(one command per server, in the serving stack's own Python environment, logs in the run folder)
-or connects to URLs that already serve. Requests run concurrently with ``asyncio``/``aiohttp``:
-each goes to the usable server with the fewest requests in flight, at most ``max_concurrency``
-per server. A server that dies (process exit, refused connection) or hangs is marked dead; its
-unfinished requests are issued again elsewhere, and it is restarted if we launched it. Hung means
-no sign of life (a health probe answered, a request completed) for ``health_timeout_s``; a
-server that came up but has not completed a request yet is still warming up, on a busy machine
-slowly, and is governed by ``startup_timeout_s`` like its start, so that a slow fresh server is
-not killed and restarted over and over. Every request's result is stored once, by its index, so
-no sample is lost or duplicated. Retries and restarts are bounded (``max_retries``); the error
-then names the server and the tail of its log. A completion the server aborted (another client
-paused it with mode ``abort``, or an abort request) is truncated: the engine's parser raises
-``RequestAborted`` and the request is issued again (bounded by ``max_retries``), so an aborted
-sample is never returned.
+A ``ServerPool`` either launches its servers (one command per server, in the serving stack's
+own Python environment, logs in the run folder: process.py) or connects to URLs that already
+serve. Requests run concurrently with ``asyncio``/``aiohttp``: each goes to the usable server
+with the fewest requests in flight, at most ``max_concurrency`` per server. A server that dies
+(process exit, refused connection) or hangs is marked dead; its unfinished requests are issued
+again elsewhere, and it is restarted if we launched it. Hung means no sign of life (a health
+probe answered, a request completed) for ``health_timeout_s``; a server that came up but has
+not completed a request yet is still warming up, on a busy machine slowly, and is governed by
+``startup_timeout_s`` like its start, so that a slow fresh server is not killed and restarted
+over and over. Every request's result is stored once, by its index, so no sample is lost or
+duplicated. Retries and restarts are bounded (``max_retries``); the error then names the server
+and the tail of its log. An answer the engine's parser calls aborted (``RequestAborted``) is
+issued again, or resumed from its partial output (partial.py).
 
 ``run_in_background()`` gives the pool one event loop in a thread of its own that runs every
 call, from any thread: a rollout can be in flight while another thread pushes weights.
 ``drained()`` (around each weight sync) lets no request start and waits until those in flight
-have finished, so each completion comes from the weights its server held when it was sent.
-
-Abort and resume (``inflight_at_sync = "abort"``, engines that give ``aborts``): each request
-carries an id of ours, and ``drained()`` first aborts our requests in flight, by id, on the
-server that runs them (other clients' requests are left alone). An aborted answer keeps what
-the request had generated (vLLM 0.32 and SGLang 0.5.x both return the partial token ids and
-log-probs with finish reason ``abort``); once the gate opens again the request is resumed as a
-partial rollout, prompt + kept tokens sent again for the rest of its token budget, and the
-sample is the two joined (`join_completions`): each token with the log-prob and the weight
-version of the call that generated it (``meta["version_runs"]``).
+have finished, so each completion comes from the weights its server held when it was sent; with
+``inflight_at_sync = "abort"`` it first aborts ours, which then resume (partial.py).
 """
 
 from __future__ import annotations
 
-import abc
 import asyncio
 import concurrent.futures
 import contextlib
 import itertools
-import json
 import logging
 import os
-import shlex
-import signal
-import socket
 import subprocess
 import threading
 import time
@@ -54,100 +39,17 @@ from typing import Any, Callable, Iterator, Optional
 import aiohttp
 
 from megatron_entropy.config import ServerConfig
-from megatron_entropy.rollout.base import (Completion, FinishReason, RolloutEngine,
-                                           SamplingParams)
-from megatron_entropy.runtime.launch_env import server_environment
+from megatron_entropy.rollout.base import Completion
+from megatron_entropy.rollout.server.errors import RequestRejected, ServerError
+from megatron_entropy.rollout.server.partial import AbortApi, RequestAborted, join_completions
+from megatron_entropy.rollout.server.process import (LaunchCommand, free_port,
+                                                     kill_process_group, log_tail,
+                                                     parse_extra_env, port_is_free,
+                                                     read_urls_file, start_process)
 
 log = logging.getLogger(__name__)
 
-# A server's command for a port and a model folder (the latest weights); env added on launch.
-LaunchCommand = Callable[[int, str], list[str]]
 ParseResponse = Callable[[Any, "Server"], Any]
-
-
-class ServerError(RuntimeError):
-    """A server failed in a way the pool could not recover from; the message names it."""
-
-
-class RequestRejected(ServerError):
-    """The server answered 4xx: the request itself is wrong, so it is not retried."""
-
-
-class RequestAborted(ServerError):
-    """The server answered a request as aborted (finish reason ``abort``): its output is
-    truncated. ``partial`` is what it had generated (None: unusable); the pool issues the
-    request again, or resumes it from ``partial`` (``inflight_at_sync = "abort"``)."""
-
-    def __init__(self, message: str, partial: Optional[Completion] = None) -> None:
-        super().__init__(message)
-        self.partial = partial
-
-
-@dataclass(frozen=True)
-class AbortApi:
-    """How a serving stack aborts chosen requests of ours and resumes them (engine hooks)."""
-
-    # The payload carrying our request id.
-    with_id: Callable[[dict, str], dict]
-    # The control calls (path, body) that abort these ids on the server that runs them.
-    abort_calls: Callable[[list[str]], list[tuple[str, dict]]]
-    # The payload that generates the rest of a sample after ``prefix`` (its tokens so far),
-    # or the finish reason ``prefix`` already reached (token budget spent, a stop token).
-    resume: Callable[[dict, Completion], "dict | FinishReason"]
-
-
-def version_runs(c: Completion) -> list[tuple[Any, int]]:
-    """(weight version tag, number of tokens) of each stretch of ``c`` generated on one
-    version, oldest first: one run unless the sample was aborted at a push and resumed."""
-    runs = c.meta.get("version_runs")
-    return ([tuple(r) for r in runs] if runs is not None
-            else [(c.meta.get("weight_version"), len(c.token_ids))])
-
-
-def join_completions(head: Completion, tail: Completion) -> Completion:
-    """A sample aborted after ``head`` and resumed as ``tail`` (prompt + head's tokens sent
-    again): tokens, log-probs and text joined, each token keeping the version that generated
-    it. ``meta["weight_version"]`` is the oldest (the prefix's): what staleness counts."""
-    runs: list[tuple[Any, int]] = []
-    for version, n in version_runs(head) + version_runs(tail):
-        if n == 0:
-            continue
-        if runs and runs[-1][0] == version:
-            runs[-1] = (version, runs[-1][1] + n)
-        else:
-            runs.append((version, n))
-    meta = {**tail.meta, "weight_version": runs[0][0] if runs else tail.meta.get(
-        "weight_version"), "version_runs": runs,
-        "resumed": head.meta.get("resumed", 0) + 1}
-    return Completion(token_ids=head.token_ids + tail.token_ids,
-                      logprobs=head.logprobs + tail.logprobs, text=head.text + tail.text,
-                      finish_reason=tail.finish_reason, meta=meta)
-
-
-def finished_before_resume(prefix: Completion, budget: int, stop_token_ids: set[int],
-                           stop: list[str]) -> Optional[FinishReason]:
-    """The finish reason an aborted sample's ``prefix`` already reached, or None when it goes
-    on: its token budget spent ("length"), or it ends on a stop token or holds a stop string
-    (an SGLang request is aborted after one more decode step, which may have sampled EOS)."""
-    if len(prefix.token_ids) >= budget:
-        return "length"
-    if prefix.token_ids and prefix.token_ids[-1] in stop_token_ids:
-        return "stop"
-    if any(s and s in prefix.text for s in stop):
-        return "stop"
-    return None
-
-
-def eos_token_ids(hf_dir: str) -> set[int]:
-    """The model's end-of-sequence ids (config.json and generation_config.json of an HF
-    folder), which a server stops on by itself."""
-    ids: set[int] = set()
-    for name in ("config.json", "generation_config.json"):
-        path = Path(hf_dir) / name
-        if path.is_file():
-            value = json.loads(path.read_text()).get("eos_token_id")
-            ids |= set(value if isinstance(value, list) else [] if value is None else [value])
-    return ids
 
 
 class _ServerDied(Exception):
@@ -156,6 +58,9 @@ class _ServerDied(Exception):
 
 @dataclass
 class Server:
+    """One server as the pool sees it: where it is, its process (if launched), its state, the
+    weights it holds, and its metrics."""
+
     url: str
     index: int
     launched: bool = False
@@ -187,58 +92,6 @@ class Server:
         if self.log_path is not None:
             where += f"; log {self.log_path}"
         return where
-
-
-def fill_command(template: list[str], python: str, model: str, host: str, port: int,
-                 weight_version: str) -> list[str]:
-    """A user's ``rollout.server.launch_command`` with its {python}, {model}, {host}, {port},
-    {weight_version} placeholders filled."""
-    return [a.format(python=python, model=model, host=host, port=port,
-                     weight_version=weight_version) for a in template]
-
-
-def log_tail(path: Optional[Path], lines: int = 30) -> str:
-    if path is None or not path.is_file():
-        return ""
-    text = path.read_text(errors="replace").splitlines()[-lines:]
-    return "\n".join("    " + line for line in text)
-
-
-def read_urls_file(path: str) -> list[str]:
-    p = Path(path)
-    if not p.is_file():
-        raise ServerError(f"rollout.server.urls_file {path!r} does not exist")
-    return [line.strip() for line in p.read_text().splitlines()
-            if line.strip() and not line.strip().startswith("#")]
-
-
-def _port_is_free(host: str, port: int) -> bool:
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
-def free_port(host: str, start: int, taken: set[int]) -> int:
-    for port in range(start, min(start + 1000, 65536)):
-        if port not in taken and _port_is_free(host, port):
-            return port
-    raise ServerError(f"no free port on {host} in [{start}, {start + 1000})")
-
-
-def parse_extra_env(items: list[str]) -> dict[str, str]:
-    """``rollout.server.extra_env`` (KEY=VALUE items) as a dict: the one parser, for the servers
-    the engines launch and for those `megatron-entropy slurm serve` starts."""
-    env = {}
-    for item in items:
-        if "=" not in item:
-            raise ServerError(f"rollout.server.extra_env item {item!r} must look like KEY=VALUE")
-        key, value = item.split("=", 1)
-        env[key] = value
-    return env
 
 
 class ServerPool:
@@ -288,10 +141,13 @@ class ServerPool:
     # ------------------------------------------------------------------------- life cycle
 
     def start(self) -> None:
+        """Launch the ``launch`` servers and wait until every server answers. When one does
+        not, the servers launched so far are stopped before the error goes up: none outlives a
+        pool that failed to start."""
         cfg = self.cfg
         urls = list(cfg.urls) + (read_urls_file(cfg.urls_file) if cfg.urls_file else [])
         self.servers = [Server(url=u.rstrip("/"), index=i) for i, u in enumerate(urls)]
-        if cfg.launch:
+        try:
             taken: set[int] = set()
             for k in range(cfg.launch):
                 port = free_port(cfg.host, cfg.base_port + k, taken)
@@ -301,51 +157,21 @@ class ServerPool:
                                 log_path=self.dir / f"{self.kind}-{k}.log")
                 self.servers.append(server)
                 self._launch(server)
-        if not self.servers:
-            raise ServerError("no rollout servers: set rollout.server.urls, urls_file or launch")
-        self._run(self._wait_all_up(self.cfg.startup_timeout_s))
+            if not self.servers:
+                raise ServerError("no rollout servers: set rollout.server.urls, urls_file or "
+                                  "launch")
+            self._run(self._wait_all_up(self.cfg.startup_timeout_s))
+        except BaseException:
+            self.stop()
+            raise
 
     def _launch(self, server: Server) -> None:
-        argv = self.launch_command(server.port, self.model_dir)
-        env = server_environment(self.env)  # not the trainer rank's RANK, MASTER_PORT, ...
-        with open(server.log_path, "a") as log:
-            why = (f"restart {server.restarts} of at most {self.cfg.max_retries}, after: "
-                   f"{server.last_error}" if server.restarts else "restart 0")
-            log.write(f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} launch ({why}): "
-                      f"{shlex.join(argv)}\n")
-            log.flush()
-            try:
-                # Own session: stopping the server stops its worker processes too.
-                server.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                                  env=env, start_new_session=True)
-            except OSError as e:
-                raise ServerError(f"cannot start {server.describe()}: {shlex.join(argv)}: "
-                                  f"{e}") from e
+        why = (f"restart {server.restarts} of at most {self.cfg.max_retries}, after: "
+               f"{server.last_error}" if server.restarts else "restart 0")
+        server.process = start_process(self.launch_command(server.port, self.model_dir),
+                                       self.env, server.log_path, why, server.describe())
         server.state = "starting"
         server.died = asyncio.Event()
-
-    def _kill(self, server: Server, grace_s: float = 10.0) -> None:
-        """Stop the server's whole process group (its workers outlive a killed leader)."""
-        proc = server.process
-        if proc is None:
-            return
-        for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
-            try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:
-                break
-            deadline = time.monotonic() + wait
-            while time.monotonic() < deadline:
-                proc.poll()
-                try:
-                    os.killpg(proc.pid, 0)
-                except ProcessLookupError:
-                    break
-                time.sleep(0.1)
-            else:
-                continue
-            break
-        proc.poll()
 
     def run_in_background(self) -> None:
         """From now on every call runs on one event loop in a thread of its own, so calls from
@@ -383,7 +209,7 @@ class ServerPool:
         self._stop_loop()
         for server in self.servers:
             if server.launched:
-                self._kill(server)
+                kill_process_group(server.process)
                 server.state = "dead"
 
     # ------------------------------------------------------------------------------ health
@@ -460,7 +286,7 @@ class ServerPool:
                 self._mark_dead(server, f"not healthy after {timeout:.0f} s: "
                                         f"{server.probe_error or 'no answer'}")
                 if server.launched:
-                    self._kill(server, grace_s=2.0)
+                    kill_process_group(server.process, grace_s=2.0)
                 raise ServerError(f"{server.describe()} {server.last_error}; log tail:\n"
                                   f"{log_tail(server.log_path)}")
             await asyncio.sleep(0.5)
@@ -516,9 +342,9 @@ class ServerPool:
         """Launch a dead server again, at most ``max_retries`` times over the run."""
         if server.restarts >= self.cfg.max_retries or self._stopped:
             return False
-        self._kill(server, grace_s=2.0)
+        kill_process_group(server.process, grace_s=2.0)
         server.restarts += 1
-        if server.port and not _port_is_free(self.cfg.host, server.port):
+        if server.port and not port_is_free(self.cfg.host, server.port):
             server.port = free_port(self.cfg.host, server.port + 1, set())
             server.url = f"http://{self.cfg.host}:{server.port}"
         self._launch(server)
@@ -898,38 +724,3 @@ class ServerPool:
             return asyncio.run(coro)
         with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
             return pool.submit(asyncio.run, coro).result()
-
-
-class ServerEngine(RolloutEngine):
-    """What the vLLM and SGLang engines share: a ``ServerPool`` in ``self.pool`` and
-    throughput counters (``_tokens``/``_seconds``, added to by ``generate``). Engines implement
-    ``_generate(prompts, sampling, targets)``: ``targets`` None is every server (or the router)."""
-
-    shared = True
-    pool: ServerPool
-
-    @abc.abstractmethod
-    def _generate(self, prompts: list[list[int]], sampling: SamplingParams,
-                  targets: Optional[list[Server]]) -> list[list[Completion]]:
-        """``generate`` on ``targets``."""
-
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams
-                 ) -> list[list[Completion]]:
-        return self._generate(prompts, sampling, None)
-
-    def generate_on_each_replica(self, prompts: list[list[int]], sampling: SamplingParams
-                                 ) -> dict[str, list[list[Completion]]]:
-        self.pool.ensure_up()
-        # Servers kept from requests until a sync gives them the current weights are skipped.
-        with self._not_counted():
-            return {s.describe(): self._generate(prompts, sampling, [s])
-                    for s in self.pool.servers
-                    if s.state == "up" and self.pool.serves_current(s)}
-
-    def metrics(self) -> dict[str, float]:
-        out = self.pool.pop_metrics()
-        if self._seconds > 0:
-            out["rollout/tokens_per_s"] = self._tokens / self._seconds
-        out["rollout/response_tokens"] = float(self._tokens)
-        self._tokens, self._seconds = 0, 0.0
-        return out

@@ -35,27 +35,28 @@ Every answer's ``meta_info.weight_version`` must be the version last synced.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import ipaddress
 import logging
 import socket
-import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Iterator, Optional
 from urllib.parse import urlsplit
 
 import torch
+from torch.distributed.distributed_c10d import (Backend, PrefixStore, _new_process_group_helper,
+                                                _world, rendezvous)
 
 from megatron_entropy.config import ServerConfig
 from megatron_entropy.rollout.base import Completion, SamplingParams
-from megatron_entropy.rollout.servers import (AbortApi, RequestAborted, RequestRejected, Server,
-                                              ServerEngine, ServerError, ServerPool,
-                                              eos_token_ids, fill_command,
-                                              finished_before_resume, free_port)
+from megatron_entropy.rollout.server.engine import ServerEngine
+from megatron_entropy.rollout.server.errors import RequestRejected, ServerError
+from megatron_entropy.rollout.server.partial import (AbortApi, RequestAborted, eos_token_ids,
+                                                     finished_before_resume)
+from megatron_entropy.rollout.server.pool import Server
+from megatron_entropy.rollout.server.process import free_port, server_command
 from megatron_entropy.runtime.dtypes import long_name
-from megatron_entropy.runtime.seeds import sample_seed
 
 log = logging.getLogger(__name__)
 
@@ -102,9 +103,6 @@ def init_weight_sync_group(master_address: str, master_port: int, world_size: in
                            ) -> torch.distributed.ProcessGroup:
     """A process group apart from the default one, formed the way SGLang's servers form theirs
     (TCP rendezvous at the master, store prefixed by the group name), so both sides meet."""
-    from torch.distributed.distributed_c10d import (Backend, PrefixStore,
-                                                    _new_process_group_helper, _world, rendezvous)
-
     timeout = timedelta(seconds=timeout_s)
     store, rank, world_size = next(rendezvous(f"tcp://{master_address}:{master_port}", rank,
                                               world_size, timeout=timeout))
@@ -119,34 +117,26 @@ def init_weight_sync_group(master_address: str, master_port: int, world_size: in
 def server_argv(c: ServerConfig, model_dir: str, port: int,
                 weight_version: Optional[str] = INITIAL_VERSION) -> list[str]:
     """The command line of one SGLang server (also used by slurm/ to start servers itself)."""
-    if c.launch_command:
-        return fill_command(c.launch_command, c.server_python, model_dir, c.host, port,
-                            str(weight_version))
     argv = [c.server_python, "-m", "sglang.launch_server", "--model-path", model_dir,
             "--host", c.host, "--port", str(port), "--dtype", long_name(c.dtype),
             "--weight-version", str(weight_version)]
-    if c.max_model_len:
-        argv += ["--context-length", str(c.max_model_len)]
-    return argv + list(c.extra_args)
+    return server_command(c, argv, "--context-length", model_dir, port, weight_version)
 
 
 class SGLangEngine(ServerEngine):
+    """SGLang servers: ``/generate`` per sample, weights from disk or by broadcast."""
+
+    kind = "sglang"
+    generate_path = "/generate"
+    _server_argv = staticmethod(server_argv)
 
     def __init__(self, server_cfg: ServerConfig, hf_dir: str, run_dir: str):
-        self.cfg = server_cfg
-        self.hf_dir = str(hf_dir)
-        self.pool = ServerPool(server_cfg, run_dir, "sglang", self.hf_dir, self._command)
-        self.pool.launch_version = INITIAL_VERSION
-        self.pool.start()
-        atexit.register(self.shutdown)
+        super().__init__(server_cfg, hf_dir, run_dir, launch_version=INITIAL_VERSION)
         self.router = (Server(url=server_cfg.router_url.rstrip("/"), index=-1)
                        if server_cfg.router_url else None)
-        self.version: Optional[int] = None
         self._group: Optional[torch.distributed.ProcessGroup] = None
         self._group_members: tuple = ()
         self._groups_formed = 0
-        self._tokens = 0
-        self._seconds = 0.0
         self._inspect_servers()
         # Behind a router we do not know which server runs a request: nothing to abort there.
         if self.router is None:
@@ -156,9 +146,6 @@ class SGLangEngine(ServerEngine):
                 abort_calls=lambda rids: [("/abort_request", {"rid": rid}) for rid in rids],
                 resume=self._resume)
 
-    def _command(self, port: int, model_dir: str) -> list[str]:
-        return server_argv(self.cfg, model_dir, port, self.pool.launch_version)
-
     def _inspect_servers(self) -> None:
         """Each server's version (is sampling_seed known?) and TP size (ranks in the group)."""
         self.supports_seed: dict[int, bool] = {}
@@ -167,11 +154,14 @@ class SGLangEngine(ServerEngine):
             self.supports_seed[index] = (_version_tuple(info.get("version", "0"))
                                          >= FIRST_VERSION_WITH_SEED)
             self.tp_size[index] = int(info.get("tp_size", 1))
+        # sampling_seed is sent only when every server that may answer (behind the router too)
+        # knows the key.
+        self._sends_seed = all(self.supports_seed.get(s.index, False) for s in self.pool.servers)
 
     # ------------------------------------------------------------------------- generation
 
-    def _payload(self, prompt: list[int], sampling: SamplingParams, seed: Optional[int],
-                 with_seed: bool) -> dict:
+    def _payload(self, prompt: list[int], sampling: SamplingParams, seed: Optional[int]
+                 ) -> dict:
         params: dict[str, Any] = {
             "max_new_tokens": sampling.max_new_tokens, "temperature": sampling.temperature,
             "top_p": sampling.top_p, "top_k": sampling.top_k, "n": 1,
@@ -181,7 +171,7 @@ class SGLangEngine(ServerEngine):
             params["stop"] = list(sampling.stop)
         if sampling.stop_token_ids:
             params["stop_token_ids"] = list(sampling.stop_token_ids)
-        if seed is not None and with_seed:
+        if seed is not None and self._sends_seed:
             params["sampling_seed"] = seed
         return {"input_ids": prompt, "sampling_params": params, "return_logprob": True,
                 "logprob_start_len": -1}
@@ -247,25 +237,6 @@ class SGLangEngine(ServerEngine):
         return Completion(token_ids=ids, logprobs=logprobs, text=response.get("text", ""),
                           finish_reason=reason,
                           meta={"server": server.index, "weight_version": served})
-
-    def _generate(self, prompts: list[list[int]], sampling: SamplingParams,
-                  targets: Optional[list[Server]]) -> list[list[Completion]]:
-        self.pool.ensure_up()
-        # Only send sampling_seed when every server that may answer (behind the router too)
-        # knows the key.
-        with_seed = all(self.supports_seed.get(s.index, False) for s in self.pool.servers)
-        seed = sampling.seed
-        payloads = [self._payload(prompt, sampling,
-                                  None if seed is None else sample_seed(seed, i, j), with_seed)
-                    for i, prompt in enumerate(prompts) for j in range(sampling.n)]
-        t0 = time.monotonic()
-        if targets is None and self.router is not None:
-            targets = [self.router]
-        flat = self.pool.map("/generate", payloads, self._parse, targets=targets)
-        self._seconds += time.monotonic() - t0
-        self._tokens += sum(len(c.token_ids) for c in flat)
-        n = sampling.n
-        return [flat[i * n:(i + 1) * n] for i in range(len(prompts))]
 
     # ------------------------------------------------------------------------ weight sync
 
@@ -383,4 +354,4 @@ class SGLangEngine(ServerEngine):
         if self._group is not None:
             torch.distributed.destroy_process_group(self._group)
             self._group = None
-        self.pool.stop()
+        super().shutdown()

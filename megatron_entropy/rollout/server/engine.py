@@ -1,0 +1,117 @@
+"""``ServerEngine``: the rollout engine over a ``ServerPool``, with the one generate loop.
+
+Generation is the same for every serving stack: one request per sample (prompt i, sample j,
+with seed ``sample_seed(seed, i, j)``), each sent on its own to the least-loaded server (or the
+router), answers regrouped by prompt, each tagged with the server and the weight version that
+produced it. The vLLM and SGLang engines supply only what differs: the launch command, the
+payload, the answer's parser, the generate endpoint, their weight-sync and abort endpoints.
+"""
+
+from __future__ import annotations
+
+import abc
+import atexit
+import time
+from typing import Any, Optional
+
+from megatron_entropy.config import ServerConfig
+from megatron_entropy.rollout.base import Completion, RolloutEngine, SamplingParams
+from megatron_entropy.rollout.server.pool import Server, ServerPool
+from megatron_entropy.runtime.seeds import sample_seed
+
+
+class ServerEngine(RolloutEngine):
+    """A rollout engine whose pool (``self.pool``) serves the whole job. Subclasses name their
+    ``kind`` and ``generate_path`` and implement ``_server_argv``, ``_payload`` and ``_parse``;
+    the throughput counters (``_tokens``/``_seconds``) count every ``generate``."""
+
+    shared = True
+    kind: str  # the pool's name for its servers (and their logs): "vllm", "sglang"
+    generate_path: str  # the endpoint that generates one sample
+    # A router that picks the server of each request (None: the pool picks): where requests to
+    # every server go.
+    router: Optional[Server] = None
+
+    def __init__(self, server_cfg: ServerConfig, hf_dir: str, run_dir: str,
+                 env: Optional[dict[str, str]] = None,
+                 launch_version: Optional[str] = None) -> None:
+        """Launch or connect to the servers of ``server_cfg``, serving ``hf_dir``; a launched
+        server holds ``launch_version`` until the first weight sync."""
+        self.cfg = server_cfg
+        self.hf_dir = str(hf_dir)
+        self.pool = ServerPool(server_cfg, run_dir, self.kind, self.hf_dir, self._command,
+                               env=env)
+        self.pool.launch_version = launch_version
+        self.pool.start()
+        atexit.register(self.shutdown)
+        self.version: Optional[int] = None  # the weight version last synced
+        self._tokens = 0
+        self._seconds = 0.0
+
+    def _command(self, port: int, model_dir: str) -> list[str]:
+        return self._server_argv(self.cfg, model_dir, port, self.pool.launch_version)
+
+    @staticmethod
+    @abc.abstractmethod
+    def _server_argv(cfg: ServerConfig, model_dir: str, port: int,
+                     weight_version: Optional[str]) -> list[str]:
+        """The command line of one server on ``port`` loading ``model_dir``."""
+
+    @abc.abstractmethod
+    def _payload(self, prompt: list[int], sampling: SamplingParams, seed: Optional[int]
+                 ) -> dict:
+        """The request body that generates one sample of ``prompt`` with ``seed``."""
+
+    @abc.abstractmethod
+    def _parse(self, response: Any, server: Server) -> Completion:
+        """The completion in ``server``'s answer; raises ``RequestAborted`` for an aborted one,
+        ``ServerError`` for one that breaks the API."""
+
+    def _sampling_meta(self, sampling: SamplingParams) -> dict:
+        """What every completion generated with ``sampling`` adds to its ``meta`` (how its
+        log-probs differ from ``Completion.logprobs``'s definition, if they do)."""
+        return {}
+
+    def _generate(self, prompts: list[list[int]], sampling: SamplingParams,
+                  targets: Optional[list[Server]]) -> list[list[Completion]]:
+        """``generate`` on ``targets`` (None: every server, or the router)."""
+        extra_meta = self._sampling_meta(sampling)
+        self.pool.ensure_up()
+        seed = sampling.seed
+        payloads = [self._payload(prompt, sampling,
+                                  None if seed is None else sample_seed(seed, i, j))
+                    for i, prompt in enumerate(prompts) for j in range(sampling.n)]
+        if targets is None and self.router is not None:
+            targets = [self.router]
+        t0 = time.monotonic()
+        flat = self.pool.map(self.generate_path, payloads, self._parse, targets=targets)
+        self._seconds += time.monotonic() - t0
+        self._tokens += sum(len(c.token_ids) for c in flat)
+        for c in flat:
+            c.meta.update(extra_meta)
+        n = sampling.n
+        return [flat[i * n:(i + 1) * n] for i in range(len(prompts))]
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams
+                 ) -> list[list[Completion]]:
+        return self._generate(prompts, sampling, None)
+
+    def generate_on_each_replica(self, prompts: list[list[int]], sampling: SamplingParams
+                                 ) -> dict[str, list[list[Completion]]]:
+        self.pool.ensure_up()
+        # Servers kept from requests until a sync gives them the current weights are skipped.
+        with self._not_counted():
+            return {s.describe(): self._generate(prompts, sampling, [s])
+                    for s in self.pool.servers
+                    if s.state == "up" and self.pool.serves_current(s)}
+
+    def metrics(self) -> dict[str, float]:
+        out = self.pool.pop_metrics()
+        if self._seconds > 0:
+            out["rollout/tokens_per_s"] = self._tokens / self._seconds
+        out["rollout/response_tokens"] = float(self._tokens)
+        self._tokens, self._seconds = 0, 0.0
+        return out
+
+    def shutdown(self) -> None:
+        self.pool.stop()

@@ -1,0 +1,123 @@
+"""One inference server process: its command line, port, environment and log; started in a
+session of its own and stopped with all its workers. Also the URL list of servers started
+elsewhere (``rollout.server.urls_file``).
+
+No asyncio or HTTP here: the pool (pool.py) decides when a server starts or stops, this module
+only does it.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+from megatron_entropy.config import ServerConfig
+from megatron_entropy.rollout.server.errors import ServerError
+from megatron_entropy.runtime.launch_env import server_environment
+
+# A server's command for a port and a model folder (the latest weights); env added on launch.
+LaunchCommand = Callable[[int, str], list[str]]
+
+
+def server_command(c: ServerConfig, own_argv: list[str], max_model_len_flag: str,
+                   model_dir: str, port: int, weight_version: Optional[str]) -> list[str]:
+    """The command line of one server: the user's ``rollout.server.launch_command`` with its
+    {python}, {model}, {host}, {port}, {weight_version} placeholders filled when there is one,
+    else the serving stack's own ``own_argv``, then ``max_model_len`` (if set) under the stack's
+    name for it, then ``extra_args``."""
+    if c.launch_command:
+        return [a.format(python=c.server_python, model=model_dir, host=c.host, port=port,
+                         weight_version=str(weight_version)) for a in c.launch_command]
+    limit = [max_model_len_flag, str(c.max_model_len)] if c.max_model_len else []
+    return own_argv + limit + list(c.extra_args)
+
+
+def log_tail(path: Optional[Path], lines: int = 30) -> str:
+    if path is None or not path.is_file():
+        return ""
+    text = path.read_text(errors="replace").splitlines()[-lines:]
+    return "\n".join("    " + line for line in text)
+
+
+def read_urls_file(path: str) -> list[str]:
+    p = Path(path)
+    if not p.is_file():
+        raise ServerError(f"rollout.server.urls_file {path!r} does not exist")
+    return [line.strip() for line in p.read_text().splitlines()
+            if line.strip() and not line.strip().startswith("#")]
+
+
+def port_is_free(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(host: str, start: int, taken: set[int]) -> int:
+    for port in range(start, min(start + 1000, 65536)):
+        if port not in taken and port_is_free(host, port):
+            return port
+    raise ServerError(f"no free port on {host} in [{start}, {start + 1000})")
+
+
+def parse_extra_env(items: list[str]) -> dict[str, str]:
+    """``rollout.server.extra_env`` (KEY=VALUE items) as a dict: the one parser, for the servers
+    the engines launch and for those `megatron-entropy slurm serve` starts."""
+    env = {}
+    for item in items:
+        if "=" not in item:
+            raise ServerError(f"rollout.server.extra_env item {item!r} must look like KEY=VALUE")
+        key, value = item.split("=", 1)
+        env[key] = value
+    return env
+
+
+def start_process(argv: list[str], extra_env: dict[str, str], log_path: Path, reason: str,
+                  name: str) -> subprocess.Popen:
+    """Start server ``name`` (its description, for the error) as ``argv``, its output appended
+    to ``log_path`` after a line with the time, ``reason`` and the command."""
+    env = server_environment(extra_env)  # not the trainer rank's RANK, MASTER_PORT, ...
+    with open(log_path, "a") as log:
+        log.write(f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} launch ({reason}): "
+                  f"{shlex.join(argv)}\n")
+        log.flush()
+        try:
+            # Own session: stopping the server stops its worker processes too.
+            return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                    start_new_session=True)
+        except OSError as e:
+            raise ServerError(f"cannot start {name}: {shlex.join(argv)}: {e}") from e
+
+
+def kill_process_group(proc: Optional[subprocess.Popen], grace_s: float = 10.0) -> None:
+    """Stop the server's whole process group (its workers outlive a killed leader): SIGTERM,
+    then SIGKILL after ``grace_s``."""
+    if proc is None:
+        return
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            proc.poll()
+            try:
+                os.killpg(proc.pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
+        else:
+            continue
+        break
+    proc.poll()
