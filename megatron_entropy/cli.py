@@ -19,6 +19,7 @@ from typing import Callable, Iterator, Mapping, Optional
 from megatron_entropy.config import ConfigError, load_config
 from megatron_entropy.models.arch import UnsupportedModelError, load_arch
 from megatron_entropy.runtime import ParallelLayoutError, check_layout, detect_launch_env
+from megatron_entropy.runtime.launch_env import UrlFileError
 from megatron_entropy.trainer import preemption
 
 # Torch-free above. What needs torch loads inside the function that uses it: `--help` and the
@@ -29,7 +30,8 @@ from megatron_entropy.trainer import preemption
 
 # Errors that are the user's to fix: printed as one line, exit code 2, no traceback.
 USER_ERRORS: tuple[type[BaseException], ...] = (FileNotFoundError, ConfigError,
-                                                UnsupportedModelError, ParallelLayoutError)
+                                                UnsupportedModelError, ParallelLayoutError,
+                                                UrlFileError)
 # The same, of modules that load torch: named, not imported. A class whose module never loaded
 # cannot have been raised, so a command without torch does not load it to print an error.
 TORCH_USER_ERRORS = (("megatron_entropy.data.dataset", "DatasetError"),

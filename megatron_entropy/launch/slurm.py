@@ -39,7 +39,8 @@ from typing import Callable, Optional, Sequence
 
 from megatron_entropy.config import Config, ConfigError, load_config
 from megatron_entropy.runtime.launch_env import (ParallelLayoutError, check_layout,
-                                                 expand_nodelist, server_environment)
+                                                 expand_nodelist, read_urls_file,
+                                                 server_environment)
 from megatron_entropy.runtime.processes import die_with_parent
 
 
@@ -202,22 +203,6 @@ def write_url(urls_dir: os.PathLike, index: int, url: str) -> Path:
     return final
 
 
-def read_urls(path: os.PathLike) -> list[str]:
-    """The URLs of a urls file: one per line, blank lines and '#' comments ignored."""
-    p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"server URL file {str(p)!r} does not exist (written by the "
-                                "slurm/ scripts once every server answers)")
-    urls = [ln.strip() for ln in p.read_text().splitlines()]
-    urls = [u for u in urls if u and not u.startswith("#")]
-    if not urls:
-        raise ValueError(f"server URL file {str(p)!r} lists no URL")
-    for u in urls:
-        if not u.startswith(("http://", "https://")):
-            raise ValueError(f"server URL file {str(p)!r}: {u!r} is not an http(s) URL")
-    return urls
-
-
 def write_urls_file(path: os.PathLike, urls: Sequence[str]) -> Path:
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
@@ -258,7 +243,7 @@ def wait_for_servers(urls_dir: os.PathLike, count: int, out: os.PathLike, timeou
             if d.is_dir() else []
         urls = [f.read_text().strip() for f in files]
         if len(urls) >= count and all_healthy(urls):
-            return read_urls(write_urls_file(out, urls))
+            return read_urls_file(write_urls_file(out, urls))
         if not alive():
             raise RuntimeError(f"the server step ended before {count} servers came up "
                                f"({len(urls)} did); see the server logs")

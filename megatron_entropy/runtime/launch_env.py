@@ -165,3 +165,26 @@ def _nr_open(fallback: int) -> int:
         return int(Path("/proc/sys/fs/nr_open").read_text())
     except (OSError, ValueError):
         return fallback
+
+
+class UrlFileError(ValueError):
+    """A server URL file that cannot be used; the message names the file and the line."""
+
+
+def read_urls_file(path: str | os.PathLike) -> list[str]:
+    """The URLs of a server URL file (``rollout.server.urls_file``; the slurm/ scripts write one
+    once every server answers): one per line, blank lines and '#' comments ignored. The one
+    reader of these files, for the server pool and the Slurm helpers alike."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"rollout.server.urls_file {str(p)!r} does not exist (the "
+                                "slurm/ scripts write it once every server answers)")
+    urls = [line.strip() for line in p.read_text().splitlines()]
+    urls = [u for u in urls if u and not u.startswith("#")]
+    if not urls:
+        raise UrlFileError(f"rollout.server.urls_file {str(p)!r} lists no URL")
+    for u in urls:
+        if not u.startswith(("http://", "https://")):
+            raise UrlFileError(f"rollout.server.urls_file {str(p)!r}: {u!r} is not an http(s) "
+                               "URL")
+    return urls

@@ -14,11 +14,12 @@ import pytest
 from megatron_entropy.cli import main as cli_main
 from megatron_entropy.config import ConfigError, load_config
 from megatron_entropy.launch.slurm import (NotEnoughNodesError, _visible_gpus, all_healthy,
-                                           job_gpus_on_node, job_layout, layout_shell, read_urls,
+                                           job_gpus_on_node, job_layout, layout_shell,
                                            server_bind_address, server_command, split_nodes,
                                            step_gpus, wait_for_servers, write_url)
-from megatron_entropy.rollout.server.errors import ServerError
 from megatron_entropy.runtime import ParallelLayoutError, expand_nodelist
+from megatron_entropy.rollout.server.errors import ServerError
+from megatron_entropy.runtime.launch_env import UrlFileError, read_urls_file
 
 REPO = Path(__file__).resolve().parents[2]
 SERVED = ["rollout.engine=sglang", "rollout.server.urls_file=urls.txt"]
@@ -129,12 +130,15 @@ def test_url_files_round_trip(tmp_path):
     assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["0", "1"]  # no temp files left
     f = tmp_path / "urls.txt"
     f.write_text("# servers\nhttp://a:1\n\nhttp://b:2\n")
-    assert read_urls(f) == ["http://a:1", "http://b:2"]
+    assert read_urls_file(f) == ["http://a:1", "http://b:2"]
     f.write_text("a:1\n")
-    with pytest.raises(ValueError, match="not an http"):
-        read_urls(f)
-    with pytest.raises(FileNotFoundError, match="does not exist"):
-        read_urls(tmp_path / "missing.txt")
+    with pytest.raises(UrlFileError, match="'a:1' is not an http"):
+        read_urls_file(f)
+    f.write_text("# none yet\n\n")
+    with pytest.raises(UrlFileError, match="lists no URL"):
+        read_urls_file(f)
+    with pytest.raises(FileNotFoundError, match="urls_file .*missing.txt' does not exist"):
+        read_urls_file(tmp_path / "missing.txt")
 
 
 class _Health(http.server.BaseHTTPRequestHandler):
@@ -163,7 +167,7 @@ def test_wait_for_servers_needs_every_server_healthy(tmp_path):
             wait_for_servers(urls_dir, 2, out, timeout=30, alive=lambda: False, poll_s=0.1)
         write_url(urls_dir, 1, good)
         assert wait_for_servers(urls_dir, 2, out, timeout=5, poll_s=0.1) == [good, good]
-        assert read_urls(out) == [good, good]
+        assert read_urls_file(out) == [good, good]
     finally:
         httpd.shutdown()
 

@@ -45,7 +45,8 @@ from megatron_entropy.rollout.server.partial import AbortApi, RequestAborted, jo
 from megatron_entropy.rollout.server.process import (LaunchCommand, free_port,
                                                      kill_process_group, log_tail,
                                                      parse_extra_env, port_is_free,
-                                                     read_urls_file, start_process)
+                                                     start_process)
+from megatron_entropy.runtime.launch_env import read_urls_file
 
 log = logging.getLogger(__name__)
 

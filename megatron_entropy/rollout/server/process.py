@@ -1,6 +1,5 @@
 """One inference server process: its command line, port, environment and log; started in a
-session of its own and stopped with all its workers. Also the URL list of servers started
-elsewhere (``rollout.server.urls_file``).
+session of its own and stopped with all its workers.
 
 No asyncio or HTTP here: the pool (pool.py) decides when a server starts or stops, this module
 only does it.
@@ -43,14 +42,6 @@ def log_tail(path: Optional[Path], lines: int = 30) -> str:
         return ""
     text = path.read_text(errors="replace").splitlines()[-lines:]
     return "\n".join("    " + line for line in text)
-
-
-def read_urls_file(path: str) -> list[str]:
-    p = Path(path)
-    if not p.is_file():
-        raise ServerError(f"rollout.server.urls_file {path!r} does not exist")
-    return [line.strip() for line in p.read_text().splitlines()
-            if line.strip() and not line.strip().startswith("#")]
 
 
 def port_is_free(host: str, port: int) -> bool:
