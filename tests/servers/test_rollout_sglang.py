@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -525,7 +526,11 @@ def test_connected_server_pause_shutdown_death_and_refusal(models, tmp_path, cap
             push_weights(eng, models["model_a"].state_dict().items(), 2, tmp_path)
         message = str(failed.value)
         assert message.startswith("/update_weights_from_disk failed")
-        assert f"connection refused at {url}" in message and "/continue_generation" not in message
+        # Refused, or reset when the probe's connect met the dying server's socket (a busy
+        # machine): either way the error names the server and says nothing listens.
+        assert re.search(f"connection (refused|reset) at {re.escape(url)}: nothing listens",
+                         message), message
+        assert "/continue_generation" not in message
         assert any("/continue_generation failed too" in n for n in failed.value.__notes__)
         assert proc.wait(timeout=30) == 1
 

@@ -229,9 +229,11 @@ class ServerPool:
                 status, text = r.status, (await r.text())[:300]
         except (aiohttp.ClientConnectorError, ConnectionRefusedError) as e:
             cause = getattr(e, "os_error", e)
-            server.probe_error = (f"connection refused at {server.url}: nothing listens there"
-                                  if isinstance(cause, ConnectionRefusedError) else
-                                  f"cannot connect to {server.url}: {cause}")
+            # Reset while connecting: the listening socket closed under us (a server exiting).
+            gone = {ConnectionRefusedError: "refused", ConnectionResetError: "reset"}
+            how = next((w for kind, w in gone.items() if isinstance(cause, kind)), None)
+            server.probe_error = (f"connection {how} at {server.url}: nothing listens there"
+                                  if how else f"cannot connect to {server.url}: {cause}")
             return "dead"
         except asyncio.TimeoutError:
             server.probe_error = f"GET {url} unanswered for {self.cfg.health_timeout_s:g} s"
