@@ -7,13 +7,12 @@
 # (into the current Python, as the README's install does), the vLLM CPU serving stack in its own
 # venv (.ci/setup-vllm.sh), Debian's Slurm and munge (.ci/setup-slurm.sh, needs root and apt) and
 # the SmolLM2-135M test model (.ci/setup-smollm2.sh). The vLLM venv (minutes on a fresh machine,
-# mostly download and unpacking) builds in the background. The tests then run as three streams
-# of pytest processes at once, because much of the suite waits (process start-up, which is
-# single-threaded imports, Slurm scheduling, servers coming up, fault tests' timeouts) rather
-# than computes: everything else; the Slurm jobs and the study, then the Slurm job with a vLLM
-# server; the fake SGLang servers' tests, then (once the venv is there) the real vLLM server's.
-# Each test's own ranks run one thread each, and no test of one stream looks at another's
-# processes, ports or files (each server test has its own base port).
+# mostly download and unpacking) builds in the background. The tests then run as two pytest
+# processes at once, because much of the suite waits (process start-up, which is single-threaded
+# imports, Slurm scheduling, servers coming up) rather than computes: the Slurm jobs and the
+# study, followed by the tests marked `vllm` (once the venv is there), beside everything else.
+# Each test's own ranks run one thread each, and no test of one stream looks at the other's
+# processes, ports or files.
 # pytest runs with MEGATRON_ENTROPY_REQUIRE_ALL_TESTS=1, under which a test whose prerequisite is
 # missing fails with the reason instead of being skipped (tests/helpers/require_all.py). Plain
 # `python -m pytest tests` may still skip such tests, for quick local runs.
@@ -34,7 +33,6 @@ part() {  # part NAME COMMAND...: run one part, say how long it took and the CPU
 vllm_log=$(mktemp)
 vllm_rc=$(mktemp)  # its exit code, once it is done (the stream that waits for it is no parent)
 servers_log=$(mktemp)
-slurm_log=$(mktemp)
 stop_tree() {  # stop_tree PID: a background part and everything it started (no test outlives us)
   local status
   for status in $(grep -l "^PPid:[[:space:]]*$1\$" /proc/[0-9]*/status 2>/dev/null); do
@@ -45,7 +43,7 @@ stop_tree() {  # stop_tree PID: a background part and everything it started (no 
 cleanup() {
   local job
   for job in $(jobs -p); do stop_tree "$job"; done
-  rm -f "$vllm_log" "$vllm_rc" "$servers_log" "$slurm_log"
+  rm -f "$vllm_log" "$vllm_rc" "$servers_log"
 }
 trap cleanup EXIT
 trap 'exit 130' INT TERM
@@ -69,45 +67,29 @@ tests() {  # tests SELECTION... : one pytest run; "no test selected" (5) is no f
   return "$rc"
 }
 
-# The streams beside everything else, split by measured time and CPU (tests/helpers/cpu_time.py).
-SLURM=(tests/slurm/test_slurm_jobs.py tests/integration/test_study.py)
-FAKE_SGLANG=(tests/servers/test_rollout_sglang.py tests/servers/test_async_rollouts.py)
-vllm_venv() {  # wait for the vLLM venv; `vllm_venv say`: and print its set-up log
+# The second stream: the Slurm jobs and the study, then, once the venv is there, the vLLM tests.
+# Split by measured time (last full run, 2 cores: everything else 1132 s; Slurm jobs and study
+# 643 s, then the vLLM tests 480 s).
+SECOND=(tests/slurm/test_slurm_jobs.py tests/integration/test_study.py)
+servers() {
+  local rc=0
+  tests "${SECOND[@]}" -m "not vllm" "$@" || rc=$?
   while [ ! -s "$vllm_rc" ]; do sleep 2; done
-  if [ "${1:-}" = say ]; then
-    cat "$vllm_log"
-    echo "== vLLM CPU venv: ready $((SECONDS - vllm_start)) s after it started (exit code $(cat "$vllm_rc"))"
-  fi
-}
-slurm_stream() {  # the Slurm jobs and the study, then the Slurm job with a vLLM server
-  local rc=0
-  tests "${SLURM[@]}" -m "not vllm" "$@" || rc=$?
-  vllm_venv
-  tests tests/slurm -m vllm "$@" || rc=$?
-  return "$rc"
-}
-server_stream() {  # the fake SGLang servers' tests, then the real vLLM server's
-  local rc=0
-  tests "${FAKE_SGLANG[@]}" -m "not vllm" "$@" || rc=$?
-  vllm_venv say
-  tests tests -m vllm --ignore=tests/slurm "$@" || rc=$?
+  cat "$vllm_log"
+  echo "== vLLM CPU venv: ready $((SECONDS - vllm_start)) s after it started (exit code $(cat "$vllm_rc"))"
+  tests tests -m vllm "$@" || rc=$?
   return "$rc"
 }
 
-echo "== the Slurm and the server streams: in the background (their logs follow the rest's)"
-slurm_stream "$@" >"$slurm_log" 2>&1 &
-slurm_pid=$!
-server_stream "$@" >"$servers_log" 2>&1 &
+echo "== the Slurm jobs, the study and the vLLM tests: in the background (their log follows the rest's)"
+servers "$@" >"$servers_log" 2>&1 &
 servers_pid=$!
 status=0
-tests tests -m "not vllm" $(printf -- '--ignore=%s ' "${SLURM[@]}" "${FAKE_SGLANG[@]}") "$@" \
-  || status=$?
-for pid in "$slurm_pid" "$servers_pid"; do
-  rc=0
-  wait "$pid" || rc=$?
-  if [ "$status" -eq 0 ]; then status=$rc; fi
-done
-cat "$slurm_log" "$servers_log"
+tests tests -m "not vllm" "${SECOND[@]/#/--ignore=}" "$@" || status=$?
+servers_status=0
+wait "$servers_pid" || servers_status=$?
+cat "$servers_log"
+if [ "$status" -eq 0 ]; then status=$servers_status; fi
 times >"$servers_log"  # user and sys of every process this script waited for (not in a $(...))
 cpu=$(tail -n 1 "$servers_log")
 echo "== tests/run.sh: $((SECONDS - total)) s in all (CPU ${cpu% *} user + ${cpu#* } sys on" \
