@@ -4,10 +4,10 @@ with the CPU they used.
 Per test (setup, call and teardown together; a module fixture's start-up counts to the module's
 first test): wall seconds, and CPU seconds (user + sys) of the pytest process and of every
 process it waited for (forked ranks, CLI runs, servers stopped by a fixture; not a Slurm job's
-processes, which are slurmd's children). CPU far below wall
-means the test waits (process start-up of another stream, server start, Slurm scheduling, a
-timeout) and could run beside another; CPU near wall means it computes. tests/run.sh uses it to
-split the suite into streams.
+processes, which are slurmd's children). CPU far below wall means the test waits (server
+start, Slurm scheduling, a timeout) and could run beside another; CPU near wall means it
+computes. tests/run.sh lists both in every log, to keep the suite's time in view and to choose
+how its streams are split.
 """
 
 from __future__ import annotations

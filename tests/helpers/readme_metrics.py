@@ -9,6 +9,7 @@ data source, a phase).
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 
@@ -28,7 +29,8 @@ def _expand(names: list[str]) -> list[str]:
     return full
 
 
-def documented_metrics(readme: Path = README) -> list[re.Pattern]:
+@functools.lru_cache(maxsize=None)  # read once: tests poll metrics_rows while a run writes
+def documented_metrics(readme: Path = README) -> tuple[re.Pattern, ...]:
     """One pattern per key the README's metrics table names."""
     text = readme.read_text()
     start = text.index("**Reading the metrics**")
@@ -43,7 +45,7 @@ def documented_metrics(readme: Path = README) -> list[re.Pattern]:
         for name in _expand(re.findall(r"`([^`]+)`", cell)):
             patterns.append(re.compile(re.sub(r"<[a-z_]+>", "[^/]+", re.escape(name)
                                               .replace(r"\<", "<").replace(r"\>", ">"))))
-    return patterns
+    return tuple(patterns)
 
 
 def undocumented_metrics(keys, readme: Path = README) -> list[str]:
