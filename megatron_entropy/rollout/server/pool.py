@@ -567,7 +567,9 @@ class ServerPool:
                  timeout: Optional[float] = None, targets: Optional[list[Server]] = None
                  ) -> dict[int, Any]:
         """One control request (weight update, pause, ...) to each target server, concurrently.
-        Raises one ServerError naming every server that failed."""
+        A server that dies under it (its process exited, nothing listens) is marked dead and
+        left out of the answers, as a rollout drops it, while another server is still up;
+        otherwise raises one ServerError naming every server that failed."""
         return self._run(self._call_all(path, payload, method, timeout, targets))
 
     def call_all_async(self, path: str, payload: Optional[dict] = None, method: str = "POST",
@@ -605,17 +607,32 @@ class ServerPool:
                 raise
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
                 # Did it die under the call? Say so (connected servers have no log here).
-                after = ("it still answers its health probe"
-                         if await self._probe(session, server) == "up" else
+                probe = await self._probe(session, server)
+                after = ("it still answers its health probe" if probe == "up" else
                          f"afterwards: {server.probe_error}")
-                raise ServerError(f"{server.describe()}: {method} {path} failed: "
-                                  f"{type(e).__name__}: {e} ({after}); log tail:\n"
-                                  f"{log_tail(server.log_path)}") from e
+                error = ServerError(f"{server.describe()}: {method} {path} failed: "
+                                    f"{type(e).__name__}: {e} ({after}); log tail:\n"
+                                    f"{log_tail(server.log_path)}")
+                why = self._why_dead(server, probe)
+                if why:
+                    self._mark_dead(server, f"{why}; {method} {path} failed")
+                raise error from e
 
         async with aiohttp.ClientSession() as session:
             results = await asyncio.gather(*(one(session, s) for s in targets),
                                            return_exceptions=True)
         failures = [r for r in results if isinstance(r, BaseException)]
+        gone = [s for s, r in zip(targets, results)
+                if isinstance(r, BaseException) and s.state == "dead"]
+        if failures and len(gone) == len(failures) and any(s.state == "up"
+                                                           for s in self.servers):
+            # Only servers that died under the call failed: the others go on without them (a
+            # launched one restarts from the newest weights at the next ensure_up).
+            for server in gone:
+                log.warning("%s died under %s %s and is left out: %s", server.describe(),
+                            method, path, server.last_error)
+            return {s.index: r for s, r in zip(targets, results)
+                    if not isinstance(r, BaseException)}
         if failures:
             # Every server refused the request itself (4xx): say so by the type.
             kind = (RequestRejected if all(isinstance(r, RequestRejected) for r in failures)

@@ -255,7 +255,8 @@ class SGLangEngine(ServerEngine):
                 yield targets
                 self._flush_cache(targets)
             for server in targets:
-                server.weight_version = v
+                if server.state == "up":  # not one that died under the update
+                    server.weight_version = v
             if self.router is not None:
                 self.router.weight_version = v
             self.version = version
@@ -277,6 +278,8 @@ class SGLangEngine(ServerEngine):
         """SGLang answers 400 while requests wait (another client's, kept by the pause): they
         keep their prefixes cached, which the next sync's flush drops."""
         for server in targets:
+            if server.state != "up":
+                continue  # died under the update; a restart starts with an empty cache
             try:
                 self.pool.call_all("/flush_cache", targets=[server])
             except RequestRejected as e:

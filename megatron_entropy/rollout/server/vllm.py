@@ -166,11 +166,13 @@ class VLLMEngine(ServerEngine):
                     "method": "reload_weights", "kwargs": {"weights_path": str(folder)}},
                     targets=stale)
                 self.pool.call_all("/reset_prefix_cache", targets=stale)
+            # A server that died under the reload is dead now, left out (pool.call_all).
+            up = [s for s in targets if s.state == "up"]
             for server in stale:
-                if not isinstance(results.get(server.index), dict):
+                if server in up and not isinstance(results.get(server.index), dict):
                     raise ServerError(f"{server.describe()}: reload_weights answered "
                                       f"{results.get(server.index)!r}")
-            for server in targets:
+            for server in up:
                 server.weight_version = str(version)
             self.version = version
             self.pool.expected_version = str(version)
