@@ -116,10 +116,13 @@ def generated_tokens(engine) -> float:
 
 
 def push_aborting_a_rollout(engine, models, max_new: int = 240):
-    """inflight_at_sync=abort: a greedy rollout (model a does not stop within 240 tokens, ~4 s on
-    this CPU, so the push lands mid-rollout; b's
+    """inflight_at_sync=abort: a greedy rollout (model a does not stop within 240 tokens; b's
     continuation of a's prefix may end on EOS, as vLLM's finish reason `stop` says) runs in a
-    thread while model b is pushed as version 1. Our requests in flight are aborted
+    thread while model b is pushed as version 1. Once each request has a few tokens the test
+    freezes the server (`/pause?mode=keep`, as another client may): however fast the machine,
+    the push then finds the rollout in flight (240 tokens took 1.1-5 s here, so a push that
+    only raced it could miss it). The push's own pause and resume replace the freeze. Our
+    requests in flight are aborted
     (/abort_requests by id), vLLM answers them with the tokens and log-probs they had, and they
     resume on the new weights: each sample is a's greedy prefix (tagged with the launch
     version, None) then b's greedy continuation of it (tagged 1), each token's log-prob within
@@ -139,6 +142,10 @@ def push_aborting_a_rollout(engine, models, max_new: int = 240):
         while generated_tokens(engine) < start + 4 * len(PROMPTS):  # a few tokens each
             assert time.monotonic() < deadline and rollout.is_alive()
             time.sleep(0.01)
+        frozen = urllib.request.Request(engine.pool.servers[0].url + "/pause?mode=keep",
+                                        data=b"", method="POST")
+        urllib.request.urlopen(frozen, timeout=60).read()
+        assert rollout.is_alive()
         stats = push_weights(engine, models["model_b"].state_dict().items(), 1,
                              engine.pool.dir.parent)
         rollout.join(timeout=300)
