@@ -50,7 +50,8 @@ def test_usr1_during_start_up_stops_after_the_first_rollout_round(tmp_path):
                                                   "--weight-version", "{weight_version}",
                                                   "--request-log", str(requests)]}},
         "algorithm": {"loss": "kl_cov", "kl_cov_ratio": 0.05},
-        "data": {"prompts_per_step": 4, "apply_chat_template": False, "dynamic_sampling": False},
+        "data": {"prompts_per_step": 4, "apply_chat_template": False, "dynamic_sampling": False,
+                 "arithmetic": {"num_train": 64}},
         "trainer": {"steps": 3, "lr": 1e-3, "micro_batch_tokens": 400, "save_interval": 0},
         "logging": {"name": "early", "runs_dir": str(tmp_path / "runs"), "progress_bar": False},
     }
@@ -189,7 +190,7 @@ def test_a_signal_during_a_rollout_round_stops_before_the_next_round_and_applies
         "rollout": {"n_samples": 2, "max_new_tokens": 6, "max_prompt_tokens": 96},
         "algorithm": {"loss": "kl_cov", "kl_cov_ratio": 0.05},
         "data": {"prompts_per_step": 2, "apply_chat_template": False, "dynamic_sampling": True,
-                 "max_refill_rounds": 1},
+                 "max_refill_rounds": 1, "arithmetic": {"num_train": 64}},
         "trainer": {"steps": 3, "lr": 1e-3, "micro_batch_tokens": 400, "save_interval": 0},
         "logging": {"name": "stopped", "runs_dir": str(tmp_path / "runs"), "progress_bar": False},
     }

@@ -11,6 +11,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -60,7 +61,10 @@ def _config(model_dir: Path, run_dir: Path, name: str, **extra) -> dict:
         "parallel": {"tensor": 2},
         "rollout": {"n_samples": 4, "max_new_tokens": 12, "max_prompt_tokens": 96},
         "algorithm": {"loss": "kl_cov", "kl_cov_ratio": 0.05},
-        "data": {"prompts_per_step": 4, "apply_chat_template": False, "dynamic_sampling": False},
+        # 256 training problems, not the default 20000: a few steps draw a few dozen, and
+        # building each rank's dataset would cost ~2.3 s (of a ~10 s run)
+        "data": {"prompts_per_step": 4, "apply_chat_template": False, "dynamic_sampling": False,
+                 "arithmetic": {"num_train": 256}},
         "trainer": {"steps": 3, "lr": 1e-3, "micro_batch_tokens": 400, "save_interval": 1},
         "logging": {"name": name, "runs_dir": str(run_dir), "progress_bar": False},
     }
@@ -291,7 +295,7 @@ def test_the_configured_reward_scores_training_and_validation(model_dir, tmp_pat
     cfg = _config(model_dir, tmp_path, "fmt", parallel={"tensor": 1},
                   reward={"function": f"{REPO / 'examples' / 'rewards_format.py'}:format_reward",
                           "workers": 2},
-                  data={"arithmetic": {"num_val": 4}},
+                  data={"arithmetic": {"num_train": 256, "num_val": 4}},
                   trainer={"steps": 1, "val_before_train": True})
     run_distributed(train_from_dict, 1, cfg, timeout=300)
     rows = _metrics(tmp_path, "fmt")
@@ -300,8 +304,8 @@ def test_the_configured_reward_scores_training_and_validation(model_dir, tmp_pat
     assert -1 <= rows[1]["reward/mean"] < 0 and rows[1]["reward/failures"] == 0
 
 
-def _cli(config: Path, *overrides: str, log: Path) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+def _cli(config: Path, *overrides: str, log: Path, **env: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **env}
     return subprocess.Popen([sys.executable, "-m", "megatron_entropy.cli", "train", str(config),
                              *overrides], cwd=REPO, env=env, stdout=log.open("w"),
                             stderr=subprocess.STDOUT, start_new_session=True)
@@ -317,7 +321,8 @@ def test_cli_first_screen_shows_the_run_not_megatrons_start_up_notes(model_dir, 
     cfg = _config(model_dir, tmp_path, "screen", parallel={"tensor": 1},
                   trainer={"steps": 2, "val_before_train": True, "val_interval": 2,
                            "save_interval": 0},
-                  data={"arithmetic": {"num_val": 4}}, logging={"progress_bar": True})
+                  data={"arithmetic": {"num_train": 256, "num_val": 4}},
+                  logging={"progress_bar": True})
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
     run = _cli(tmp_path / "c.yaml", "--nproc", "1", log=tmp_path / "screen.log")
     assert run.wait(timeout=300) == 0, (tmp_path / "screen.log").read_text()[-3000:]
@@ -380,7 +385,9 @@ def test_killed_run_resumes_bit_identical(tmp_path):
     the entropy controller (its knob, KL-Cov's k, moves every step) included. The killed and
     the resumed run overlap their DP communication (trainer.overlap_communication, on GPUs by
     default): grads reduced during the backward, params gathered after the update while the
-    next forward starts, completed before a sync or a checkpoint reads them: the same numbers."""
+    next forward starts, completed before a sync or a checkpoint reads them: the same numbers.
+    The uninterrupted reference runs in ranks forked from this process, beside the victim: the
+    same loop as the CLI's ranks, without two more interpreters' imports."""
     import yaml
 
     cfg_path = tmp_path / "c.yaml"
@@ -391,24 +398,39 @@ def test_killed_run_resumes_bit_identical(tmp_path):
     cfg = _quickstart(tmp_path, "ref", parallel={"tensor": 1},
                       trainer={"steps": steps, "save_interval": 1, "keep_last": steps},
                       algorithm={"entropy_control": control})
+    cfg["data"]["arithmetic"]["num_train"] = 256  # 3 steps draw a few dozen problems
     cfg_path.write_text(yaml.safe_dump(cfg))
-    ref = _cli(cfg_path, "--nproc", "2", log=tmp_path / "ref.log")
     overlap = "trainer.overlap_communication=true"
+    # One thread per rank, as the forked reference's ranks have (the CLI's default is cores /
+    # ranks): the same kernels, so the same numbers on any machine.
+    threads = {"OMP_NUM_THREADS": "1"}
     victim = _cli(cfg_path, "logging.name=victim", overlap, "--nproc", "2",
-                  log=tmp_path / "victim.log")
+                  log=tmp_path / "victim.log", **threads)
     metrics = tmp_path / "victim" / "metrics.jsonl"
-    deadline = time.monotonic() + 300
-    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 1):
-        assert victim.poll() is None, (tmp_path / "victim.log").read_text()[-3000:]
-        assert time.monotonic() < deadline, "victim run made no progress"
-        time.sleep(0.2)
-    os.killpg(victim.pid, signal.SIGKILL)
-    victim.wait()
+    killed: dict = {}
+
+    def kill_after_the_first_step() -> None:
+        deadline = time.monotonic() + 300
+        while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 1):
+            if victim.poll() is not None or time.monotonic() > deadline:
+                return  # said below, with the victim's log
+            time.sleep(0.2)
+        os.killpg(victim.pid, signal.SIGKILL)
+        killed["at"] = len(metrics.read_text().splitlines())
+    killer = threading.Thread(target=kill_after_the_first_step, daemon=True)
+    killer.start()
+    try:
+        run_distributed(train_from_dict, 2, cfg, timeout=300)  # the reference, meanwhile
+    finally:
+        killer.join(timeout=300)
+        if victim.poll() is None:
+            os.killpg(victim.pid, signal.SIGKILL)
+        victim.wait()
+    assert "at" in killed, (tmp_path / "victim.log").read_text()[-3000:]
     killed_at = len(metrics.read_text().splitlines())
     resumed = _cli(cfg_path, "logging.name=victim", overlap, "--nproc", "2",
-                   log=tmp_path / "resumed.log")
+                   log=tmp_path / "resumed.log", **threads)
     assert resumed.wait(timeout=300) == 0, (tmp_path / "resumed.log").read_text()[-3000:]
-    assert ref.wait(timeout=300) == 0, (tmp_path / "ref.log").read_text()[-3000:]
     resumed_log = (tmp_path / "resumed.log").read_text()
     assert "resumed from" in resumed_log
     # torch.distributed.checkpoint's deprecations, three per rank on every resume: hidden.

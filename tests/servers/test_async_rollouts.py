@@ -332,7 +332,7 @@ def test_async_run_killed_and_resumed_loses_and_repeats_no_step(tmp_path):
                                "launch_command": fake_command()}},
         "algorithm": {"loss": "kl_cov", "kl_cov_ratio": 0.05},
         "data": {"prompts_per_step": prompts_per_step, "apply_chat_template": False,
-                 "dynamic_sampling": False, "arithmetic": {"num_val": 4}},
+                 "dynamic_sampling": False, "arithmetic": {"num_train": 64, "num_val": 4}},
         "trainer": {"steps": 4, "lr": 1e-3, "micro_batch_tokens": 400, "save_interval": 1,
                     "keep_last": 4, "val_interval": 2},
         "logging": {"name": "async", "runs_dir": str(tmp_path / "runs"), "progress_bar": False},

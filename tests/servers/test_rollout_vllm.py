@@ -259,7 +259,8 @@ def test_rl_steps_with_vllm_engine(engine, models, tmp_path):
                     "server": {"urls": [engine.pool.servers[0].url], "request_timeout_s": 120,
                                "startup_timeout_s": 60}},
         "algorithm": {"loss": "kl_cov", "kl_cov_ratio": 0.05, "entropy_coef": 0.01},
-        "data": {"prompts_per_step": 4, "apply_chat_template": False, "dynamic_sampling": False},
+        "data": {"prompts_per_step": 4, "apply_chat_template": False, "dynamic_sampling": False,
+                 "arithmetic": {"num_train": 64}},
         "trainer": {"steps": 3, "lr": 1e-3, "micro_batch_tokens": 400},
         "logging": {"name": "vllm_rl", "runs_dir": str(tmp_path), "progress_bar": False},
     }

@@ -70,7 +70,9 @@ def tiny_config(path: Path, model: Path, runs: Path, name: str, **sections) -> P
         "parallel": {"tensor": 2, "backend": "gloo"},  # CPU jobs say so (no GPU under Slurm)
         "rollout": {"n_samples": 4, "max_new_tokens": 12, "max_prompt_tokens": 96},
         "algorithm": {"loss": "kl_cov", "kl_cov_ratio": 0.05},
-        "data": {"prompts_per_step": 4, "apply_chat_template": False, "dynamic_sampling": False},
+        # not the default 20000 problems: each rank would spend ~2.3 s building its dataset
+        "data": {"prompts_per_step": 4, "apply_chat_template": False, "dynamic_sampling": False,
+                 "arithmetic": {"num_train": 256}},
         "trainer": {"steps": 3, "lr": 1e-3, "micro_batch_tokens": 400},
         "logging": {"name": name, "runs_dir": str(runs), "progress_bar": False},
         "cluster": {"gpus_per_node": 2},
