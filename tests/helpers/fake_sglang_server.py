@@ -1,7 +1,10 @@
 """A strict stand-in for an SGLang 0.5.x server, for tests on machines where SGLang cannot run.
 
-It serves a real transformers model (fp32) so that generation, log-probs and weight updates can be
-checked against a reference, and it enforces SGLang's HTTP contract as its source states it
+It serves a Qwen2 checkpoint in fp32 (the forward of transformers' Qwen2ForCausalLM written out
+over the checkpoint's tensors, ``PlainQwen2``: importing transformers was ~4 of the ~6 CPU seconds
+of every server start, and the suite starts ~30) so that generation, log-probs and weight updates
+can be checked against a transformers reference, and it enforces SGLang's HTTP contract as its
+source states it
 (0.5.2 ... 0.5.23, `sglang/srt/entrypoints/http_server.py`, `managers/io_struct.py`,
 `api/v1/api_types.py`, `sampling/sampling_params.py`):
 - ``/generate``: exactly one of ``text``/``input_ids``; ``sampling_params`` keys outside SGLang's
@@ -60,7 +63,10 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+import torch.nn.functional as F
 from aiohttp import web
+from safetensors.torch import load_file
+from tokenizers import Tokenizer
 
 SAMPLING_KEYS_0_5_2 = (
     "max_new_tokens", "stop", "stop_token_ids", "temperature", "top_p", "top_k", "min_p",
@@ -98,6 +104,78 @@ def missing_fields(body: Any, required: tuple[str, ...]) -> Optional[web.Respons
     return None
 
 
+class PlainQwen2:
+    """Qwen2ForCausalLM's forward in fp32, as transformers computes it (RMSNorm in fp32, rotary
+    embeddings from ``rope_theta``, grouped-query SDPA attention with q/k/v biases, SwiGLU), over
+    the checkpoint's tensors kept by their HF names (the names weight updates use), with a KV
+    cache. The tests hold its log-probs to a transformers reference."""
+
+    def __init__(self, folder: str):
+        cfg = json.loads((Path(folder) / "config.json").read_text())
+        if cfg.get("model_type") != "qwen2":
+            raise SystemExit(f"the fake SGLang server serves Qwen2 checkpoints, not "
+                             f"{cfg.get('model_type')!r} ({folder}/config.json)")
+        self.vocab_size = cfg["vocab_size"]
+        self.context_len = cfg["max_position_embeddings"]
+        self.eos_token_id = cfg.get("eos_token_id")
+        self.layers = cfg["num_hidden_layers"]
+        self.heads, self.kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+        self.head_dim = cfg.get("head_dim") or cfg["hidden_size"] // self.heads
+        self.eps = cfg["rms_norm_eps"]
+        theta = (cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta",
+                                                                               10000.0))
+        self.inv_freq = 1.0 / theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.int64)
+                                        .float() / self.head_dim)
+        files = sorted(Path(folder).glob("*.safetensors"))
+        self.params = {k: v.float() for f in files for k, v in load_file(str(f)).items()}
+        # Tied embeddings: the head is the embedding (one tensor, as transformers shares it).
+        self.head = self.params.get("lm_head.weight", self.params["model.embed_tokens.weight"])
+
+    def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.params[name] * x
+
+    def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        return F.linear(x, self.params[name + ".weight"], self.params.get(name + ".bias"))
+
+    def __call__(self, ids: torch.Tensor, cache: Optional[list]
+                 ) -> tuple[torch.Tensor, list]:
+        """The last position's logits [V] for ``ids`` [1, T] after ``cache`` (None: none),
+        and the cache extended by them."""
+        past = 0 if cache is None else cache[0][0].shape[2]
+        cache = cache or [None] * self.layers
+        t = ids.shape[1]
+        freqs = torch.outer(torch.arange(past, past + t, dtype=torch.float32), self.inv_freq)
+        emb = torch.cat((freqs, freqs), -1)
+        cos, sin = emb.cos(), emb.sin()
+
+        def rotary(x: torch.Tensor) -> torch.Tensor:  # x [1, heads, T, head_dim]
+            half = x.shape[-1] // 2
+            rotated = torch.cat((-x[..., half:], x[..., :half]), -1)
+            return x * cos + rotated * sin
+
+        x = self.params["model.embed_tokens.weight"][ids]
+        for i in range(self.layers):
+            pre = f"model.layers.{i}."
+            h = self._norm(x, pre + "input_layernorm.weight")
+            q, k, v = (self._linear(h, pre + f"self_attn.{n}_proj").view(1, t, -1, self.head_dim)
+                       .transpose(1, 2) for n in "qkv")
+            q, k = rotary(q), rotary(k)
+            if cache[i] is not None:
+                k, v = torch.cat((cache[i][0], k), 2), torch.cat((cache[i][1], v), 2)
+            cache[i] = (k, v)
+            group = self.heads // self.kv_heads
+            a = F.scaled_dot_product_attention(q, k.repeat_interleave(group, 1),
+                                               v.repeat_interleave(group, 1),
+                                               is_causal=past == 0 and t > 1)
+            x = x + self._linear(a.transpose(1, 2).reshape(1, t, -1), pre + "self_attn.o_proj")
+            h = self._norm(x, pre + "post_attention_layernorm.weight")
+            x = x + self._linear(F.silu(self._linear(h, pre + "mlp.gate_proj"))
+                                 * self._linear(h, pre + "mlp.up_proj"), pre + "mlp.down_proj")
+        x = self._norm(x[:, -1], "model.norm.weight")
+        return F.linear(x, self.head)[0], cache
+
+
 class RequestState:
     """One /generate request: its rid and whether /abort_request asked it to stop."""
 
@@ -113,18 +191,13 @@ class RequestState:
 
 class FakeSGLang:
     def __init__(self, args: argparse.Namespace):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
         self.args = args
         self.model_path = args.model_path
-        self.model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=torch.float32,
-                                                          local_files_only=True).eval()
-        try:
-            self.tokenizer = AutoTokenizer.from_pretrained(args.model_path, local_files_only=True)
-        except (OSError, ValueError):
-            self.tokenizer = None
-        self.vocab_size = self.model.config.vocab_size
-        self.context_len = self.model.config.max_position_embeddings
+        self.model = PlainQwen2(args.model_path)
+        tokenizer = Path(args.model_path) / "tokenizer.json"
+        self.tokenizer = Tokenizer.from_file(str(tokenizer)) if tokenizer.is_file() else None
+        self.vocab_size = self.model.vocab_size
+        self.context_len = self.model.context_len
         self.weight_version = args.weight_version
         self.version = args.version
         self.sampling_keys = SAMPLING_KEYS_0_5_2 + (
@@ -234,8 +307,8 @@ class FakeSGLang:
             generator = torch.Generator().manual_seed(p["sampling_seed"])
         greedy = p["temperature"] < 1e-6
         stops = set(p["stop_token_ids"])
-        if not p["ignore_eos"] and self.model.config.eos_token_id is not None:
-            eos = self.model.config.eos_token_id
+        if not p["ignore_eos"] and self.model.eos_token_id is not None:
+            eos = self.model.eos_token_id
             stops |= set(eos if isinstance(eos, list) else [eos])
         max_new = min(p["max_new_tokens"], self.context_len - len(prompt))
         out_ids: list[int] = []
@@ -257,9 +330,7 @@ class FakeSGLang:
                     if retract and out_ids:  # its KV was dropped: recompute it
                         past, inputs = None, torch.tensor([prompt + out_ids])
                 with self.compute:
-                    o = self.model(input_ids=inputs, past_key_values=past, use_cache=True)
-                past = o.past_key_values
-                logits = o.logits[0, -1].float()
+                    logits, past = self.model(inputs, past)
                 if greedy:
                     lp = torch.log_softmax(logits, -1)
                     token = int(torch.argmax(logits))
@@ -287,7 +358,7 @@ class FakeSGLang:
                     finish = {"type": "stop", "matched": token}
                     break
                 if p["stop"] and self.tokenizer is not None:
-                    text = self.tokenizer.decode(out_ids)
+                    text = self.tokenizer.decode(out_ids, skip_special_tokens=False)
                     hit = next((s for s in p["stop"] if s in text), None)
                     if hit is not None:
                         finish = {"type": "stop", "matched": hit}
@@ -324,7 +395,7 @@ class FakeSGLang:
                 if self.tokenizer is None:
                     raise BadRequest("text input needs a tokenizer")
                 texts = body["text"] if isinstance(body["text"], list) else [body["text"]]
-                batch = [self.tokenizer.encode(t) for t in texts]
+                batch = [self.tokenizer.encode(t).ids for t in texts]
                 single = not isinstance(body["text"], list)
             else:
                 batch = self.check_input_ids(body["input_ids"])
@@ -408,7 +479,7 @@ class FakeSGLang:
                                                        flush=True))
 
     def load_named(self, named: list[tuple[str, torch.Tensor]]) -> tuple[bool, str]:
-        params = dict(self.model.named_parameters())
+        params = self.model.params
         for name, t in named:
             if name not in params:
                 return False, f"Failed to update weights: no parameter named {name}."
@@ -428,8 +499,6 @@ class FakeSGLang:
         bad = missing_fields(body, ("model_path",))
         if bad is not None:
             return bad
-        from safetensors.torch import load_file
-
         if self.die_on_sync:
             print("AttributeError: 'Parameter' object has no attribute 'weight_loader'",
                   flush=True)

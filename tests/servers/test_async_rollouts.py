@@ -3,7 +3,7 @@
 The staleness filter, partial rollouts' joins and the background producer's ordering on their
 own; rollouts in flight in another thread while weights are pushed (aborted and resumed, then
 finished) and a server is killed, against the strict fake SGLang server
-(tests/helpers/fake_sglang_server.py) serving real transformers models; and the trainer at
+(tests/helpers/fake_sglang_server.py) serving the checkpoints in fp32; and the trainer at
 max_staleness=1 killed by SIGKILL and resumed.
 """
 

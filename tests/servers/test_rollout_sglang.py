@@ -1,8 +1,8 @@
 """SGLangEngine against the strict fake SGLang 0.5.x server (tests/helpers/fake_sglang_server.py).
 
-The fake serves a real transformers model, so completions and their log-probs are checked against
-an fp32 reference here, weight syncs (from disk, and by a real gloo broadcast) against the new
-weights, and faults with real processes killed or stopped by PID.
+The fake serves the checkpoint in fp32 (Qwen2's forward), so completions and their log-probs are
+checked against a transformers fp32 reference here, weight syncs (from disk, and by a real gloo
+broadcast) against the new weights, and faults with real processes killed or stopped by PID.
 """
 
 from __future__ import annotations
