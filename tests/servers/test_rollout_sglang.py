@@ -364,14 +364,15 @@ def test_server_fault_mid_rollout(models, tmp_path, sig):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("warmup", [0.0, 8.0], ids=["busy", "warming_up"])
-def test_a_slow_server_that_makes_progress_is_not_restarted(models, tmp_path, warmup):
-    """What a busy machine does to a (re)started server: its health probe goes unanswered for
-    longer than health_timeout_s while it decodes (busy), and before its first answer it may
-    take longer still (warming up). Neither is a hang: a server completing requests is alive,
-    and one that has not completed any since it came up is governed by startup_timeout_s. So no
-    restart, and every sample comes back once (before the pool judged liveness by progress, the
-    unanswered probes alone killed and restarted it)."""
+def test_a_slow_server_that_makes_progress_is_not_restarted(models, tmp_path):
+    """What a busy machine does to a (re)started server: before its first answer it may take
+    long (warming up), and then its health probe goes unanswered for longer than
+    health_timeout_s while it decodes (busy). Neither is a hang: one that has not completed a
+    request since it came up is governed by startup_timeout_s, and a server completing requests
+    is alive. So no restart, and every sample comes back once (before the pool judged liveness
+    by progress, the unanswered probes alone killed and restarted it). One run has both phases:
+    the busy one follows the warm-up (a run without the warm-up, once a second case, had only
+    the busy phase)."""
     # Probes get 6 s and are answered only after 12 s while the server decodes. Requests take
     # ~0.8 s (40 tokens at 0.02 s), 4 at a time; they may all finish together, so a sign of life
     # comes every ~0.8 s: a 7x margin for a busy machine (with 3 s against 2 s requests, the
@@ -379,7 +380,7 @@ def test_a_slow_server_that_makes_progress_is_not_restarted(models, tmp_path, wa
     # probes do go unanswered for longer than 6 s; the warm-up holds the first answer 8 s.
     cfg = make_cfg(launch=1, health_check_interval_s=0.5, health_timeout_s=6.0,
                    launch_command=fake_command(delay=0.02, busy_health_delay=12.0,
-                                               warmup=warmup))
+                                               warmup=8.0))
     eng = SGLangEngine(cfg, str(models["a"]), str(tmp_path))
     try:
         server = eng.pool.servers[0]
