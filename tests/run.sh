@@ -19,6 +19,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 total=$SECONDS
+machine_busy() {  # CPU seconds the whole machine has been busy since boot (every process)
+  awk -v hz="$(getconf CLK_TCK)" '/^cpu /{print ($2 + $3 + $4 + $7 + $8 + $9) / hz}' /proc/stat
+}
+busy_at_start=$(machine_busy)
 
 part() {  # part NAME COMMAND...: run one part, say how long it took and the CPU it used
   local name=$1 rc=0 TIMEFORMAT
@@ -92,6 +96,12 @@ cat "$servers_log"
 if [ "$status" -eq 0 ]; then status=$servers_status; fi
 times >"$servers_log"  # user and sys of every process this script waited for (not in a $(...))
 cpu=$(tail -n 1 "$servers_log")
+# The machine as a whole, this suite and anything else on it (Slurm jobs, which the count below
+# misses, and other work): how busy it was says whether a slow run was a loaded machine.
+awk -v a="$busy_at_start" -v b="$(machine_busy)" -v t="$((SECONDS - total))" -v n="$(nproc)" \
+  'BEGIN {printf "== the machine: %.0f s of CPU busy over the run, %.0f%% of its %d cores\n",
+          b - a, t ? 100 * (b - a) / (t * n) : 0, n}'
 echo "== tests/run.sh: $((SECONDS - total)) s in all (CPU ${cpu% *} user + ${cpu#* } sys on" \
   "$(nproc) cores); exit code $status"
+
 exit $status
