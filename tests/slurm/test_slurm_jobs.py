@@ -3,7 +3,8 @@ machine (slurmctld + one slurmd per node + munge, started by tests/helpers/slurm
 across nodes, a too-small job, conversion, the colocated script, the disaggregated split with
 the GPUs every step sees, a time-limit warning (USR1) and a real preemption (GraceTime, SIGTERM to
 every task) that checkpoint, requeue and continue, a controller that fails a command once, a
-server node that dies, the disaggregated script with a real vLLM server, a failing trainer."""
+server node that dies, the shipped vLLM quickstart as a disaggregated job with a real vLLM
+server, a failing trainer."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ import psutil
 import pytest
 import yaml
 
-from serving_model import make_served_model, make_tp2_model
+from serving_model import make_tp2_model
 from slurm_cluster import SlurmCluster, missing_binaries
 
 from megatron_entropy.runtime.launch_env import SLURM_MASTER_PORT_BASE, SLURM_MASTER_PORT_SPAN
@@ -481,18 +482,30 @@ def test_colocated_script_trains_on_two_tasks_with_their_gpus(cluster, job_env, 
 @pytest.mark.slow
 @pytest.mark.vllm
 @pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="needs .venv-vllm (.ci/setup-vllm.sh)")
-def test_disaggregated_script_with_a_vllm_server(cluster, job_env, tmp_path):
-    model = make_served_model(tmp_path / "model")  # head_dim 64, 1 KV head: TP=1, DP=2
+def test_disaggregated_script_runs_the_vllm_quickstart(cluster, job_env, tmp_path):
+    """examples/quickstart_vllm_cpu.yaml (the shipped model, KL-Cov, TP=2, a vLLM CPU server in
+    bf16) as a disaggregated job on one node: `slurm serve` starts the server on one task, the
+    trainer's two ranks roll out on it and sync the trained weights to it every step. Its
+    log-probs stay within 1e-2 of the actor's fp32 recompute, the weight check passes, and the
+    server is stopped with the job. (The shipped example as it is, but for where the venv is,
+    the job's server instead of one rank 0 launches, and a shorter run.)"""
     port = 31700
-    conf = tiny_config(
-        tmp_path / "c.yaml", model, tmp_path / "runs", "dis", parallel={"tensor": 1},
-        trainer={"steps": 2},
-        rollout={"engine": "vllm", "server": {
-            "urls_file": str(tmp_path / "runs" / "dis" / "server_urls.txt"),
-            "server_python": str(VLLM_PYTHON), "base_port": port, "max_model_len": 256,
-            "extra_args": ["--enforce-eager"], "startup_timeout_s": 400,
-            "extra_env": ["VLLM_CPU_KVCACHE_SPACE=1", "VLLM_CPU_OMP_THREADS_BIND=nobind",
-                          "HF_HUB_OFFLINE=1"]}})
+    cfg = yaml.safe_load((REPO / "examples" / "quickstart_vllm_cpu.yaml").read_text())
+    cfg["model"]["hf_path"] = str(REPO / cfg["model"]["hf_path"])
+    cfg["parallel"]["backend"] = "gloo"  # CPU jobs say so (no GPU under Slurm)
+    cfg["rollout"]["max_new_tokens"] = 40
+    cfg["rollout"]["server"].update(
+        launch=0, urls_file=str(tmp_path / "runs" / "dis" / "server_urls.txt"),
+        server_python=str(VLLM_PYTHON), base_port=port, startup_timeout_s=400,
+        request_timeout_s=120)
+    cfg["data"].update(prompts_per_step=8)
+    cfg["data"]["arithmetic"]["num_train"] = 256
+    cfg["trainer"].update(steps=2, val_interval=0, val_before_train=False, save_interval=0,
+                          micro_batch_tokens=2048)
+    cfg["logging"] = {"name": "dis", "runs_dir": str(tmp_path / "runs"), "progress_bar": False}
+    cfg["cluster"] = {"gpus_per_node": 2}
+    conf = tmp_path / "c.yaml"
+    conf.write_text(yaml.safe_dump(cfg))
     _, rc = cluster.sbatch("--nodes=1", "--ntasks=3", str(SLURM / "disaggregated.sbatch"),
                            str(conf), env=job_env, cwd=tmp_path, timeout=900)
     run = tmp_path / "runs" / "dis"
@@ -504,6 +517,14 @@ def test_disaggregated_script_with_a_vllm_server(cluster, job_env, tmp_path):
     rows = metrics(run)
     assert [r["step"] for r in rows] == [1, 2]
     assert_finite(rows)
+    for r in rows:
+        print(f"step {r['step']}: acc {r['acc/mean']:.2f}, drift {r['rollout/logprob_drift']:.2e}"
+              f" (max {r['rollout/logprob_drift_max']:.2e}), sync {r['weight_sync/seconds']:.2f} s,"
+              f" weight check {r['weight_check/seconds']:.2f} s of a {r['time/step']:.2f} s step "
+              f"(probe drift {r['weight_check/drift_mean']:.2e})")
+        assert 0 < r["acc/mean"] < 1  # the shipped model solves some problems, not all
+        assert r["rollout/logprob_drift"] <= 1e-2 and r["weight_check/drift_mean"] <= 1e-2
+        assert r["weight_sync/seconds"] > 0 and r["rollout/tokens_per_s"] > 0
     server_log = (run / "logs" / "server-0.log").read_text()
     assert "POST /v1/completions" in server_log  # the trainer's rollouts went to the server
     assert "stopping the servers" in out and not port_listens(port)
