@@ -29,6 +29,7 @@ from megatron_entropy.rollout.server.vllm import VLLMEngine
 from serving_model import make_served_model, push_weights, reference_logprobs
 
 VENV_PYTHON = Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"
+PLUGINS = Path(__file__).resolve().parents[1] / "helpers" / "vllm_plugins"
 PROMPTS = [[5, 6, 7, 8], [40, 41], [100, 7, 3, 9, 12]]
 
 pytestmark = [
@@ -55,13 +56,22 @@ def models(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def engine(models, tmp_path_factory):
+def slow_gate(tmp_path_factory) -> Path:
+    """While this file exists the module's server slows its steps down after the first few
+    (tests/helpers/vllm_plugins/slow_steps.py), so a rollout stays in flight until the test
+    has acted on it."""
+    return tmp_path_factory.mktemp("vllm_gate") / "slow"
+
+
+@pytest.fixture(scope="module")
+def engine(models, slow_gate, tmp_path_factory):
     cfg = ServerConfig(
         launch=1, server_python=str(VENV_PYTHON), base_port=32500, max_model_len=256,
-        extra_args=["--enforce-eager"], max_concurrency=16, startup_timeout_s=600,
+        extra_args=["--enforce-eager", "--logits-processors", "slow_steps:SlowSteps"],
+        max_concurrency=16, startup_timeout_s=600,
         request_timeout_s=120, health_check_interval_s=1.0, health_timeout_s=10,
         extra_env=["VLLM_CPU_KVCACHE_SPACE=1", "VLLM_CPU_OMP_THREADS_BIND=nobind",
-                   "HF_HUB_OFFLINE=1"])
+                   "HF_HUB_OFFLINE=1", f"PYTHONPATH={PLUGINS}", f"SLOW_STEPS_GATE={slow_gate}"])
     eng = VLLMEngine(cfg, str(models["a"]), str(tmp_path_factory.mktemp("vllm_run")))
     yield eng
     eng.shutdown()
@@ -110,50 +120,53 @@ def greedy_drift(engine, model) -> float:
     return sum(drifts) / len(drifts)
 
 
-def generated_tokens(engine) -> float:
-    """The tokens the server generated since it started (its Prometheus counter)."""
-    text = urllib.request.urlopen(engine.pool.servers[0].url + "/metrics").read().decode()
-    return sum(float(line.split()[-1]) for line in text.splitlines()
-               if line.startswith("vllm:generation_tokens_total"))
+def post(engine, path: str) -> None:
+    urllib.request.urlopen(urllib.request.Request(engine.pool.servers[0].url + path, data=b"",
+                                                  method="POST"), timeout=60).read()
 
 
-def push_aborting_a_rollout(engine, models, max_new: int = 240):
+def push_aborting_a_rollout(engine, models, slow_gate: Path, max_new: int = 240):
     """inflight_at_sync=abort: a greedy rollout (model a does not stop within 240 tokens; b's
     continuation of a's prefix may end on EOS, as vLLM's finish reason `stop` says) runs in a
-    thread while model b is pushed as version 1. Once each request has a few tokens the test
-    freezes the server (`/pause?mode=keep`, as another client may): however fast the machine,
-    the push then finds the rollout in flight (240 tokens took 1.1-5 s here, so a push that
-    only raced it could miss it). The push's own pause and resume replace the freeze. Our
-    requests in flight are aborted
-    (/abort_requests by id), vLLM answers them with the tokens and log-probs they had, and they
-    resume on the new weights: each sample is a's greedy prefix (tagged with the launch
-    version, None) then b's greedy continuation of it (tagged 1), each token's log-prob within
-    bf16 drift of its own weights'. Returns the push's stats."""
+    thread while model b is pushed as version 1. The push must find it in flight on any
+    machine: with the slow gate set, the server makes its first 8 steps at full speed, then
+    signals and makes each step last 0.05 s (240 steps: 12 s; unslowed they take ~1 s on a fast
+    machine, where a test that polled the server's progress saw the rollout end before it
+    acted). The test then freezes the server (`/pause?mode=keep`, as another client may), lifts
+    the gate and pushes; the push's own pause and resume replace the freeze. Our requests in
+    flight are aborted (/abort_requests by id), vLLM answers them with the tokens and log-probs
+    they had, and they resume on the new weights: each sample is a's greedy prefix (tagged with
+    the launch version, None) then b's greedy continuation of it (tagged 1), each token's
+    log-prob within bf16 drift of its own weights'. Returns the push's stats."""
     engine.pool.run_in_background()
     engine.pool.inflight_at_sync = "abort"
     result: dict = {}
     rollout = threading.Thread(target=lambda: result.update(out=engine.generate(
         PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=max_new))))
+    reached = slow_gate.with_name(slow_gate.name + ".reached")
+    reached.unlink(missing_ok=True)
+    frozen = pushed = False
     try:
+        slow_gate.touch()
         rollout.start()
         deadline = time.monotonic() + 120
-        while engine.pool._inflight_total < len(PROMPTS):
+        while not reached.exists():  # each request has its first tokens
             assert time.monotonic() < deadline and rollout.is_alive()
             time.sleep(0.01)
-        start = generated_tokens(engine)
-        while generated_tokens(engine) < start + 4 * len(PROMPTS):  # a few tokens each
-            assert time.monotonic() < deadline and rollout.is_alive()
-            time.sleep(0.01)
-        frozen = urllib.request.Request(engine.pool.servers[0].url + "/pause?mode=keep",
-                                        data=b"", method="POST")
-        urllib.request.urlopen(frozen, timeout=60).read()
+        post(engine, "/pause?mode=keep")
+        frozen = True
+        slow_gate.unlink()
         assert rollout.is_alive()
         stats = push_weights(engine, models["model_b"].state_dict().items(), 1,
                              engine.pool.dir.parent)
+        pushed = True
         rollout.join(timeout=300)
         assert not rollout.is_alive()
         resumed = engine.metrics()["rollout/aborted_resumed"]
     finally:
+        slow_gate.unlink(missing_ok=True)
+        if frozen and not pushed:
+            post(engine, "/resume")  # the tests after this one need a server that generates
         engine.pool.inflight_at_sync = "finish"
         engine.pool._stop_loop()  # the other tests run on the default dispatch
     partial = 0
@@ -179,9 +192,9 @@ def push_aborting_a_rollout(engine, models, max_new: int = 240):
     return stats
 
 
-def test_weight_sync_follows_new_weights(engine, models):
+def test_weight_sync_follows_new_weights(engine, models, slow_gate):
     assert greedy_drift(engine, models["model_a"]) <= 1e-2
-    stats = push_aborting_a_rollout(engine, models)
+    stats = push_aborting_a_rollout(engine, models, slow_gate)
     assert stats["weight_sync/bytes"] == sum(t.numel() * 4 for t in
                                              models["model_b"].state_dict().values())
     after = greedy_drift(engine, models["model_b"])
