@@ -435,6 +435,52 @@ def test_connected_servers_drop_dead_and_old_versions(models, tmp_path):
             p.wait()
 
 
+def test_a_server_that_dies_under_the_weight_probe_is_left_out(models, tmp_path):
+    """The weight check's probe runs on each server in turn. One that dies meanwhile (a node
+    lost during the check after a sync) is left out while another answered, as a rollout drops
+    it, instead of failing the run (a four-node Slurm job under load failed so: the probe of
+    the dead server raised "no server left"); when the last one dies under its probe, its
+    error is raised."""
+    procs, urls = [], []
+    for k in range(2):
+        port = free_port("127.0.0.1", 32350 + k, set())
+        cmd = [a.format(model=models["a"], host="127.0.0.1", port=port, weight_version="v0")
+               for a in fake_command(delay=0.1)]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
+        urls.append(f"http://127.0.0.1:{port}")
+    probe = SamplingParams(temperature=0.0, max_new_tokens=8)
+
+    def kill_under_the_probe_of(server, proc) -> threading.Thread:
+        def kill() -> None:
+            deadline = time.monotonic() + 60
+            while server.inflight == 0 and time.monotonic() < deadline:
+                time.sleep(0.005)
+            proc.kill()
+            proc.wait()
+        killer = threading.Thread(target=kill, daemon=True)
+        killer.start()
+        return killer
+
+    try:
+        eng = SGLangEngine(make_cfg(launch=0, urls=urls), str(models["a"]), str(tmp_path))
+        first, second = eng.pool.servers
+        # Server 1 dies while server 0 answers its probe (0.8 s): it is probed next.
+        killer = kill_under_the_probe_of(first, procs[1])
+        out = eng.generate_on_each_replica(PROMPTS, probe)
+        killer.join()
+        assert list(out) == [first.describe()] and second.state == "dead"
+        assert [[len(c.token_ids) for c in row] for row in out[first.describe()]] == [[8]] * 3
+        # The last server dies under its own probe: nothing answered, so the check cannot pass.
+        killer = kill_under_the_probe_of(first, procs[0])
+        with pytest.raises(ServerError, match="no sglang server"):
+            eng.generate_on_each_replica(PROMPTS, probe)
+        killer.join()
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
 def test_server_that_never_comes_up_names_its_log(models, tmp_path):
     cmd = [sys.executable, "-c", "import sys; print('model folder is broken'); sys.exit(3)"]
     with pytest.raises(ServerError, match=r"(?s)exited with code 3.*model folder is broken"):

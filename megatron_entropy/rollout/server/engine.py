@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 from megatron_entropy.config import ServerConfig
 from megatron_entropy.rollout.base import Completion, RolloutEngine, SamplingParams
+from megatron_entropy.rollout.server.errors import ServerError
 from megatron_entropy.rollout.server.pool import Server, ServerPool
 from megatron_entropy.runtime.seeds import sample_seed
 
@@ -98,12 +99,26 @@ class ServerEngine(RolloutEngine):
 
     def generate_on_each_replica(self, prompts: list[list[int]], sampling: SamplingParams
                                  ) -> dict[str, list[list[Completion]]]:
+        """On each server that is up and holds the current weights. One that dies under its
+        probe is left out while another answered (the check covers the replicas that serve);
+        with none left its error is raised."""
         self.pool.ensure_up()
-        # Servers kept from requests until a sync gives them the current weights are skipped.
+        out: dict[str, list[list[Completion]]] = {}
+        lost: Optional[ServerError] = None
         with self._not_counted():
-            return {s.describe(): self._generate(prompts, sampling, [s])
-                    for s in self.pool.servers
-                    if s.state == "up" and self.pool.serves_current(s)}
+            # Servers kept from requests until a sync gives them the current weights are skipped.
+            for s in [s for s in self.pool.servers
+                      if s.state == "up" and self.pool.serves_current(s)]:
+                try:
+                    out[s.describe()] = self._generate(prompts, sampling, [s])
+                except ServerError as e:
+                    if s.state == "up":
+                        raise
+                    # It died under the probe (a node lost): left out, as a rollout drops it.
+                    lost = e
+        if not out and lost is not None:
+            raise lost
+        return out
 
     def metrics(self) -> dict[str, float]:
         out = self.pool.pop_metrics()
