@@ -435,7 +435,7 @@ def test_connected_servers_drop_dead_and_old_versions(models, tmp_path):
             p.wait()
 
 
-def test_a_server_that_dies_under_the_weight_probe_is_left_out(models, tmp_path):
+def test_a_server_that_dies_under_the_weight_probe_is_left_out(models, tmp_path, caplog):
     """The weight check's probe runs on each server in turn. One that dies meanwhile (a node
     lost during the check after a sync) is left out while another answered, as a rollout drops
     it, instead of failing the run (a four-node Slurm job under load failed so: the probe of
@@ -469,6 +469,8 @@ def test_a_server_that_dies_under_the_weight_probe_is_left_out(models, tmp_path)
         out = eng.generate_on_each_replica(PROMPTS, probe)
         killer.join()
         assert list(out) == [first.describe()] and second.state == "dead"
+        assert f"{second.describe()} died under the weight check's probe and is left out" in \
+            caplog.text
         assert [[len(c.token_ids) for c in row] for row in out[first.describe()]] == [[8]] * 3
         # The last server dies under its own probe: nothing answered, so the check cannot pass.
         killer = kill_under_the_probe_of(first, procs[0])

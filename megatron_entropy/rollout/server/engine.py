@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import abc
 import atexit
+import logging
 import time
 from typing import Any, Optional
 
@@ -19,6 +20,8 @@ from megatron_entropy.rollout.base import Completion, RolloutEngine, SamplingPar
 from megatron_entropy.rollout.server.errors import ServerError
 from megatron_entropy.rollout.server.pool import Server, ServerPool
 from megatron_entropy.runtime.seeds import sample_seed
+
+log = logging.getLogger(__name__)
 
 
 class ServerEngine(RolloutEngine):
@@ -115,6 +118,8 @@ class ServerEngine(RolloutEngine):
                     if s.state == "up":
                         raise
                     # It died under the probe (a node lost): left out, as a rollout drops it.
+                    log.warning("%s died under the weight check's probe and is left out: %s",
+                                s.describe(), s.last_error)
                     lost = e
         if not out and lost is not None:
             raise lost
