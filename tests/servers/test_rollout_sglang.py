@@ -52,6 +52,16 @@ def make_cfg(**kw) -> ServerConfig:
     return ServerConfig(**base)
 
 
+def start_fake(model: Path, base_port: int, **fake_args) -> tuple[subprocess.Popen, str]:
+    """A fake SGLang server that we start ourselves (the engine connects to it, as to a server
+    it did not launch), on the first free port from ``base_port``: its process and URL."""
+    port = free_port("127.0.0.1", base_port, set())
+    cmd = [a.format(model=model, host="127.0.0.1", port=port, weight_version="v0")
+           for a in fake_command(**fake_args)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    return proc, f"http://127.0.0.1:{port}"
+
+
 def post(url: str, body: dict) -> tuple[int, object]:
     """(HTTP status, decoded JSON body) of a POST."""
     import urllib.request
@@ -401,14 +411,10 @@ def test_a_slow_server_that_makes_progress_is_not_restarted(models, tmp_path):
 def test_connected_servers_drop_dead_and_old_versions(models, tmp_path):
     """Servers we did not launch: a dead one is dropped and its requests go elsewhere; an
     0.5.2 server gets no sampling_seed (it would reject the key)."""
-    procs, urls = [], []
     log = tmp_path / "requests.jsonl"
-    for k, version in enumerate(["0.5.2", "0.5.2"]):
-        port = free_port("127.0.0.1", 32300 + k, set())
-        cmd = [a.format(model=models["a"], host="127.0.0.1", port=port, weight_version="v0")
-               for a in fake_command(version=version, delay=0.05, log=str(log))]
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
-        urls.append(f"http://127.0.0.1:{port}")
+    started = [start_fake(models["a"], 32300 + k, version="0.5.2", delay=0.05, log=str(log))
+               for k in range(2)]
+    procs, urls = [p for p, _ in started], [u for _, u in started]
     try:
         eng = SGLangEngine(make_cfg(launch=0, urls=urls), str(models["a"]), str(tmp_path))
 
@@ -441,13 +447,8 @@ def test_a_server_that_dies_under_the_weight_probe_is_left_out(models, tmp_path,
     it, instead of failing the run (a four-node Slurm job under load failed so: the probe of
     the dead server raised "no server left"); when the last one dies under its probe, its
     error is raised."""
-    procs, urls = [], []
-    for k in range(2):
-        port = free_port("127.0.0.1", 32350 + k, set())
-        cmd = [a.format(model=models["a"], host="127.0.0.1", port=port, weight_version="v0")
-               for a in fake_command(delay=0.1)]
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
-        urls.append(f"http://127.0.0.1:{port}")
+    started = [start_fake(models["a"], 32350 + k, delay=0.1) for k in range(2)]
+    procs, urls = [p for p, _ in started], [u for _, u in started]
     probe = SamplingParams(temperature=0.0, max_new_tokens=8)
 
     def kill_under_the_probe_of(server, proc) -> threading.Thread:
@@ -552,11 +553,7 @@ def test_connected_server_pause_shutdown_death_and_refusal(models, tmp_path, cap
       only server: nothing to go on with), says the server no longer answers, and no
       /continue_generation goes to the server it found dead;
     - connecting again: "connection refused", said as such."""
-    port = free_port("127.0.0.1", 32400, set())
-    url = f"http://127.0.0.1:{port}"
-    cmd = [a.format(model=models["a"], host="127.0.0.1", port=port, weight_version="v0")
-           for a in fake_command(delay=0.05)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    proc, url = start_fake(models["a"], 32400, delay=0.05)
     try:
         eng = SGLangEngine(make_cfg(launch=0, urls=[url]), str(models["a"]), str(tmp_path))
         answers: dict = {}
