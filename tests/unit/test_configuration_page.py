@@ -1,5 +1,5 @@
-"""docs/configuration.md is generated from the settings classes (megatron_entropy/config_reference.py):
-it must equal the generator's output, name every key of the config tree, and show each key's
+"""docs/configuration.md is generated from the settings classes
+(megatron_entropy/config_reference.py): it must equal the generator's output, name every key of the config tree, and show each key's
 default, bounds and help as the field defines them."""
 
 from __future__ import annotations

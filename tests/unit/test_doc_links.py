@@ -86,7 +86,8 @@ def test_a_broken_file_link_and_a_broken_anchor_are_found(tmp_path, monkeypatch)
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     (tmp_path / "other.md").write_text("# Title\n\n## Same\n\n## Same\n")
     page = tmp_path / "page.md"
-    page.write_text("# Top\n\n[ok](other.md#same-1) [ok](#top) ![img](other.md) [web](https://x/y)\n"
+    page.write_text("# Top\n\n"
+                    "[ok](other.md#same-1) [ok](#top) ![img](other.md) [web](https://x/y)\n"
                     "[gone](missing.md) [bad](other.md#same-2) `[code](missing.md)`\n"
                     "```\n[fenced](missing.md)\n```\n")
     assert broken_links(page) == [
