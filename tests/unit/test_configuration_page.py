@@ -1,5 +1,5 @@
 """docs/configuration.md is generated from the settings classes
-(megatron_entropy/config_reference.py): it must equal the generator's output, name every key of the config tree, and show each key's
+(megatron_entropy.config.reference.py): it must equal the generator's output, name every key of the config tree, and show each key's
 default, bounds and help as the field defines them."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Literal, Optional
 
 from megatron_entropy.cli import main
 from megatron_entropy.config import Config
-from megatron_entropy.config_reference import COMMAND, PAGE, config_reference, type_name
+from megatron_entropy.config.reference import COMMAND, PAGE, config_reference, type_name
 
 ROOT = Path(__file__).resolve().parents[2]
 
