@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from harness import init_megatron, run_distributed
-from readme_metrics import undocumented_metrics
+from metrics_table import undocumented_metrics
 from tiny_models import random_samples, save_tiny_hf_model
 from tolerance import grad_terms, rounding_tol, transformer_terms, update_tol
 
