@@ -35,7 +35,8 @@ import torch.distributed as dist
 from megatron_entropy.models.arch import ModelArch, load_arch
 from megatron_entropy.models.hf_io import (TensorSpec, hf_weight_files, open_hf_slices,
                                            save_hf_weights)
-from megatron_entropy.models.sharding import (expert_offset, layer_offset, tp_gather,
+from megatron_entropy.models.sharding import (ep_gather_experts, expert_offset,
+                                              is_expert_param, layer_offset, tp_gather,
                                               to_global_name, unwrap_model)
 
 # Deferred imports: Megatron (~4-5 s), and runtime/roles.py which imports it, load inside the
@@ -355,6 +356,9 @@ def export_hf_weights(model, arch: ModelArch
     from megatron_entropy.runtime.roles import is_replica_leader
 
     module = unwrap_model(model)
+    if arch.is_moe and ps.get_expert_model_parallel_world_size() > 1:
+        raise NotImplementedError("export_hf_weights gathers over TP and PP only; with "
+                                  "parallel.expert > 1 use export_stage_hf_weights per stage")
     params = _stage_params(module, arch)
     pp_group = ps.get_pipeline_model_parallel_group()
     pp_rank = ps.get_pipeline_model_parallel_rank()
@@ -399,19 +403,11 @@ def _hf_items(gname: str, full: Optional[torch.Tensor], arch: ModelArch, leader:
 def _stage_params(module, arch: ModelArch) -> dict[str, tuple[str, torch.nn.Parameter]]:
     """This stage's parameters, global name -> (local name, parameter), in global order; a tied
     output layer (the last stage's copy of the embedding) left out: it is exported once."""
-    from megatron.core import parallel_state as ps
-
-    if arch.is_moe and ps.get_expert_model_parallel_world_size() > 1:
-        # Each EP rank holds other experts: the stream would need a gather over the EP group,
-        # which the weight syncs (run by DP replica 0 alone) cannot join.
-        raise NotImplementedError("exporting HF weights from a model trained with "
-                                  "parallel.expert > 1 is not supported yet; save a checkpoint "
-                                  "and convert it (tools/convert_mcore_to_hf.py)")
-    offset = layer_offset(module)
+    offset, experts = layer_offset(module), expert_offset(module)
     order = {name: i for i, name in enumerate(megatron_param_names(arch))}
     params = {}
     for name, param in module.named_parameters():
-        gname = to_global_name(name, offset)
+        gname = to_global_name(name, offset, experts)
         if not (gname == "output_layer.weight" and arch.tie_word_embeddings):
             params[gname] = (name, param)
     # Stages hold consecutive layers, so sorting each stage's parameters gives the global order.
@@ -429,23 +425,54 @@ def export_stage_hf_weights(model, arch: ModelArch
     HF-named tensor (padded vocab rows removed, on the model's device and in its dtype), on the
     others the same names come with None. Nothing crosses stages. Over all stages, in stage
     order, the streams are ``export_hf_weights``'s stream; tied embeddings come once, from the
-    first stage.
+    first stage. With expert parallelism every stage streams all experts: the stream is then
+    collective over the EP group too (every EP rank of the stage iterates it in lockstep).
     """
     from megatron.core import parallel_state as ps
 
     module = unwrap_model(model)
     params = _stage_params(module, arch)
-    specs = [(n, hf_shape(n, arch), param.dtype)
-             for gname, (_, param) in params.items() for n in weight_map(gname, arch).hf]
+    ep = ps.get_expert_model_parallel_world_size() if arch.is_moe else 1
+    names = _with_all_experts(list(params), arch) if ep > 1 else list(params)
+    dtype = next(iter(params.values()))[1].dtype
+    specs = [(n, hf_shape(n, arch), params[g][1].dtype if g in params else dtype)
+             for g in names for n in weight_map(g, arch).hf]
     leader = ps.get_tensor_model_parallel_rank() == 0
 
     # The decorator (not a ``with`` inside the generator) turns grad off only while the generator
     # runs: a consumer that stops after the last tensor must not leave it off for the caller.
     @torch.no_grad()
     def stream() -> Iterator[tuple[str, Optional[torch.Tensor]]]:
-        for gname, (name, param) in params.items():
-            full = tp_gather(name, param.detach(), param)
+        gathered: dict[str, torch.Tensor] = {}
+        for gname in names:
+            if ep > 1 and is_expert_param(gname) and gname not in gathered:
+                # A layer's first expert: every EP rank's experts of the layer, at once.
+                layer = gname.split(".mlp.")[0]
+                gathered = ep_gather_experts(
+                    [(g, tp_gather(n, p.detach(), p)) for g, (n, p) in params.items()
+                     if is_expert_param(g) and g.split(".mlp.")[0] == layer],
+                    arch.num_experts // ep)
+            if gname in gathered:
+                full = gathered.pop(gname)
+            else:
+                name, param = params[gname]
+                full = tp_gather(name, param.detach(), param)
             yield from _hf_items(gname, full, arch, leader)
             del full
 
     return specs, stream()
+
+
+def _with_all_experts(names: list[str], arch: ModelArch) -> list[str]:
+    """A stage's global names (this EP rank's experts) with every expert of each layer instead,
+    in global order."""
+    out: list[str] = []
+    for name in names:
+        if not is_expert_param(name):
+            out.append(name)
+            continue
+        layer = name.split(".mlp.")[0]
+        if not any(is_expert_param(n) and n.startswith(layer + ".") for n in out):
+            out += [f"{layer}.mlp.experts.local_experts.{e}.{fc}.weight"
+                    for e in range(arch.num_experts) for fc in ("linear_fc1", "linear_fc2")]
+    return out

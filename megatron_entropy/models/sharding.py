@@ -75,6 +75,26 @@ def is_expert_param(name: str) -> bool:
     return ".mlp.experts.local_experts." in name
 
 
+def ep_gather_experts(local: list[tuple[str, torch.Tensor]], experts_per_rank: int
+                      ) -> dict[str, torch.Tensor]:
+    """Every expert-parallel rank's expert tensors from this rank's (global name, full tensor)
+    list, which lists the same local experts in the same order on every EP rank (one layer's,
+    say): global name -> tensor. A collective over the EP group."""
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_expert_model_parallel_group()
+    size, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
+    out = {}
+    for name, t in local:
+        parts = [torch.empty_like(t) for _ in range(size)]
+        torch.distributed.all_gather(parts, t.contiguous(), group=group)
+        j = int(_EXPERT_RE.search(name).group(1)) - rank * experts_per_rank
+        for r, part in enumerate(parts):
+            out[_EXPERT_RE.sub(f".mlp.experts.local_experts.{r * experts_per_rank + j}.", name,
+                               count=1)] = part
+    return out
+
+
 def is_glu_fc1(name: str) -> bool:
     return name.endswith("linear_fc1.weight") or name.endswith("linear_fc1.bias")
 

@@ -127,3 +127,39 @@ def test_routing_replay_routes_every_update_as_the_recompute(moe_dir):
     assert m_free["moe/routing_mismatch"] > 0
     assert m_replay["moe/routing_mismatch"] == 0.0
     assert any(not torch.equal(free[n], replayed[n]) for n in free)
+
+
+def _sync_worker(hf_dir, expert: int):
+    """Worker: the model at EP=``expert`` from HF weights, synced in place into an in-process
+    engine whose weights were zeroed; returns the engine's state dict and weight version."""
+    from megatron_entropy.models.bridge import load_hf_weights
+    from megatron_entropy.models.builder import build_gpt_model
+    from megatron_entropy.rollout.inprocess import InProcessEngine
+    from megatron_entropy.weight_sync import InPlaceSync
+
+    init_megatron(expert=expert)
+    arch = load_arch(hf_dir)
+    model = build_gpt_model(arch, dtype="fp32", transformer_impl="local", seq_length=64,
+                            expert=expert)
+    load_hf_weights(model, hf_dir, arch)
+    engine = InProcessEngine(hf_dir)
+    with torch.no_grad():
+        for p in engine.model.parameters():
+            p.zero_()
+    InPlaceSync(engine, 64 * 1024).sync(model, arch, version=3)
+    return {k: v.clone() for k, v in engine.model.state_dict().items()}, engine.weight_version
+
+
+def test_ep2_weight_sync_fills_the_in_process_engine_bit_for_bit(moe_dir):
+    """Every EP rank gathers all experts of each layer (small buckets: many relays), and the
+    engine's fused expert tensors get each expert's slices: transformers' own weights exactly."""
+    import transformers
+
+    from megatron_entropy.testing.toy_models import save_tokenizer
+
+    save_tokenizer(moe_dir)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32)
+    for state, version in run_distributed(_sync_worker, 2, moe_dir, 2):
+        assert version == 3 and state.keys() == ref.state_dict().keys()
+        for name, t in ref.state_dict().items():
+            assert torch.equal(state[name], t), name
