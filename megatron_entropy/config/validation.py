@@ -25,11 +25,6 @@ def validate(cfg: Config) -> None:
                           "that runs it, which rollout.server.router_url hides (the router "
                           "picks it): use rollout.inflight_at_sync=finish or address the "
                           "servers directly (rollout.server.urls)")
-    if cfg.parallel.expert > 1 and r.engine != "inprocess":
-        raise ConfigError(f"parallel.expert={cfg.parallel.expert} with rollout.engine={r.engine} "
-                          "is not supported yet: a server's weights are gathered by DP replica "
-                          "0 alone, while each EP rank holds other experts; use "
-                          "rollout.engine=inprocess")
     if r.routing_replay != "none" and cfg.model.recompute_activations:
         raise ConfigError("rollout.routing_replay=recompute with model.recompute_activations="
                           "true is not supported (the backward's re-forward would route "

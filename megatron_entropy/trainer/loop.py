@@ -316,7 +316,8 @@ class Trainer:
         stats: dict[str, float] = {}
         gather_params(self.model)  # an overlapped param all-gather still in flight
         if self.roles.feeds_engine:
-            stats = self.weight_sync.sync(self.model[0], self.arch, version)
+            stats = self.weight_sync.sync(self.model[0], self.arch, version,
+                                          relay_only=self.roles.relays_experts)
         dist.barrier()
         return {k: float(v) for k, v in stats.items()}
 

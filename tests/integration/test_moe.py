@@ -103,6 +103,15 @@ def test_hf_weights_give_transformers_logits(moe_hf, expert, pipeline):
     _check_logits(results, ref_logits, hf_dir, expert)
 
 
+def test_top_k_of_the_full_softmax_gives_transformers_logits(tmp_path):
+    """norm_topk_prob=false: the top-k of the softmax over all experts, not renormalised
+    (Megatron's pre-softmax routing), at EP=2."""
+    hf_dir = save_tiny_hf_model("qwen3_moe", tmp_path, norm_topk_prob=False)
+    tokens = tokens_for(1000)
+    ref_logits, _ = hf_reference(hf_dir, tokens)
+    _check_logits(run_distributed(_logits, 2, hf_dir, 2, tokens), ref_logits, hf_dir, 2)
+
+
 def test_tensor_parallel_moe_needs_sequence_parallel(moe_hf):
     from megatron_entropy.models.builder import transformer_config
 
