@@ -44,8 +44,15 @@ SERVER_WORKSPACE = 2 * GiB  # CUDA graphs, sampler and activation workspace of a
 RUNTIME_OVERHEAD = 2 * GiB  # CUDA context, NCCL buffers
 TRAINER_MEMORY_LIMIT = 0.9  # refuse above this share of the GPU: the estimate is not exact
 
-# The public config.json numbers of the paper's models, for planning before the weights are
-# downloaded (model.hf_path's folder name selects one when it has no config.json yet).
+# What the two Qwen3-MoE models' config.json files share.
+_QWEN3_MOE = dict(architectures=["Qwen3MoeForCausalLM"], vocab_size=151936, num_key_value_heads=4,
+                  head_dim=128, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                  max_position_embeddings=40960, rope_theta=1e6, rms_norm_eps=1e-6,
+                  tie_word_embeddings=False, router_aux_loss_coef=0.001)
+
+# The public config.json numbers of the paper's models and of Qwen3's MoE models, for planning
+# before the weights are downloaded (model.hf_path's folder name selects one when it has no
+# config.json yet).
 KNOWN_MODELS = {
     "qwen2.5-7b": dict(architectures=["Qwen2ForCausalLM"], vocab_size=152064, hidden_size=3584,
                        intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
@@ -55,20 +62,12 @@ KNOWN_MODELS = {
                         intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40,
                         num_key_value_heads=8, max_position_embeddings=131072, rope_theta=1e6,
                         rms_norm_eps=1e-5, tie_word_embeddings=False),
-    "qwen3-30b-a3b": dict(architectures=["Qwen3MoeForCausalLM"], vocab_size=151936,
-                          hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
-                          num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
-                          head_dim=128, num_experts=128, num_experts_per_tok=8,
-                          norm_topk_prob=True, max_position_embeddings=40960, rope_theta=1e6,
-                          rms_norm_eps=1e-6, tie_word_embeddings=False,
-                          router_aux_loss_coef=0.001),
-    "qwen3-235b-a22b": dict(architectures=["Qwen3MoeForCausalLM"], vocab_size=151936,
-                            hidden_size=4096, intermediate_size=12288, moe_intermediate_size=1536,
-                            num_hidden_layers=94, num_attention_heads=64, num_key_value_heads=4,
-                            head_dim=128, num_experts=128, num_experts_per_tok=8,
-                            norm_topk_prob=True, max_position_embeddings=40960, rope_theta=1e6,
-                            rms_norm_eps=1e-6, tie_word_embeddings=False,
-                            router_aux_loss_coef=0.001),
+    "qwen3-30b-a3b": dict(_QWEN3_MOE, hidden_size=2048, intermediate_size=6144,
+                          moe_intermediate_size=768, num_hidden_layers=48,
+                          num_attention_heads=32),
+    "qwen3-235b-a22b": dict(_QWEN3_MOE, hidden_size=4096, intermediate_size=12288,
+                            moe_intermediate_size=1536, num_hidden_layers=94,
+                            num_attention_heads=64),
 }
 
 

@@ -53,8 +53,8 @@ def transformer_terms(arch, seq: int, log_softmax: bool = False) -> int:
     """Terms summed along the path of one logit through a pre-norm transformer (a ``ModelArch``)
     on ``seq`` tokens: per layer the attention RMSNorm (hidden), QKV (hidden), scores (head_dim),
     softmax and P.V (seq each), the output projection (hidden), the MLP RMSNorm (hidden), fc1
-    (hidden) and fc2 (ffn; an MoE layer adds its router and the top-k sum); then the final norm and the LM head (hidden each), and with
-    ``log_softmax`` the normaliser over the vocabulary (for a log-prob or a loss)."""
+    (hidden) and fc2 (ffn; an MoE layer adds its router and the top-k sum); then the final norm
+    and the LM head (hidden each), and with ``log_softmax`` the normaliser over the vocabulary (for a log-prob or a loss)."""
     h = arch.hidden_size
     ffn = arch.ffn_hidden_size
     if getattr(arch, "num_experts", 0):

@@ -4,15 +4,11 @@ SIGKILL resumes bit for bit."""
 
 from __future__ import annotations
 
-import os
-import signal
-import threading
-import time
 from pathlib import Path
 
 import pytest
 
-from harness import metrics_rows, run_distributed, train_from_dict
+from harness import kill_after_first_step, metrics_rows, run_distributed, train_from_dict
 from test_train_loop import STABLE, _cli
 
 from megatron_entropy.testing.toy_models import save_tiny_hf_model, save_tokenizer
@@ -73,27 +69,9 @@ def test_killed_ep2_run_resumes_bit_identical(moe_model, tmp_path):
     victim = _cli(cfg_path, "logging.name=victim", "--nproc", "2", log=tmp_path / "victim.log",
                   **threads)
     metrics = tmp_path / "victim" / "metrics.jsonl"
-    killed: dict = {}
-
-    def kill_after_the_first_step() -> None:
-        deadline = time.monotonic() + 300
-        while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 1):
-            if victim.poll() is not None or time.monotonic() > deadline:
-                return
-            time.sleep(0.2)
-        os.killpg(victim.pid, signal.SIGKILL)
-        killed["at"] = len(metrics.read_text().splitlines())
-    killer = threading.Thread(target=kill_after_the_first_step, daemon=True)
-    killer.start()
-    try:
-        run_distributed(train_from_dict, 2, cfg, timeout=300)
-    finally:
-        killer.join(timeout=300)
-        if victim.poll() is None:
-            os.killpg(victim.pid, signal.SIGKILL)
-        victim.wait()
-    assert "at" in killed, (tmp_path / "victim.log").read_text()[-3000:]
-    assert len(metrics.read_text().splitlines()) < steps
+    assert kill_after_first_step(victim, metrics, tmp_path / "victim.log",
+                                 lambda: run_distributed(train_from_dict, 2, cfg, timeout=300)
+                                 ) < steps
     resumed = _cli(cfg_path, "logging.name=victim", "--nproc", "2", log=tmp_path / "resumed.log",
                    **threads)
     assert resumed.wait(timeout=300) == 0, (tmp_path / "resumed.log").read_text()[-3000:]
