@@ -55,7 +55,7 @@ from megatron_entropy.rollout.server.errors import RequestRejected, ServerError
 from megatron_entropy.rollout.server.partial import (AbortApi, RequestAborted, eos_token_ids,
                                                      finished_before_resume)
 from megatron_entropy.rollout.server.pool import Server
-from megatron_entropy.rollout.server.process import free_port, server_command
+from megatron_entropy.rollout.server.process import compose_argv, free_port
 from megatron_entropy.runtime.dtypes import long_name
 
 log = logging.getLogger(__name__)
@@ -120,7 +120,7 @@ def server_argv(c: ServerConfig, model_dir: str, port: int,
     argv = [c.server_python, "-m", "sglang.launch_server", "--model-path", model_dir,
             "--host", c.host, "--port", str(port), "--dtype", long_name(c.dtype),
             "--weight-version", str(weight_version)]
-    return server_command(c, argv, "--context-length", model_dir, port, weight_version)
+    return compose_argv(c, argv, "--context-length", model_dir, port, weight_version)
 
 
 class SGLangEngine(ServerEngine):
