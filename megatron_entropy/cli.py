@@ -35,7 +35,10 @@ USER_ERRORS: tuple[type[BaseException], ...] = (FileNotFoundError, ConfigError,
 # The same, of modules that load torch: named, not imported. A class whose module never loaded
 # cannot have been raised, so a command without torch does not load it to print an error.
 TORCH_USER_ERRORS = (("megatron_entropy.data.dataset", "DatasetError"),
-                     ("megatron_entropy.models.megatron_checkpoint", "CheckpointError"))
+                     ("megatron_entropy.models.megatron_checkpoint", "CheckpointError"),
+                     # The engine holds other weights; a rollout server failed for good.
+                     ("megatron_entropy.trainer.weight_check", "WeightCheckError"),
+                     ("megatron_entropy.rollout.server.errors", "ServerError"))
 
 # megatron-core's start-up notes that are known to be harmless, matched by the start of their
 # message: fallbacks on machines without Transformer Engine/Apex, deprecations inside

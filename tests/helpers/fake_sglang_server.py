@@ -41,7 +41,9 @@ and one warming up, that still make progress). Endpoints under ``/fake/`` set fa
 ``/fake/corrupt_syncs`` {noise}: later weight updates answer success but add Gaussian noise of
 that std to every weight (a silently wrong sync); ``/fake/die_on_next_sync``: the next
 ``/update_weights_from_disk`` kills the process mid-call (as SGLang's scheduler dying on it);
-``/fake/abort_next`` {count}: that many next requests come back aborted after one token
+``/fake/abort_next`` {count}: that many next requests come back aborted after one token;
+``/fake/perturb`` {scale, seed}: every tensor of the weights loaded last gets Gaussian noise of
+scale x its own std (a wrong copy of the model; scale 0 restores it)
 (``--sync-noise`` sets the noise from the start); ``GET /fake/state``: requests running and
 waiting, tokens decoded.
 
@@ -219,6 +221,7 @@ class FakeSGLang:
         self.abort_next = 0
         self.batched = False
         self.requests: dict[str, RequestState] = {}  # by rid, while they wait or run
+        self.unperturbed: Optional[dict[str, torch.Tensor]] = None  # before /fake/perturb
 
     # --------------------------------------------------------------------------- helpers
 
@@ -486,12 +489,26 @@ class FakeSGLang:
             if tuple(params[name].shape) != tuple(t.shape):
                 return False, (f"Failed to update weights: {name} has shape "
                                f"{tuple(params[name].shape)}, got {tuple(t.shape)}.")
+        self.unperturbed = None  # /fake/perturb perturbs these from now on
         with self.compute, torch.no_grad():
             for name, t in named:
                 params[name].copy_(t.to(params[name].dtype))
                 if self.sync_noise:  # a silently wrong sync
                     params[name].add_(torch.randn_like(params[name]) * self.sync_noise)
         return True, "Succeeded to update model weights."
+
+    def perturb(self, scale: float, seed: int) -> None:
+        """Every tensor of the weights loaded last plus Gaussian noise of ``scale`` x its own
+        std (0: those weights again): a copy of the model that is wrong everywhere, a little."""
+        if self.unperturbed is None:
+            self.unperturbed = {k: v.clone() for k, v in self.model.params.items()}
+        gen = torch.Generator().manual_seed(seed)
+        with self.compute, torch.no_grad():
+            for name in sorted(self.unperturbed):
+                base = self.unperturbed[name]
+                std = float(base.std()) if base.numel() > 1 else 0.0
+                noise = torch.randn(base.shape, generator=gen) * (scale * std)
+                self.model.params[name].copy_(base + noise)
 
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
         body = await request.json()
@@ -658,6 +675,8 @@ class FakeSGLang:
             self.die_on_sync = True
         elif knob == "abort_next":
             self.abort_next = int(body["count"])
+        elif knob == "perturb":
+            self.perturb(float(body["scale"]), int(body.get("seed", 0)))
         else:
             return web.Response(status=404)
         return web.json_response({"ok": True})

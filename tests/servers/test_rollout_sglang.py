@@ -27,6 +27,7 @@ from megatron_entropy.rollout.base import SamplingParams
 from megatron_entropy.rollout.server.errors import RequestRejected, ServerError
 from megatron_entropy.rollout.server.process import free_port
 from megatron_entropy.rollout.server.sglang import SGLangEngine, weight_sync_address
+from megatron_entropy.runtime.launch_env import healthy
 from megatron_entropy.runtime.seeds import sample_seed
 from serving_model import make_served_model, push_weights, reference
 
@@ -54,12 +55,20 @@ def make_cfg(**kw) -> ServerConfig:
 
 def start_fake(model: Path, base_port: int, **fake_args) -> tuple[subprocess.Popen, str]:
     """A fake SGLang server that we start ourselves (the engine connects to it, as to a server
-    it did not launch), on the first free port from ``base_port``: its process and URL."""
+    it did not launch), on the first free port from ``base_port``, once it serves: its process
+    and URL."""
     port = free_port("127.0.0.1", base_port, set())
     cmd = [a.format(model=model, host="127.0.0.1", port=port, weight_version="v0")
            for a in fake_command(**fake_args)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    return proc, f"http://127.0.0.1:{port}"
+    url = f"http://127.0.0.1:{port}"
+    # A server we connect to already serves (the engine gives one that refuses connections
+    # only health_timeout_s): wait for it, as `slurm wait-servers` does.
+    deadline = time.monotonic() + 120
+    while not healthy(url, 1.0):
+        assert proc.poll() is None and time.monotonic() < deadline, "the fake did not start"
+        time.sleep(0.1)
+    return proc, url
 
 
 def post(url: str, body: dict) -> tuple[int, object]:
@@ -252,6 +261,34 @@ def test_weight_check_catches_a_silently_wrong_sync(engine, models, tmp_path):
     assert error.startswith("weight check after a sync: the rollout engine's log-probs disagree")
     for url in urls:
         assert f"({url}" in error
+
+
+def test_the_weight_probe_catches_a_copy_perturbed_by_a_tenth_of_each_tensors_std(tmp_path):
+    """The first-contact probe (the default 8 prompts x 32 tokens, bf16 tolerances) against a
+    server holding the quickstart model with noise of 0.1 x std on every tensor: caught, by
+    its 0.99 quantile (0.39 nats, bench/bench_weight_check_power.py), where the 4 x 8 probe
+    measured a mean of 3.4e-3 against its tolerance of 0.098. The trainer's first 8 prompts."""
+    from harness import run_distributed
+    from serving_model import probe_served_weights
+
+    from megatron_entropy.config import DataConfig
+    from megatron_entropy.data.dataset import load_prompt_dataset, load_tokenizer
+
+    quick = Path(__file__).resolve().parents[2] / "examples" / "quickstart_model"
+    data = load_prompt_dataset(DataConfig(), load_tokenizer(quick), 128, "train")
+    proc, url = start_fake(quick, 32750)
+    try:
+        first, error = run_distributed(
+            probe_served_weights, 1, "sglang", str(quick), [url], str(tmp_path),
+            lambda eng: post(url + "/fake/perturb", {"scale": 0.1}),
+            [data[i].prompt_ids for i in range(8)], timeout=300)[0]
+    finally:
+        proc.kill()
+        proc.wait()
+    print(f"probe on correct weights: {first}\n{error}")
+    assert first["weight_check/drift_mean"] <= 1e-4  # fp32 fake, fp32 actor
+    assert error.startswith("weight check after a sync: the rollout engine's log-probs disagree")
+    assert f"server 0 ({url}" in error and "p99" in error
 
 
 def test_router_takes_generation_workers_take_updates(engine, models, tmp_path):

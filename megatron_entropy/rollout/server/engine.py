@@ -52,6 +52,12 @@ class ServerEngine(RolloutEngine):
         self._tokens = 0
         self._seconds = 0.0
 
+    @property
+    def logprob_dtype(self) -> str:
+        """The servers' dtype; ``auto`` (the checkpoint's) counts as bf16, the coarsest it can
+        be."""
+        return "bf16" if self.cfg.dtype == "auto" else self.cfg.dtype
+
     def _command(self, port: int, model_dir: str) -> list[str]:
         return self._server_argv(self.cfg, model_dir, port, self.pool.launch_version)
 
