@@ -264,6 +264,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         args.overrides += extra
     try:
         return commands[args.command][2](args) or 0
+    except preemption.StartupInterrupted as e:
+        print(f"megatron-entropy {args.command}: {e}", file=sys.stderr)
+        return e.exit_code
     except _user_errors() as e:
         print(f"megatron-entropy {args.command}: error: {e}", file=sys.stderr)
         return 2

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import os
 import time
 from typing import Any, Callable, Optional
@@ -21,7 +22,9 @@ from megatron_entropy.rollout.base import Completion
 from megatron_entropy.rollout.server.errors import RequestRejected, ServerError
 from megatron_entropy.rollout.server.partial import AbortApi, RequestAborted, join_completions
 from megatron_entropy.rollout.server.process import log_tail
-from megatron_entropy.rollout.server.supervisor import Server, Supervisor
+from megatron_entropy.rollout.server.supervisor import PROGRESS_S, Server, Supervisor
+
+log = logging.getLogger(__name__)
 
 ParseResponse = Callable[[Any, Server], Any]
 
@@ -220,6 +223,21 @@ class Dispatcher:
             return []
         return self.sup.runner.run(self._map(path, payloads, parse, targets))
 
+    async def _progress(self, path: str, jobs: list[asyncio.Future],
+                        targets: list[Server]) -> None:
+        """Every PROGRESS_S while requests are unanswered: how many, and the servers' states
+        (each request is bounded by request_timeout_s, a silent server by the health rules)."""
+        started = time.monotonic()
+        while True:
+            await asyncio.sleep(PROGRESS_S)
+            pending = sum(not j.done() for j in jobs)
+            log.warning("waiting for %d of %d %s requests to the %s servers (%.0f s so far; "
+                        "each bounded by rollout.server.request_timeout_s=%g):\n%s", pending,
+                        len(jobs), path, self.sup.kind, time.monotonic() - started,
+                        self.cfg.request_timeout_s,
+                        "\n".join(f"  {s.describe()}: {s.state}, {s.inflight} in flight"
+                                  for s in targets))
+
     async def _map(self, path: str, payloads: list[dict], parse: ParseResponse,
                    targets: Optional[list[Server]]) -> list[Any]:
         targets = self.sup.servers if targets is None else targets
@@ -238,10 +256,11 @@ class Dispatcher:
             monitor = asyncio.ensure_future(self.sup.monitor(session, targets))
             jobs = [asyncio.ensure_future(self._one(session, i, path, p, parse, targets))
                     for i, p in enumerate(payloads)]
+            progress = asyncio.ensure_future(self._progress(path, jobs, targets))
             try:
                 return await asyncio.gather(*jobs)
             finally:
-                owned = [monitor, *jobs, *(self.sup.tasks if first else ())]
+                owned = [monitor, progress, *jobs, *(self.sup.tasks if first else ())]
                 for task in owned:
                     task.cancel()
                 await asyncio.gather(*owned, return_exceptions=True)

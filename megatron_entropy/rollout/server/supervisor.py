@@ -11,6 +11,7 @@ so that a slow fresh server is not killed and restarted over and over. Restarts 
 from __future__ import annotations
 
 import asyncio
+import logging
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -27,6 +28,10 @@ from megatron_entropy.rollout.server.process import (LaunchCommand, free_port,
                                                      parse_extra_env, port_is_free,
                                                      start_process)
 from megatron_entropy.runtime.launch_env import read_urls_file
+
+log = logging.getLogger(__name__)
+
+PROGRESS_S = 30.0  # a wait on servers says what it waits for at least this often
 
 
 @dataclass
@@ -188,15 +193,22 @@ class Supervisor:
 
     async def _wait_up(self, session: aiohttp.ClientSession, server: Server,
                        timeout: float) -> None:
-        """Poll a starting server until it answers; a clear error with its log tail if not."""
-        deadline = time.monotonic() + timeout
+        """Poll a starting server until it answers; a clear error with its log tail if not.
+        A server we did not launch should already serve: when nothing listens there (or it
+        answers with an error) for ``health_timeout_s`` it is dead, not starting. Says what it
+        waits for at the first failed probe and every ``PROGRESS_S`` after."""
+        started = time.monotonic()
+        deadline = started + timeout
+        dead_since: Optional[float] = None
+        told = -PROGRESS_S
         while True:
             if server.process is not None and server.process.poll() is not None:
                 self.mark_dead(server, f"exited with code {server.process.returncode} while "
                                        "starting")
                 raise ServerError(f"{server.describe()} {server.last_error}; log tail:\n"
                                   f"{log_tail(server.log_path)}")
-            if await self.probe(session, server) == "up":
+            probe = await self.probe(session, server)
+            if probe == "up":
                 server.state = "up"
                 server.up_at, server.warm = server.alive_at, False
                 server.died = asyncio.Event()
@@ -204,13 +216,26 @@ class Supervisor:
                     server.weight_version = self.launch_version
                 self.on_change()
                 return
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            dead_since = (dead_since or now) if probe == "dead" else None
+            if not server.launched and dead_since is not None \
+                    and now - dead_since >= self.cfg.health_timeout_s:
+                self.mark_dead(server, f"is not serving: {server.probe_error} for "
+                                       f"{now - dead_since:.0f} s (rollout.server."
+                                       "health_timeout_s)")
+                raise ServerError(f"{server.describe()} {server.last_error}")
+            if now > deadline:
                 self.mark_dead(server, f"not healthy after {timeout:.0f} s: "
                                        f"{server.probe_error or 'no answer'}")
                 if server.launched:
                     kill_process_group(server.process, grace_s=2.0)
                 raise ServerError(f"{server.describe()} {server.last_error}; log tail:\n"
                                   f"{log_tail(server.log_path)}")
+            if now - told >= PROGRESS_S:
+                told = now
+                log.warning("waiting for %s to answer %s: %.0f s of at most %.0f s (%s)",
+                            server.describe(), self.health_path, now - started, timeout,
+                            server.probe_error or "no answer yet")
             await asyncio.sleep(0.5)
 
     async def _wait_all_up(self, timeout: float) -> None:
@@ -221,7 +246,7 @@ class Supervisor:
         errors = [str(e) for e in results if isinstance(e, BaseException)]
         if errors:
             raise ServerError(f"{len(errors)} of {len(self.servers)} {self.kind} servers did not "
-                              "come up:\n" + "\n".join(errors))
+                              "come up: " + "\n".join(errors))
 
     def ensure_up(self) -> None:
         """Before a rollout or an update: restart launched servers that died, re-probe dropped
