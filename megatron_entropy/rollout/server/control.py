@@ -20,7 +20,7 @@ import aiohttp
 from megatron_entropy.rollout.server.dispatch import Dispatcher, post
 from megatron_entropy.rollout.server.errors import RequestRejected, ServerError
 from megatron_entropy.rollout.server.process import log_tail
-from megatron_entropy.rollout.server.supervisor import Server, Supervisor
+from megatron_entropy.rollout.server.supervisor import PROGRESS_S, Server, Supervisor
 
 log = logging.getLogger(__name__)
 
@@ -129,10 +129,22 @@ class ControlPlane:
         started = time.monotonic()
         abort = self.dispatch.aborting_enabled
         sent_at = -self.ABORT_AGAIN_S
+        told = started
         while self.dispatch.inflight_total > 0:
-            if abort and time.monotonic() - sent_at >= self.ABORT_AGAIN_S:
-                sent_at = time.monotonic()
+            now = time.monotonic()
+            if abort and now - sent_at >= self.ABORT_AGAIN_S:
+                sent_at = now
                 await self._abort_ours()
+            if now - told >= PROGRESS_S:
+                told = now
+                # A request waiting on a server paused in place (by another client) is not
+                # aborted: it is waited for, aborted again each second, until it runs.
+                log.warning("the weight push waits for %d of our requests in flight to %s "
+                            "(%.0f s so far; %s each bounded by rollout.server."
+                            "request_timeout_s=%g)", self.dispatch.inflight_total,
+                            self.sup.kind, now - started,
+                            "aborted again every second," if abort else "finishing,",
+                            self.cfg.request_timeout_s)
             await asyncio.sleep(0.02)
         self.drain_wait_s += time.monotonic() - started
 

@@ -158,7 +158,9 @@ class Dispatcher:
             server = await self._acquire(targets)
             rid = None  # our id for the request: only when a push may abort it
             if self.aborting_enabled:
-                rid = f"{self._id_base}-{next(self._request_ids)}"
+                # Ended by a dot: SGLang aborts every rid the given one is a prefix of, and
+                # "x-1" would be one of "x-10".
+                rid = f"{self._id_base}-{next(self._request_ids)}."
                 self.inflight_ids[rid] = server
             t0 = time.monotonic()
             died = asyncio.ensure_future(server.died.wait())
