@@ -2,7 +2,7 @@
 
 - ``errors``: what a server failure raises, named once for every module here.
 - ``process``: one server process (its command line, port, environment and log), started,
-  probed for health and stopped with its process group; also for the Slurm server tasks.
+  signalled and stopped with its process group; also for the Slurm server tasks.
 - ``eventloop``: the event loop every server call runs on (a background thread's, or one per
   call).
 - ``supervisor``: the servers' lives: launched or connected, health probes, hung and dead
