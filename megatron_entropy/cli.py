@@ -35,7 +35,10 @@ USER_ERRORS: tuple[type[BaseException], ...] = (FileNotFoundError, ConfigError,
 # The same, of modules that load torch: named, not imported. A class whose module never loaded
 # cannot have been raised, so a command without torch does not load it to print an error.
 TORCH_USER_ERRORS = (("megatron_entropy.data.dataset", "DatasetError"),
-                     ("megatron_entropy.models.megatron_checkpoint", "CheckpointError"))
+                     ("megatron_entropy.models.megatron_checkpoint", "CheckpointError"),
+                     # The engine holds other weights; a rollout server failed for good.
+                     ("megatron_entropy.trainer.weight_check", "WeightCheckError"),
+                     ("megatron_entropy.rollout.server.errors", "ServerError"))
 
 # megatron-core's start-up notes that are known to be harmless, matched by the start of their
 # message: fallbacks on machines without Transformer Engine/Apex, deprecations inside
@@ -262,6 +265,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         args.overrides += extra
     try:
         return commands[args.command][2](args) or 0
+    except preemption.StartupInterrupted as e:
+        print(f"megatron-entropy {args.command}: {e}", file=sys.stderr)
+        return e.exit_code
     except _user_errors() as e:
         print(f"megatron-entropy {args.command}: error: {e}", file=sys.stderr)
         return 2

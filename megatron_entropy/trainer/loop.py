@@ -50,8 +50,8 @@ from megatron_entropy.trainer.preemption import PREEMPTED_EXIT_CODE
 from megatron_entropy.trainer.run_folder import save_run_config
 from megatron_entropy.trainer.rollouts import (collect_step_groups, generate_round,
                                                groups_to_samples, rollout_metrics)
-from megatron_entropy.trainer.weight_check import (check_engine_weights, engine_dtype,
-                                                   probe_sampling, probe_tolerance)
+from megatron_entropy.trainer.weight_check import (check_engine_weights, check_rollout_weights,
+                                                   probe_sampling, tolerances)
 from megatron_entropy.weight_sync import build_weight_sync
 
 
@@ -213,6 +213,13 @@ class Trainer:
         self.engine = build_engine(cfg.rollout, self.hf_dir, self.run_dir) \
             if self.roles.talks_to_engine else None
         self.weight_sync = build_weight_sync(cfg.rollout, self.engine, self.hf_dir, self.run_dir)
+        # The weight check's tolerances, from the dtype the engine says it computes log-probs
+        # in (ranks without an engine learn it from those with one).
+        dtypes: list = [None] * dist.get_world_size()
+        dist.all_gather_object(dtypes, self.engine.logprob_dtype if self.engine else None)
+        w = cfg.rollout.weight_check
+        self.weight_check_limits = tolerances(next((d for d in dtypes if d), m.dtype), m.dtype,
+                                              w.tolerance, w.quantile_tolerance)
         self.logger = MetricsLogger(self.run_dir, cfg.trainer.steps, self.rank0, cfg.logging,
                                     cfg.to_dict(), start_step=self.state.step)
         if resume_from is not None:
@@ -324,17 +331,27 @@ class Trainer:
     def check_engine_weights(self, when: str) -> dict[str, float]:
         """The engine's log-probs on a fixed probe against the actor's; raises if they disagree
         (trainer/weight_check.py). Returns its ``weight_check/*`` metrics."""
-        r = self.cfg.rollout
-        if not r.weight_check or len(self.train_data) == 0:
+        w = self.cfg.rollout.weight_check
+        if not w.enabled or len(self.train_data) == 0:
             return {}
         prompts = [self.train_data[i].prompt_ids
-                   for i in range(min(r.weight_check_prompts, len(self.train_data)))]
-        tolerance = r.weight_check_tolerance or probe_tolerance(engine_dtype(r),
-                                                                self.cfg.model.dtype)
+                   for i in range(min(w.prompts, len(self.train_data)))]
         with self._engine_free():
             return check_engine_weights(self.engine, self.actor, prompts,
-                                        probe_sampling(r.temperature, r.weight_check_tokens),
-                                        tolerance, when)
+                                        probe_sampling(self.cfg.rollout.temperature, w.tokens),
+                                        self.weight_check_limits, when, w.quantile)
+
+    def check_rollout_weights(self, samples: list, dp_group, step: int) -> dict[str, float]:
+        """The recompute of this step's rollout tokens against the engine's log-probs, before
+        the update; raises if they disagree (trainer/weight_check.py)."""
+        w = self.cfg.rollout.weight_check
+        if not w.enabled:
+            return {}
+        # Asynchronous rollouts mix weight versions: only the tokens generated on the weights
+        # the trainer holds (synced after the previous step) show whether the engine has them.
+        version = str(step - 1) if self.cfg.rollout.max_staleness > 0 else None
+        return check_rollout_weights(samples, dp_group, self.weight_check_limits, w.quantile,
+                                     version, f"at step {step}", self.actor.device)
 
     def _engine_free(self):
         """No background rollout uses the engine during the body."""
@@ -396,6 +413,7 @@ class Trainer:
                     self.actor.recompute(mine)
                 metrics.update(_reduce_token_metrics(mine, dp_group))
                 metrics.update(drift_metrics(mine, dp_group))
+                metrics.update(self.check_rollout_weights(mine, dp_group, step))
                 metrics.update(self.drift.observe(step, metrics, self.logger.write))
                 with timer("update"):
                     actor_metrics = self.actor.update(mine, step, loss_knobs(self.controller))
@@ -460,7 +478,8 @@ class Trainer:
 
 def train(cfg: Config) -> dict[str, float]:
     """Run (or resume) the RL job ``cfg`` on this rank; returns the last step's metrics."""
-    trainer = Trainer(cfg)
+    with preemption.interruptible():  # a stop request ends start-up wherever it waits
+        trainer = Trainer(cfg)
     try:
         return trainer.run()
     finally:
