@@ -24,7 +24,8 @@ from typing import Any, Literal, Optional, Union
 import yaml
 
 from megatron_entropy.algorithms.entropy_control import EntropyControlSettings, EntropyController
-from megatron_entropy.algorithms.settings import (PolicyLossSettings, RolloutCorrectionSettings,
+from megatron_entropy.algorithms.settings import (AdvantageName, PolicyLossSettings,
+                                                  RolloutCorrectionSettings,
                                                   TokenRuleSettings, check_token_rules)
 from megatron_entropy.runtime.dtypes import DTYPE_ALIASES, DtypeName
 from megatron_entropy.settings import SettingError, Settings, canonical, check_choice, field_types
@@ -168,7 +169,7 @@ class AlgorithmConfig(PolicyLossSettings):
     """The policy loss's settings (algorithms/settings.py: loss, clip ranges, Clip-Cov/KL-Cov,
     regularisers, aggregation), the advantage and the actor's log-prob and Cov-scope keys."""
 
-    advantage: Literal["grpo", "drgrpo", "rloo"] = "grpo"
+    advantage: AdvantageName = "grpo"
     norm_adv_by_std: bool = _f(True, help="GRPO: divide by the group std (+1e-6)")
     cov_scope: Literal["micro_batch", "global"] = _f(
         "micro_batch", help="micro_batch = paper code/verl; global = the whole optimizer step")

@@ -277,7 +277,9 @@ def groups_to_samples(step: StepGroups, estimator: str, norm_by_std: bool) -> li
         return []
     adv = compute_advantages(estimator, torch.tensor(rewards),
                              torch.tensor([gi for gi, s in enumerate(step.kept) for _ in s.rewards]),
-                             norm_by_std=norm_by_std).tolist()
+                             norm_by_std=norm_by_std,
+                             lengths=torch.tensor([n for s in step.kept
+                                                   for n in s.response_tokens])).tolist()
     first = [0]
     for s in step.kept:
         first.append(first[-1] + len(s.rewards))
