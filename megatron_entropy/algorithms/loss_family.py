@@ -115,7 +115,8 @@ def sapo(s: PolicyLossSettings, b: LossBatch, metrics: dict) -> Tensor:
     place of the clip, -A (4 / tau) sigmoid(tau (ratio - 1)), tau = tau_pos where A > 0 else
     tau_neg (its gradient at ratio 1 is PPO's)."""
     ratio = torch.exp(_log_ratio(b))
-    tau = torch.where(b.advantages > 0, s.sapo_tau_pos, s.sapo_tau_neg).to(ratio.dtype)
+    tau = torch.where(b.advantages > 0, torch.full_like(ratio, s.sapo_tau_pos),
+                      torch.full_like(ratio, s.sapo_tau_neg))
     return -b.advantages * torch.sigmoid(tau * (ratio - 1)) * (4.0 / tau)
 
 
