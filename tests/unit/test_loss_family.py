@@ -340,3 +340,32 @@ def test_cov_modifier_global_scope_does_not_depend_on_the_split(modifier):
 def test_cov_modifier_is_refused_where_it_is_not_defined(loss):
     with pytest.raises(ConfigError, match=rf"algorithm.cov_modifier.*cannot modify the {loss}"):
         load_config(overrides=[f"algorithm.loss={loss}", "algorithm.cov_modifier=kl_cov"])
+
+
+# ------------------------------------------------------------------------ the study
+
+
+def test_every_loss_and_estimator_is_a_study_arm(tmp_path):
+    """study.losses takes any of them by name (here from the command line, as
+    docs/algorithms/policy_losses.md shows): each arm's run resolves to its loss/advantage."""
+    from pathlib import Path
+
+    from megatron_entropy.analysis.study import plan_study
+
+    arms = [("grpo", ["algorithm.loss=ppo_clip"])]  # the study's baseline arm
+    arms += [(loss, [f"algorithm.loss={loss}"]) for loss in FAMILY]
+    arms += [("cispo_kl_cov", ["algorithm.loss=cispo", "algorithm.cov_modifier=kl_cov"])]
+    arms += [(adv, ["algorithm.loss=ppo_clip", f"algorithm.advantage={adv}"])
+             for adv in ("reinforce_plus_plus", "reinforce_plus_plus_baseline", "opo",
+                         "grpo_passk")]
+    listed = ", ".join(f"{{name: {n}, overrides: [{', '.join(o)}]}}" for n, o in arms)
+    config = Path(__file__).resolve().parents[2] / "examples" / "study.yaml"
+    plan = plan_study(str(config), [f"study.losses=[{listed}]", "study.seeds=[1]",
+                                    "study.entropy_bonus.values=[]",
+                                    "study.threshold_sweep.values=[]"],
+                      str(tmp_path / "out"), quick=True)
+    assert [r.name for r in plan.runs] == [f"{n}-seed1" for n, _ in arms]
+    for run, (name, _) in zip(plan.runs, arms):
+        a = run.config.algorithm
+        assert name in ("grpo", a.loss, a.advantage) or \
+            (a.loss, a.cov_modifier) == ("cispo", "kl_cov")
