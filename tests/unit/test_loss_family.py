@@ -342,6 +342,11 @@ def test_cov_modifier_is_refused_where_it_is_not_defined(loss):
         load_config(overrides=[f"algorithm.loss={loss}", "algorithm.cov_modifier=kl_cov"])
 
 
+def test_pass_at_k_needs_two_samples_per_prompt():
+    with pytest.raises(ConfigError, match=r"grpo_passk needs rollout.n_samples >= 2.*got 1"):
+        load_config(overrides=["algorithm.advantage=grpo_passk", "rollout.n_samples=1"])
+
+
 # ------------------------------------------------------------------------ the study
 
 
