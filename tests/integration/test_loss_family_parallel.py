@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from harness import init_megatron, run_distributed
-from tiny_models import random_samples, tiny_hf_config
+from tiny_models import hf_weights, random_samples, tiny_actor, tiny_hf_config
 from tolerance import grad_terms, transformer_terms, update_tol
 
 from megatron_entropy.models.arch import arch_from_hf_config
@@ -29,37 +29,21 @@ def _step_worker(tensor: int, pipeline: int, loss: str, mode: str, initial: dict
     """From the full weights ``initial``: recompute -> 2 epochs x 2 mini-batches of updates on
     this rank's DP share; returns the full HF-named weights before and after (on the replica's
     leader) and the metrics."""
-    from megatron_entropy.config import (AlgorithmConfig, ModelConfig, ParallelConfig,
-                                         TrainerConfig)
-    from megatron_entropy.models.bridge import export_hf_weights
-    from megatron_entropy.models.sharding import load_full_state_dict
-    from megatron_entropy.trainer.actor import Actor
-    from megatron_entropy.trainer.model_setup import build_optimizer, build_trainable_model
+    from megatron_entropy.config import AlgorithmConfig, TrainerConfig
     from megatron_entropy.trainer.rollouts import dp_share
 
-    init_megatron(tensor, pipeline)
-    arch = arch_from_hf_config(tiny_hf_config("qwen2"))
-    chunks = build_trainable_model(
-        arch, ModelConfig(dtype="fp32", transformer_impl="local", seq_length=64),
-        ParallelConfig(tensor=tensor, pipeline=pipeline))
-    load_full_state_dict(chunks[0], initial)  # a PP=2 build draws other initial weights
     # adam_eps = 1: updates proportional to the gradients (tests/helpers/tolerance.py).
     trainer = TrainerConfig(lr=1e-2, steps=1, grad_clip=0.0, adam_eps=1.0, weight_decay=0.0,
                             micro_batch_tokens=24, mini_batches_per_step=2, ppo_epochs=2, seed=5)
-    optimizer, scheduler = build_optimizer(chunks, trainer)
     # Narrow clip ranges, so that the sequence clip acts in the later updates.
     algorithm = AlgorithmConfig(loss=loss, loss_agg_mode=mode, clip_ratio_low=0.02,
                                 clip_ratio_high=0.02, logprob_impl="fused")
-    actor = Actor(arch, chunks, optimizer, scheduler, algorithm, trainer, 1.0)
-
-    def weights():
-        return {n: t.clone() for n, t in export_hf_weights(chunks[0], arch) if t is not None}
-
+    actor = tiny_actor(tensor, pipeline, algorithm, trainer, initial=initial)
     mine = dp_share(random_samples(0))
-    before = weights()
+    before = hf_weights(actor)
     actor.recompute(mine)
     metrics = actor.update(mine, step=1)
-    return before, weights(), metrics
+    return before, hf_weights(actor), metrics
 
 
 def _path() -> int:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from harness import run_distributed
+from test_algorithms_policy_loss import _policy_logp
 
 from megatron_entropy.algorithms.aggregation import AGG_MODES, step_normalizer
 from megatron_entropy.algorithms.loss_family import FAMILY_LOSSES
@@ -239,10 +240,6 @@ def test_sequence_losses_equal_the_sequence_objective_only_per_sequence():
 
 
 # ------------------------------------------------------------------------ split, DP
-
-
-def _policy_logp(theta, x, targets):
-    return torch.log_softmax(x @ theta, dim=-1).gather(-1, targets[..., None]).squeeze(-1)
 
 
 def _split_grad(loss: str, mode: str, splits, dp_group=None):
