@@ -186,7 +186,7 @@ class AlgorithmConfig(PolicyLossSettings):
         if not c.enabled:
             return
         try:
-            c.check(self.loss, vocab_size)
+            c.check(self.cov_rule or self.loss, vocab_size)
             EntropyController(c, getattr(self, c.knob))
         except SettingError as e:
             raise SettingError(f"entropy_control.{e.setting}", e.message) from None

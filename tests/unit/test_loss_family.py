@@ -339,6 +339,20 @@ def test_cov_modifier_is_refused_where_it_is_not_defined(loss):
         load_config(overrides=[f"algorithm.loss={loss}", "algorithm.cov_modifier=kl_cov"])
 
 
+def test_the_entropy_controller_drives_the_cov_modifier_knob():
+    """KL-Cov's ratio is a knob of any loss with the kl_cov modifier; the entropy bonus of any
+    loss; a Cov knob of a loss without a Cov rule is refused."""
+    on = ["algorithm.entropy_control.enabled=true", "algorithm.entropy_control.knob_max=0.5"]
+    cfg = load_config(overrides=[*on, "algorithm.loss=sapo", "algorithm.cov_modifier=kl_cov",
+                                 "algorithm.entropy_control.knob=kl_cov_ratio"])
+    assert cfg.algorithm.cov_rule == "kl_cov"
+    load_config(overrides=[*on, "algorithm.loss=gmpo", "algorithm.entropy_coef=0.01",
+                           "algorithm.entropy_control.knob=entropy_coef"])
+    with pytest.raises(ConfigError, match="kl_cov_ratio is not a knob of the gspo loss"):
+        load_config(overrides=[*on, "algorithm.loss=gspo",
+                               "algorithm.entropy_control.knob=kl_cov_ratio"])
+
+
 def test_pass_at_k_needs_two_samples_per_prompt():
     with pytest.raises(ConfigError, match=r"grpo_passk needs rollout.n_samples >= 2.*got 1"):
         load_config(overrides=["algorithm.advantage=grpo_passk", "rollout.n_samples=1"])
