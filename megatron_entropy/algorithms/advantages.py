@@ -13,6 +13,8 @@
 - ``grpo_passk`` (Chen et al., "Pass@k Training", arXiv 2503.19595 as verl): only the group's
   best response (the first of equal bests) gets r_max - r_second, divided by (std_g + eps)
   with ``norm_by_std``; the others 0. Needs >= 2 responses per prompt.
+- ``remax`` (Li et al., "ReMax", arXiv 2310.10505): r - b, b the reward of the prompt's greedy
+  response (``baselines``, one per response; the rollout generates it).
 A group of one response keeps mean 0 and std 1 (GRPO) or its reward (RLOO), as verl does.
 """
 
@@ -33,9 +35,11 @@ NEEDS_LENGTHS = ("reinforce_plus_plus", "reinforce_plus_plus_baseline", "opo")
 
 def compute_advantages(estimator: str, rewards: Tensor, group_ids: Tensor, *,
                        norm_by_std: bool = True, eps: float = 1e-6,
-                       lengths: Optional[Tensor] = None) -> Tensor:
+                       lengths: Optional[Tensor] = None,
+                       baselines: Optional[Tensor] = None) -> Tensor:
     """One advantage per response [N] from rewards [N] and prompt ids [N] (long); ``lengths``
-    [N] (response tokens) for the estimators in ``NEEDS_LENGTHS``."""
+    [N] (response tokens) for the estimators in ``NEEDS_LENGTHS``, ``baselines`` [N] (the
+    greedy response's reward of each response's prompt) for ``remax``."""
     if estimator not in ESTIMATORS:
         raise ValueError(f"unknown advantage estimator {estimator!r}; choose one of "
                          f"{', '.join(ESTIMATORS)}")
@@ -54,6 +58,12 @@ def compute_advantages(estimator: str, rewards: Tensor, group_ids: Tensor, *,
             raise ValueError(f"{estimator} needs the response lengths [N] (>= 0); got "
                              f"{None if lengths is None else tuple(lengths.shape)}")
         lengths = lengths.to(rewards.dtype)
+    if estimator == "remax":
+        if baselines is None or baselines.shape != rewards.shape or \
+                not bool(torch.isfinite(baselines).all()):
+            raise ValueError(f"remax needs a finite greedy baseline [N] per response; got "
+                             f"{None if baselines is None else tuple(baselines.shape)}")
+        return rewards - baselines.to(rewards.dtype)
 
     _, inverse = torch.unique(group_ids, return_inverse=True)
     counts = torch.bincount(inverse).to(rewards.dtype)

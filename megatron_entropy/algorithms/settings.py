@@ -17,7 +17,7 @@ LossName = Literal["ppo_clip", "clip_cov", "kl_cov", "gspo", "gmpo", "cispo", "s
                    "dppo_tv", "dppo_kl", "gpg"]
 CovModifier = Literal["none", "clip_cov", "kl_cov"]
 AdvantageName = Literal["grpo", "drgrpo", "rloo", "reinforce_plus_plus",
-                        "reinforce_plus_plus_baseline", "opo", "grpo_passk"]
+                        "reinforce_plus_plus_baseline", "opo", "grpo_passk", "remax"]
 # Their ratio and clip decision span the whole response: a token's term is not its own, so Cov
 # selection (a per-token rule) is not defined on them.
 SEQUENCE_LOSSES = ("gspo", "gmpo")

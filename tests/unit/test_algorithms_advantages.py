@@ -123,3 +123,13 @@ def test_estimators_that_need_lengths_or_pairs_say_so():
             compute_advantages(name, r, ids)
     with pytest.raises(ValueError, match="at least 2 responses per prompt"):
         compute_advantages("grpo_passk", r, ids)
+
+
+def test_remax_subtracts_the_greedy_baseline():
+    r, ids = torch.tensor([1.0, 0.0, 1.0, 0.5]), torch.tensor([0, 0, 1, 1])
+    b = torch.tensor([0.25, 0.25, 1.0, 1.0])
+    torch.testing.assert_close(compute_advantages("remax", r, ids, baselines=b), r - b)
+    with pytest.raises(ValueError, match="remax needs a finite greedy baseline"):
+        compute_advantages("remax", r, ids)
+    with pytest.raises(ValueError, match="remax needs a finite greedy baseline"):
+        compute_advantages("remax", r, ids, baselines=torch.tensor([0.0, float("nan"), 0, 0]))
