@@ -68,7 +68,8 @@ def test_sequence_loss_update_is_the_same_at_tp2_pp2_and_dp2(loss):
         w2, m2 = results[0][1], results[0][2]
         assert m2["pg_clipfrac"] == m1["pg_clipfrac"], (tensor, pipeline)
         for name in w1:
-            torch.testing.assert_close(w2[name], w1[name], rtol=0, msg=f"{name} {tensor}x{pipeline}",
+            torch.testing.assert_close(w2[name], w1[name], rtol=0,
+                                       msg=f"{name} at TP {tensor} PP {pipeline} world {world}",
                                        atol=update_tol(w1[name], w0[name], UPDATES, path))
     # The loss changes the update (against PPO-clip at the same clip range; the first update is
     # the same for both, ratio 1) far beyond the tolerance, so the comparisons above can fail.
