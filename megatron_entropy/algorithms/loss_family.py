@@ -81,13 +81,14 @@ def gspo(s: PolicyLossSettings, b: LossBatch, metrics: dict) -> Tensor:
 
 def _gmpo_clipped_log_ratio(s: PolicyLossSettings, b: LossBatch
                             ) -> tuple[Tensor, Tensor, Tensor]:
-    """(the sequence advantage [B, 1], the sign-aware clipped log ratio c_t, clipped mask)."""
+    """(the sequence advantage [B, 1], the sign-aware clipped log ratio c_t, the tokens it
+    clipped)."""
     adv = _row_mean(b.advantages, b.valid)
     sign = torch.sign(adv)
     lr = b.logp - b.old_logp
     clamped = torch.clamp(lr, -s.clip_ratio_low, s.clip_ratio_high)
     c = sign * torch.minimum(sign * lr, sign * clamped)
-    return adv, c, (lr != clamped) & (sign != 0)
+    return adv, c, (c != lr) & (sign != 0)
 
 
 def gmpo(s: PolicyLossSettings, b: LossBatch, metrics: dict) -> Tensor:
