@@ -218,6 +218,31 @@ def test_far_ratios_really_clip():
 
 
 @pytest.mark.parametrize("loss", FAMILY)
+def test_global_scope_gives_the_same_loss_and_the_steps_cov(loss):
+    """Without a Cov rule the global selection chooses nothing: the loss is the micro-batch
+    scope's, and Cov's metrics are those of the whole step (here two micro-batches)."""
+    s = PolicyLossSettings(loss=loss, loss_agg_mode="seq-mean-token-sum")
+    d = make_batch("random", seed=8, rows=8)
+    parts = [[0, 1, 2], [3, 4, 5, 6, 7]]
+    split = {k: [d[k][p] for p in parts] for k in ("logp", "old", "adv", "mask")}
+    sels = select_tokens_global(s, split["logp"], split["old"], split["adv"], split["mask"],
+                                dp_group=None, seed=0)
+    normalizer = step_normalizer(split["mask"], s.loss_agg_mode)
+    metrics = []
+    for p, sel in zip(parts, sels):
+        part = {k: d[k][p] for k in d}
+        got, grad, m = run_loss(s, part, normalizer, sel)
+        want, want_grad, _ = run_loss(s, part, normalizer)
+        assert not sel.selected.any()
+        assert torch.equal(got, want) and torch.equal(grad, want_grad)
+        metrics.append(m)
+    valid = d["mask"].bool()
+    lp, adv = d["logp"][valid], d["adv"][valid]
+    cov = (adv - adv.mean()) * (lp - lp.mean())
+    assert reduce_metrics(metrics)["cov_mean"] == pytest.approx(float(cov.mean()), rel=1e-12)
+
+
+@pytest.mark.parametrize("loss", FAMILY)
 def test_all_masked_micro_batch_is_an_exact_zero_in_the_graph(loss):
     d = make_batch("random")
     d["mask"].zero_()
