@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal, Optional, Union
 
 from megatron_entropy.algorithms.entropy_control import EntropyControlSettings, EntropyController
-from megatron_entropy.algorithms.settings import (PolicyLossSettings, RolloutCorrectionSettings,
+from megatron_entropy.algorithms.settings import (AdvantageName, PolicyLossSettings,
+                                                  RolloutCorrectionSettings,
                                                   TokenRuleSettings, check_token_rules)
 from megatron_entropy.analysis.study_settings import StudyConfig
 from megatron_entropy.runtime.dtypes import DTYPE_ALIASES, DtypeName
@@ -189,7 +190,7 @@ class AlgorithmConfig(PolicyLossSettings):
     """The policy loss's settings (algorithms/settings.py: loss, clip ranges, Clip-Cov/KL-Cov,
     regularisers, aggregation), the advantage and the actor's log-prob and Cov-scope keys."""
 
-    advantage: Literal["grpo", "drgrpo", "rloo"] = "grpo"
+    advantage: AdvantageName = "grpo"
     norm_adv_by_std: bool = _f(True, help="GRPO: divide by the group std (+1e-6)")
     cov_scope: Literal["micro_batch", "global"] = _f(
         "micro_batch", help="micro_batch = paper code/verl; global = the whole optimizer step")
@@ -217,7 +218,7 @@ class AlgorithmConfig(PolicyLossSettings):
         if not c.enabled:
             return
         try:
-            c.check(self.loss, vocab_size)
+            c.check(self.cov_rule or self.loss, vocab_size)
             EntropyController(c, getattr(self, c.knob))
         except SettingError as e:
             raise SettingError(f"entropy_control.{e.setting}", e.message) from None

@@ -294,7 +294,8 @@ class Trainer:
         return collect_step_groups(
             self.engine, lambda n: [self.train_data[i] for i in self.sampler.next_indices(n)],
             self.sampling_params(step), self.reward, self.roles.shared_engine, d.prompts_per_step,
-            d.dynamic_sampling, d.max_refill_rounds, between_rounds=self._check_inside_step)
+            d.dynamic_sampling, d.max_refill_rounds, between_rounds=self._check_inside_step,
+            greedy_baseline=self.cfg.algorithm.advantage == "remax")
 
     def _check_inside_step(self) -> None:
         """Between refill rounds and before the update: a signal, or a job end that leaves only
@@ -392,7 +393,7 @@ class Trainer:
                 self.engine, self.train_data, self.sampler, self.sampling_params, self.reward,
                 d.prompts_per_step, d.dynamic_sampling, d.max_refill_rounds,
                 cfg.rollout.max_staleness, self.state.step + 1, t.steps, self.rank0,
-                cfg.rollout.inflight_at_sync)
+                cfg.rollout.inflight_at_sync, cfg.algorithm.advantage == "remax")
         for step in range(self.state.step + 1, t.steps + 1):
             timer = PhaseTimer()
             started = time.perf_counter()
