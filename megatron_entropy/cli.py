@@ -20,7 +20,9 @@ from megatron_entropy.config import ConfigError, load_config
 from megatron_entropy.models.arch import UnsupportedModelError, load_arch
 from megatron_entropy.runtime import ParallelLayoutError, check_layout, detect_launch_env
 from megatron_entropy.runtime.launch_env import UrlFileError
+from megatron_entropy.runtime.processes import start_held, stop_all
 from megatron_entropy.trainer import preemption
+from megatron_entropy.trainer.preemption import PREEMPTED_EXIT_CODE as PREEMPTED
 
 # Torch-free above. What needs torch loads inside the function that uses it: `--help` and the
 # config checks run without torch (tests/slurm/test_slurm_layout.py), and `train` loads torch
@@ -90,56 +92,72 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
                         "(default: parallel.tensor x parallel.pipeline)")
 
 
+# After the first rank fails: how long the others get to end on their own (their messages are
+# clearer), then after SIGTERM, before SIGKILL. A rank still starting up only records SIGTERM.
+STOP_GRACE_S = 5.0
+
+
 def _spawn_local(args: argparse.Namespace, nproc: int, run_dir: Path) -> int:
     """Start ``nproc`` ranks of this command on this machine; rank 0 prints, the others log to
-    ``<run_dir>/logs/rank_N.log``. The first rank to fail stops the rest."""
+    ``<run_dir>/logs/rank_N.log``. The first rank to fail stops the rest (SIGTERM, then
+    SIGKILL), at any moment of start-up too. SIGTERM/SIGUSR1 are passed on; Ctrl-C asks every
+    rank for a checkpoint (as SIGTERM), a second one stops them at once."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "megatron_entropy.cli", "train", args.config, *args.overrides]
-    procs = []
-    for rank in range(nproc):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(nproc), "LOCAL_RANK": str(rank),
-               "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port), "OMP_NUM_THREADS": os.environ.get(
-                   "OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))}
-        out = None if rank == 0 else _open_rank_log(run_dir / "logs" / f"rank_{rank}.log")
-        procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT
-                                      if out else None))
+    procs: list[subprocess.Popen] = []
+    interrupts: list[int] = []
 
     def forward(signum, frame):
+        if signum == signal.SIGINT:
+            interrupts.append(signum)
+            # The terminal sent SIGINT to the ranks too: they count Ctrl-Cs themselves; one
+            # sent to the launcher alone asks them for the same through SIGTERM.
+            signum = signal.SIGKILL if len(interrupts) > 1 else signal.SIGTERM
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signum)
 
     for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, forward)
-    code, first = 0, None
-    while procs and any(p.poll() is None for p in procs):
-        failed = [p for p in procs if p.poll() not in (None, 0)]
+    for rank in range(nproc):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(nproc), "LOCAL_RANK": str(rank),
+               "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port), "OMP_NUM_THREADS": os.environ.get(
+                   "OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))}
+        out = None if rank == 0 else _open_rank_log(run_dir / "logs" / f"rank_{rank}.log")
+        procs.append(start_held(cmd, env=env, stdout=out,
+                                stderr=subprocess.STDOUT if out else None))
+    if preemption.requested():  # recorded by this process before `forward` took over
+        forward(signal.SIGTERM, None)
+    first, stopped = None, []
+    while any(p.poll() is None for p in procs):
+        failed = [r for r, p in enumerate(procs) if p.poll() not in (None, 0, PREEMPTED)]
         if failed:
-            code, first = failed[0].returncode, procs.index(failed[0])
-            time.sleep(5)  # let the others fail on their own (their messages are clearer)
-            for p in procs:
-                if p.poll() is None:
-                    p.terminate()
+            first = failed[0]
+            stopped = stop_all(procs, STOP_GRACE_S)
             break
         time.sleep(0.2)
     for p in procs:
         p.wait()
     codes = [p.returncode for p in procs]
-    if code == 0:
-        code = next((c for c in codes if c != 0), 0)
-    if code not in (0, 75):
-        bad = [r for r, c in enumerate(codes) if c != 0]
-        cause = f"rank {first} failed first ({_exit_status(codes[first])}); " \
-            if first is not None else ""
-        print(f"{cause}ranks {bad} exited with {', '.join(_exit_status(codes[r]) for r in bad)}; "
-              f"logs of ranks > 0 are in {run_dir / 'logs'}", file=sys.stderr)
-    if code < 0:  # killed by a signal: exit as a shell reports it (128 + signal number)
-        code = 128 - code
-    return code
+    if first is None:
+        first = next((r for r, c in enumerate(codes) if c not in (0, PREEMPTED)), None)
+    if first is None:
+        return PREEMPTED if PREEMPTED in codes else 0
+    if len(interrupts) > 1:
+        cause = "stopped at once by a second Ctrl-C (no checkpoint of the step in progress)"
+    else:
+        cause = f"rank {first} failed first ({_exit_status(codes[first])})"
+        if stopped:
+            cause += f"; stopped rank{'s' * (len(stopped) > 1)} " \
+                     f"{', '.join(map(str, stopped))}"
+    print(f"megatron-entropy train: {cause}; logs of ranks > 0 are in {run_dir / 'logs'}",
+          file=sys.stderr)
+    code = codes[first]
+    return 128 - code if code < 0 else code  # killed by a signal: as a shell reports it
 
 
 def _exit_status(code: int) -> str:

@@ -1,0 +1,119 @@
+"""Start-up faults of `megatron-entropy train`: a rank that dies while the job starts ends the
+whole run within seconds with one line naming the rank and the cause, and nothing is left
+running; a signal that comes before a rank has installed its handler is held for it, not fatal."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import yaml
+
+from harness import kill_marked
+
+from megatron_entropy.runtime.processes import start_held, stop_all
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _python(code: str) -> list[str]:
+    return [sys.executable, "-c", code]
+
+
+def test_stop_all_escalates_to_sigkill_for_a_process_that_only_records_sigterm():
+    stubborn = subprocess.Popen(_python(
+        "import signal, time; signal.signal(signal.SIGTERM, lambda *a: None); print('ready', "
+        "flush=True); time.sleep(120)"), stdout=subprocess.PIPE, text=True)
+    done = subprocess.Popen(_python("pass"))
+    done.wait()
+    assert stubborn.stdout.readline() == "ready\n"
+    started = time.monotonic()
+    assert stop_all([done, stubborn], grace_s=0.5) == [1]
+    assert stubborn.returncode == -signal.SIGKILL
+    assert time.monotonic() - started < 10
+
+
+def test_a_signal_before_the_handler_is_installed_is_held_for_it():
+    """A rank started by the launcher sleeps (as if importing torch) before it installs the
+    preemption handler; SIGTERM and SIGINT sent meanwhile reach the handler once it is there."""
+    child = start_held(_python(
+        "import time; print('started', flush=True); time.sleep(1.0)\n"
+        "from megatron_entropy.trainer import preemption\n"
+        "preemption.install(); time.sleep(0.2); print(sorted(preemption._received), flush=True)"),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert child.stdout.readline() == "started\n"
+    child.send_signal(signal.SIGTERM)
+    child.send_signal(signal.SIGINT)
+    out, err = child.communicate(timeout=60)
+    assert child.returncode == 0, err
+    assert out.strip() == str(sorted([int(signal.SIGTERM), int(signal.SIGINT)]))
+    assert "Ctrl-C: checkpointing at the end of this step" in err
+
+
+def test_second_ctrl_c_stops_at_once():
+    child = subprocess.Popen(_python(
+        "import time\nfrom megatron_entropy.trainer import preemption\n"
+        "preemption.install(); print('ready', flush=True); time.sleep(60)"),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert child.stdout.readline() == "ready\n"
+    child.send_signal(signal.SIGINT)
+    time.sleep(0.3)
+    assert child.poll() is None  # the first one only asks for a checkpoint
+    child.send_signal(signal.SIGINT)
+    _, err = child.communicate(timeout=30)
+    assert child.returncode == -signal.SIGINT
+    assert "Traceback" not in err
+
+
+def _ranks(launcher: subprocess.Popen) -> dict[int, psutil.Process]:
+    ranks = {}
+    for p in psutil.Process(launcher.pid).children():
+        try:
+            ranks[int(p.environ()["RANK"])] = p
+        except (psutil.NoSuchProcess, KeyError):
+            pass
+    return ranks
+
+
+def test_rank_0_killed_during_start_up_ends_the_run_within_seconds(tmp_path):
+    """kill -9 of rank 0 while the ranks import: rank 1 would wait for it in the c10d store for
+    parallel.timeout_minutes, recording the launcher's SIGTERM; the launcher kills it."""
+    cfg = {"model": {"hf_path": str(REPO / "examples" / "quickstart_model")},
+           "parallel": {"tensor": 1, "timeout_minutes": 30},
+           "logging": {"runs_dir": str(tmp_path / "runs"), "name": "r", "progress_bar": False}}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    mark = str(tmp_path)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "ME_TEST_MARK": mark, "OMP_NUM_THREADS": "1"}
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID"):
+        env.pop(key, None)
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "megatron_entropy.cli", "train", str(tmp_path / "c.yaml"),
+         "--nproc", "2"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while len(ranks := _ranks(launcher)) < 2:
+            assert launcher.poll() is None, launcher.communicate()
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(1.0)  # both are importing (torch, megatron)
+        ranks[0].kill()
+        killed = time.monotonic()
+        _, err = launcher.communicate(timeout=60)
+        took = time.monotonic() - killed
+        left = [p.pid for p in ranks.values() if p.is_running() and p.status() != "zombie"]
+    finally:
+        launcher.kill()
+        kill_marked(mark)
+    assert launcher.returncode == 128 + signal.SIGKILL
+    lines = err.strip().splitlines()
+    assert lines[-1].startswith("megatron-entropy train: rank 0 failed first (killed by "
+                                "SIGKILL); stopped rank 1;"), err
+    assert took < 30, took  # the grace periods (2 x 5 s), on a loaded machine
+    assert not left
