@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import importlib
 import logging
@@ -19,6 +20,7 @@ from typing import Callable, Iterator, Mapping, Optional
 from megatron_entropy.config import ConfigError, load_config
 from megatron_entropy.models.arch import UnsupportedModelError, load_arch
 from megatron_entropy.runtime import ParallelLayoutError, check_layout, detect_launch_env
+from megatron_entropy.runtime import run_lock
 from megatron_entropy.runtime.launch_env import UrlFileError
 from megatron_entropy.runtime.processes import start_held, stop_all
 from megatron_entropy.trainer import preemption
@@ -33,7 +35,7 @@ from megatron_entropy.trainer.preemption import PREEMPTED_EXIT_CODE as PREEMPTED
 # Errors that are the user's to fix: printed as one line, exit code 2, no traceback.
 USER_ERRORS: tuple[type[BaseException], ...] = (FileNotFoundError, ConfigError,
                                                 UnsupportedModelError, ParallelLayoutError,
-                                                UrlFileError)
+                                                UrlFileError, run_lock.RunLockError)
 # The same, of modules that load torch: named, not imported. A class whose module never loaded
 # cannot have been raised, so a command without torch does not load it to print an error.
 TORCH_USER_ERRORS = (("megatron_entropy.data.dataset", "DatasetError"),
@@ -184,16 +186,40 @@ def _run_train(args: argparse.Namespace) -> int:
     launch = detect_launch_env()
     tp, pp = cfg.parallel.tensor, cfg.parallel.pipeline
     _check_model(cfg)  # before any rank starts
-    if launch.launcher == "single":
-        nproc = args.nproc or tp * pp
-        check_layout(nproc, tp, pp)
-        if nproc > 1:
-            return _spawn_local(args, nproc, cfg.run_dir)
-    check_layout(launch.world_size, tp, pp)
-    from megatron_entropy.trainer.loop import train
+    with _run_folder_lock(cfg.run_dir, launch.rank):
+        if launch.launcher == "single":
+            nproc = args.nproc or tp * pp
+            check_layout(nproc, tp, pp)
+            if nproc > 1:
+                return _spawn_local(args, nproc, cfg.run_dir)
+        check_layout(launch.world_size, tp, pp)
+        from megatron_entropy.trainer.loop import train
 
-    train(cfg)
+        train(cfg)
     return 0
+
+
+# Set by the local launcher for its ranks: the lock it holds for them (they die with it).
+RUN_LOCK_HELD = "MEGATRON_ENTROPY_RUN_LOCK_HELD"
+
+
+@contextlib.contextmanager
+def _run_folder_lock(run_dir: Path, rank: int) -> Iterator[None]:
+    """One trainer per run folder: rank 0 of the job (or the local launcher, for its ranks)
+    holds ``RUN/train.lock`` while it runs; a second trainer there stops with one line naming
+    the holder's host and pid (runtime/run_lock.py)."""
+    lock = run_dir / "train.lock"
+    if rank != 0 or os.environ.get(RUN_LOCK_HELD) == str(lock):
+        yield
+        return
+    run_dir.mkdir(parents=True, exist_ok=True)
+    fd = run_lock.acquire(lock, "run folder")
+    os.environ[RUN_LOCK_HELD] = str(lock)  # for the ranks this process starts
+    try:
+        yield
+    finally:
+        del os.environ[RUN_LOCK_HELD]
+        run_lock.release(fd)
 
 
 def _check_model(cfg) -> None:

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 import yaml
 
 from harness import kill_marked
@@ -117,3 +118,54 @@ def test_rank_0_killed_during_start_up_ends_the_run_within_seconds(tmp_path):
                                 "SIGKILL); stopped rank 1;"), err
     assert took < 30, took  # the grace periods (2 x 5 s), on a loaded machine
     assert not left
+
+
+def _config(tmp_path: Path, **sections) -> Path:
+    cfg = {"model": {"hf_path": str(REPO / "examples" / "quickstart_model")},
+           "logging": {"runs_dir": str(tmp_path / "runs"), "name": "r", "progress_bar": False},
+           **sections}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    return tmp_path / "c.yaml"
+
+
+def test_second_trainer_on_a_run_folder_is_refused_naming_the_holder(tmp_path, capsys):
+    import socket
+
+    from megatron_entropy.cli import main
+
+    config = _config(tmp_path, parallel={"tensor": 1})
+    run = tmp_path / "runs" / "r"
+    run.mkdir(parents=True)
+    holder = subprocess.Popen(_python(
+        "import sys, time; from pathlib import Path\n"
+        "from megatron_entropy.runtime import run_lock\n"
+        "run_lock.acquire(Path(sys.argv[1]), 'run folder'); print('held', flush=True); "
+        "time.sleep(120)") + [str(run / "train.lock")], stdout=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        assert holder.stdout.readline() == "held\n"
+        assert main(["train", str(config)]) == 2
+    finally:
+        holder.kill()
+        holder.wait()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith(f"megatron-entropy train: error: run folder {run} is in use by host "
+                             f"{socket.gethostname()}, pid {holder.pid} (since "), err
+
+
+def test_lock_of_a_dead_holder_is_taken_over_and_said(tmp_path, capsys):
+    from megatron_entropy.runtime import run_lock
+
+    lock = tmp_path / "train.lock"
+    lock.write_text("node07 4242 2026-12-01T10:00:00+0000\n")  # its holder was killed
+    fd = run_lock.acquire(lock, "run folder")
+    assert capsys.readouterr().err.strip() == (
+        f"run folder {tmp_path}: taking over the lock of host node07, pid 4242 (since "
+        "2026-12-01T10:00:00+0000), which ended without releasing it")
+    assert lock.read_text().split()[1] == str(os.getpid())
+    with pytest.raises(run_lock.RunLockError, match=f"pid {os.getpid()} "):
+        run_lock.acquire(lock, "run folder")  # another open of the file: refused while held
+    run_lock.release(fd)
+    run_lock.release(run_lock.acquire(lock, "run folder"))  # released cleanly: nothing to say
+    assert capsys.readouterr().err == ""
