@@ -6,21 +6,20 @@ import argparse
 import contextlib
 import datetime
 import importlib
-import logging
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
-import warnings
 from pathlib import Path
 from typing import Callable, Iterator, Mapping, Optional
 
 from megatron_entropy.config import ConfigError, load_config
 from megatron_entropy.models.arch import UnsupportedModelError, load_arch
 from megatron_entropy.runtime import ParallelLayoutError, check_layout, detect_launch_env
-from megatron_entropy.runtime import run_lock
+from megatron_entropy.runtime import files, run_lock
+from megatron_entropy.runtime.harmless import silence_harmless_warnings
 from megatron_entropy.runtime.launch_env import UrlFileError
 from megatron_entropy.runtime.processes import start_held, stop_all
 from megatron_entropy.trainer import preemption
@@ -40,43 +39,6 @@ USER_ERRORS: tuple[type[BaseException], ...] = (FileNotFoundError, ConfigError,
 # cannot have been raised, so a command without torch does not load it to print an error.
 TORCH_USER_ERRORS = (("megatron_entropy.data.dataset", "DatasetError"),
                      ("megatron_entropy.models.megatron_checkpoint", "CheckpointError"))
-
-# megatron-core's start-up notes that are known to be harmless, matched by the start of their
-# message: fallbacks on machines without Transformer Engine/Apex, deprecations inside
-# megatron-core and torch that a user cannot act on. Every other warning stays.
-HARMLESS_WARNINGS = (
-    (UserWarning, r"Transformer Engine and Apex are not installed"),
-    (UserWarning, r"Apex is not installed"),
-    (UserWarning, r"full scope is deprecated"),
-    (FutureWarning, r"`torch\.distributed\.all_gather_into_tensor` is deprecated"),
-    (FutureWarning, r"`torch\.distributed\.reduce_scatter_tensor` is deprecated"),
-    # On every resume, from torch.distributed.checkpoint as megatron-core calls it.
-    (FutureWarning, r"`load_state_dict` is deprecated"),
-    (FutureWarning, r"Please use DTensor instead and we are deprecating ShardedTensor"),
-)
-# A GPU hint (CUDA_DEVICE_MAX_CONNECTIONS), only noise where there is no GPU.
-CPU_ONLY_HARMLESS_WARNINGS = (
-    (UserWarning, r"When using async grad allreduce it is recommended to set the environment "
-                  r"variable CUDA_DEVICE_MAX_CONNECTIONS"),
-)
-# Printed through megatron-core's logger at WARNING on every start.
-HARMLESS_LOG_LINES = ("Implicit initialization of Rerun State Machine!",
-                      "RerunStateMachine initialized in mode RerunMode.DISABLED")
-
-
-def _keep_log_record(record) -> bool:
-    return record.getMessage() not in HARMLESS_LOG_LINES
-
-
-def silence_harmless_warnings() -> None:
-    """Hide the known-harmless start-up lines of megatron-core (this process only)."""
-    import torch
-
-    cpu_only = () if torch.cuda.is_available() else CPU_ONLY_HARMLESS_WARNINGS
-    for category, message in HARMLESS_WARNINGS + cpu_only:
-        warnings.filterwarnings("ignore", message=message, category=category)
-    logging.getLogger("megatron.core.rerun_state_machine").addFilter(_keep_log_record)
-
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     return USER_ERRORS + tuple(getattr(sys.modules[module], name)
@@ -308,6 +270,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     except _user_errors() as e:
         print(f"megatron-entropy {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:
+        if e.errno not in files.WRITE_ERRNOS:
+            raise
+        # A full, read-only or unwritable disk: the path and errno, not a traceback.
+        print(f"megatron-entropy {args.command}: error: {files.describe(e)}", file=sys.stderr)
+        return 1
     except RuntimeError as e:
         if not _peer_lost(e):
             raise

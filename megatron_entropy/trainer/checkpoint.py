@@ -40,6 +40,7 @@ import torch.distributed as dist
 from megatron_entropy.models.megatron_checkpoint import (CheckpointError, check_checkpoint_files,
                                                          write_checkpoint_metadata)
 from megatron_entropy.models.sharding import unwrap_model
+from megatron_entropy.runtime.files import disk_error, write_text_atomic
 from megatron_entropy.runtime.processes import die_with_parent
 from megatron_entropy.trainer import preemption
 
@@ -198,12 +199,26 @@ class CheckpointManager:
 
     def save(self, step: int, model_chunks: list, optimizer, trainer_state: dict[str, Any],
              arch, hf_dir: str) -> Path:
-        """Collective: every rank calls it. Returns the final checkpoint folder."""
+        """Collective: every rank calls it. Returns the final checkpoint folder. A write that
+        fails leaves nothing of this checkpoint behind; a full or unwritable disk is raised as
+        an OSError naming the path and the errno (runtime/files.py)."""
+        tmp = self.root / f".step_{step:08d}.tmp"
+        try:
+            return self._save(step, tmp, model_chunks, optimizer, trainer_state, arch, hf_dir)
+        except BaseException as e:  # torch's CheckpointException is a BaseException
+            problem = disk_error(e, tmp)  # before the partial files that fill the disk go
+            if _rank() == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            if problem is None:
+                raise
+            raise problem from e
+
+    def _save(self, step: int, tmp: Path, model_chunks: list, optimizer,
+              trainer_state: dict[str, Any], arch, hf_dir: str) -> Path:
         from megatron.core import dist_checkpointing
 
         name = f"step_{step:08d}"
         final = self.root / name
-        tmp = self.root / f".{name}.tmp"
         if _rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
@@ -230,9 +245,7 @@ class CheckpointManager:
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)
-            pointer_tmp = self.root / "latest.tmp"
-            pointer_tmp.write_text(name)
-            os.replace(pointer_tmp, self.root / "latest")
+            write_text_atomic(self.root / "latest", name, self.root / "latest.tmp")
             self._prune()
         _barrier()
         return final

@@ -426,8 +426,15 @@ class Trainer:
             preempt = self.signals.any_rank(self.clock.stop_before_next_step())
             last = step == t.steps
             if preempt or last or (t.save_interval and step % t.save_interval == 0):
-                with timer("checkpoint"):
-                    self.save(step)
+                try:
+                    with timer("checkpoint"):
+                        self.save(step)
+                except BaseException:
+                    # The step is complete: its metrics are kept (the failed save removed its
+                    # partial files, which may have been what filled the disk).
+                    with contextlib.suppress(OSError):
+                        self.logger.log(step, metrics)
+                    raise
                 metrics["time/checkpoint"] = timer.seconds["checkpoint"]
                 self.clock.checkpoint_took(metrics["time/checkpoint"])
             self.logger.log(step, metrics)
