@@ -8,7 +8,7 @@ import errno
 import os
 import shutil
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 # The errors of a disk that takes no more (or no) writes: reported as one line naming the path.
 WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO)
@@ -18,12 +18,16 @@ WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPE
 FULL_BELOW_BYTES = 64 * 2**20
 
 
-def write_text_atomic(path: Path, text: str, tmp: Optional[Path] = None) -> Path:
+def write_text_atomic(path: Path, text: str, tmp: Optional[Path] = None,
+                      before_replace: Optional[Callable[[], None]] = None) -> Path:
     """``path`` := ``text`` through ``tmp`` (default ``.NAME.tmp`` beside it) and a rename:
-    readers see the old or the new text, and a failed write leaves no temporary file."""
+    readers see the old or the new text, and a failed write leaves no temporary file.
+    ``before_replace`` runs once the new text is written (to move the old file aside)."""
     tmp = tmp or path.with_name(f".{path.name}.tmp")
     try:
         tmp.write_text(text)
+        if before_replace is not None:
+            before_replace()
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)

@@ -69,9 +69,9 @@ class RunState:
 
 
 class _SignalFlag:
-    """SIGUSR1/SIGTERM/SIGINT ask for a checkpoint, then exit 75. The handler (trainer/preemption.py)
-    is installed again here for callers of train() that did not install it first thing; a
-    request it recorded during start-up is kept."""
+    """SIGUSR1/SIGTERM/SIGINT ask for a checkpoint, then exit 75. The handler
+    (trainer/preemption.py) is installed again here for callers of train() that did not install
+    it first thing; a request it recorded during start-up is kept."""
 
     def __init__(self) -> None:
         preemption.install()

@@ -3,12 +3,16 @@ process behind and its run resumes; a damaged checkpoint is skipped for the newe
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import multiprocessing as mp
 import os
 import re
 import shutil
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -301,3 +305,79 @@ def test_rank_whose_peer_died_ends_with_one_line(monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", "1")  # alone, the same error is no peer's death: raised
     with pytest.raises(RuntimeError, match="Connection reset"):
         cli.main(["train", "c.yaml"])
+
+
+# ------------------------------------------------------------ a full or read-only file system
+
+
+@contextlib.contextmanager
+def _tmpfs(path: Path, options: str):
+    """A small file system of its own at ``path`` (root only: skipped elsewhere)."""
+    path.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs",
+                                            str(path)], capture_output=True).returncode != 0:
+        pytest.skip("needs root to mount a small tmpfs")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=True)
+
+
+def _fill(disk: Path, leave_bytes: int) -> None:
+    with open(disk / "filler", "wb") as f:
+        free = shutil.disk_usage(disk).free - leave_bytes
+        f.write(b"\0" * max(0, free))
+
+
+def test_full_disk_is_one_line_leaves_nothing_partial_and_keeps_the_steps_metrics(tmp_path):
+    """A 6 MiB file system as runs_dir: the first checkpoint does not fit."""
+    import yaml
+
+    with _tmpfs(tmp_path / "disk", "size=6m") as disk:
+        cfg = {"model": {"hf_path": str(REPO / "examples" / "quickstart_model"),
+                         "seq_length": 256},
+               "rollout": {"n_samples": 2, "max_new_tokens": 8, "max_prompt_tokens": 96},
+               "data": {"prompts_per_step": 2, "dynamic_sampling": False,
+                        "arithmetic": {"num_train": 32, "num_val": 2}},
+               "trainer": {"steps": 2, "micro_batch_tokens": 2048, "save_interval": 1},
+               "parallel": {"tensor": 1},
+               "logging": {"runs_dir": str(disk / "runs"), "name": "full",
+                           "progress_bar": False}}
+        (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+        done = subprocess.run([sys.executable, "-m", "megatron_entropy.cli", "train",
+                               str(tmp_path / "c.yaml")], capture_output=True, text=True,
+                              env=env, timeout=600)
+        run = disk / "runs" / "full"
+        assert done.returncode == 1, done.stderr[-3000:]
+        assert "Traceback" not in done.stderr and "encountered an error" not in done.stderr
+        assert re.fullmatch(
+            rf"megatron-entropy train: error: cannot write {run}/checkpoints/\.step_00000001\.tmp"
+            r": ENOSPC \(No space left on device \(\d+ KiB free\)\)",
+            done.stderr.strip().splitlines()[-1]), done.stderr[-3000:]
+        assert not list(run.rglob("*.tmp"))  # the partial checkpoint is gone: the disk is free
+        assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text()
+                .splitlines()] == [1]
+        # The run's config written where the disk has no room left: the old one stays, whole,
+        # and no temporary file is left behind.
+        from megatron_entropy.config import load_config
+        from megatron_entropy.trainer.run_folder import save_run_config
+
+        before = (run / "config.yaml").read_text()
+        _fill(disk, leave_bytes=0)
+        with pytest.raises(OSError) as raised:
+            save_run_config(load_config(data={"trainer": {"lr": 3e-5}}), run)
+        assert raised.value.errno == errno.ENOSPC
+        assert (run / "config.yaml").read_text() == before
+        assert not list(run.glob(".*.tmp"))
+
+
+def test_read_only_runs_dir_is_one_line_naming_the_path_and_errno(tmp_path, capsys):
+    from megatron_entropy.cli import main
+
+    config = _cli_config(tmp_path, parallel={"tensor": 1})
+    with _tmpfs(tmp_path / "runs", "size=1m,ro"):
+        assert main(["train", str(config)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"megatron-entropy train: error: cannot write {tmp_path / 'runs' / 'r'}: "
+                   "EROFS (Read-only file system)"]
