@@ -140,9 +140,9 @@ def test_a_signal_during_the_hold_is_not_lost(monkeypatch):
 
 
 def _train_signalled_in_step(cfg: dict, signal_step: int) -> dict:
-    """Worker: the RL loop, with SIGUSR1 sent to this rank while step ``signal_step``'s first
-    rollout round generates. Returns the exit code, the rollout rounds and updates of that step,
-    and the data position it started from (where step ``signal_step - 1`` left it)."""
+    """Worker: the RL loop, with SIGINT (Ctrl-C) sent to this rank while step ``signal_step``'s
+    first rollout round generates. Returns the exit code, the rollout rounds and updates of that
+    step, and the data position it started from (where step ``signal_step - 1`` left it)."""
     from megatron_entropy.config import load_config
     from megatron_entropy.trainer import loop
 
@@ -156,7 +156,7 @@ def _train_signalled_in_step(cfg: dict, signal_step: int) -> dict:
 
             def generate_and_signal(*args, **kwargs):
                 seen["rounds"] += 1
-                os.kill(os.getpid(), signal.SIGUSR1)
+                os.kill(os.getpid(), signal.SIGINT)
                 return generate(*args, **kwargs)
 
             def counted_update(*args, **kwargs):
@@ -177,10 +177,10 @@ def _train_signalled_in_step(cfg: dict, signal_step: int) -> dict:
 
 def test_a_signal_during_a_rollout_round_stops_before_the_next_round_and_applies_nothing(
         tmp_path, capfd):
-    """SIGUSR1 while step 2's first round generates (dynamic sampling would refill: a random
-    model scores no group): the run leaves after that round, without updating, checkpoints
-    step 1 (save_interval 0: not saved before) with step 1's data position, not the abandoned
-    step's, and exits 75."""
+    """Ctrl-C (SIGINT, handled as SIGTERM and SIGUSR1 are) while step 2's first round generates
+    (dynamic sampling would refill: a random model scores no group): the run leaves after that
+    round, without updating, checkpoints step 1 (save_interval 0: not saved before) with step
+    1's data position, not the abandoned step's, and exits 75."""
     from harness import run_distributed
 
     model = make_tp2_model(tmp_path / "model")
