@@ -17,6 +17,7 @@ from typing import Callable, Iterator, Mapping, Optional
 
 from megatron_entropy.config import ConfigError, load_config
 from megatron_entropy.models.arch import UnsupportedModelError, load_arch
+from megatron_entropy.models.tokenizer_files import tokenizer_problem
 from megatron_entropy.runtime import ParallelLayoutError, check_layout, detect_launch_env
 from megatron_entropy.runtime import files, run_lock
 from megatron_entropy.runtime.harmless import silence_harmless_warnings
@@ -38,7 +39,8 @@ USER_ERRORS: tuple[type[BaseException], ...] = (FileNotFoundError, ConfigError,
 # The same, of modules that load torch: named, not imported. A class whose module never loaded
 # cannot have been raised, so a command without torch does not load it to print an error.
 TORCH_USER_ERRORS = (("megatron_entropy.data.dataset", "DatasetError"),
-                     ("megatron_entropy.models.megatron_checkpoint", "CheckpointError"))
+                     ("megatron_entropy.models.megatron_checkpoint", "CheckpointError"),
+                     ("megatron_entropy.models.bridge", "NonFiniteWeightError"))
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     return USER_ERRORS + tuple(getattr(sys.modules[module], name)
@@ -186,8 +188,8 @@ def _run_folder_lock(run_dir: Path, rank: int) -> Iterator[None]:
 
 def _check_model(cfg) -> None:
     """The model the run will train, checked from its files before any rank starts: its
-    architecture against parallel.tensor/pipeline and (HF weights) every tensor's name and shape
-    against config.json, from the safetensors headers only."""
+    architecture against parallel.tensor/pipeline, (HF weights) every tensor's name and shape
+    against config.json, from the safetensors headers only, and the tokenizer's files."""
     from megatron_entropy.models.bridge import check_hf_checkpoint
     from megatron_entropy.models.hf_io import hf_weight_files
     from megatron_entropy.models.megatron_checkpoint import read_arch
@@ -206,6 +208,12 @@ def _check_model(cfg) -> None:
             raise ConfigError(f"model.hf_path: {e.args[0] if isinstance(e, KeyError) else e}") \
                 from None
     arch.check_parallel(cfg.parallel.tensor, cfg.parallel.pipeline)
+    # The tokenizer and chat template come from hf_path, else the checkpoint's hf/ folder.
+    key, folder = ("model.hf_path", m.hf_path) if m.hf_path else \
+        ("model.megatron_ckpt", Path(m.megatron_ckpt) / "hf")
+    problem = tokenizer_problem(folder, chat_template=cfg.data.apply_chat_template)
+    if problem:
+        raise ConfigError(f"{key}: {problem}")
 
 
 # ------------------------------------------------------------------------------------ table

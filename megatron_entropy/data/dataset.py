@@ -20,6 +20,7 @@ from transformers import AutoTokenizer
 from megatron_entropy.config import ArithmeticConfig, DataConfig, SumsConfig
 from megatron_entropy.data.arithmetic import train_val_problems
 from megatron_entropy.data.sums import train_val_sum_problems
+from megatron_entropy.models.tokenizer_files import tokenizer_problem
 
 # The instruction appended to every question in the paper's training data (verl / PRIME format).
 DEFAULT_PROMPT_SUFFIX = "Let's think step by step and output the final answer within \\boxed{}."
@@ -234,7 +235,11 @@ class PromptDataset(Sequence[PromptItem]):
 
 
 def load_tokenizer(hf_dir: Union[str, Path]) -> Any:
-    """The tokenizer of an HF model folder, offline."""
+    """The tokenizer of an HF model folder, offline; DatasetError naming the missing file where
+    the folder has none (transformers would build an empty one)."""
+    problem = tokenizer_problem(hf_dir)
+    if problem:
+        raise DatasetError(problem)
     return AutoTokenizer.from_pretrained(str(hf_dir), local_files_only=True)
 
 

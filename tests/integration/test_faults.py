@@ -381,3 +381,68 @@ def test_read_only_runs_dir_is_one_line_naming_the_path_and_errno(tmp_path, caps
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"megatron-entropy train: error: cannot write {tmp_path / 'runs' / 'r'}: "
                    "EROFS (Read-only file system)"]
+
+
+# ------------------------------------------------------------------------- bad model folders
+
+
+def test_model_folder_without_tokenizer_files_is_one_line_naming_the_file(tmp_path, capsys):
+    config = _cli_config(tmp_path)
+    cases = {"none": ["tokenizer.json", "tokenizer_config.json"],
+             "no_template": ["tokenizer_config.json"]}
+    for name, removed in cases.items():
+        shutil.copytree(REPO / "examples" / "quickstart_model", tmp_path / name)
+        for f in removed:
+            (tmp_path / name / f).unlink()
+    (tmp_path / "bpe_half").mkdir()
+    for f in ("config.json", "model.safetensors"):
+        shutil.copy(REPO / "examples" / "quickstart_model" / f, tmp_path / "bpe_half")
+    (tmp_path / "bpe_half" / "vocab.json").write_text("{}")
+    assert _one_error_line(capsys, ["train", str(config), f"model.hf_path={tmp_path / 'none'}"]) \
+        == (f"megatron-entropy train: error: model.hf_path: {tmp_path / 'none'} has no tokenizer: "
+            "none of tokenizer.json, tokenizer.model, vocab.json + merges.txt, vocab.txt (copy "
+            "the tokenizer files of the model)")
+    assert _one_error_line(capsys, ["train", str(config),
+                                    f"model.hf_path={tmp_path / 'bpe_half'}"]) == (
+        f"megatron-entropy train: error: model.hf_path: {tmp_path / 'bpe_half'} has vocab.json "
+        "but no merges.txt: the tokenizer is incomplete")
+    line = _one_error_line(capsys, ["train", str(config),
+                                    f"model.hf_path={tmp_path / 'no_template'}"])
+    assert "data.apply_chat_template=true but there is no tokenizer_config.json" in line
+    # Plain text needs no template.
+    from megatron_entropy.models.tokenizer_files import tokenizer_problem
+
+    assert tokenizer_problem(tmp_path / "no_template") is None
+
+
+def _cli_exit_and_stderr(argv: list[str]) -> tuple[int, str]:
+    """Worker: ``megatron-entropy ARGV`` in a forked rank, its exit code and stderr."""
+    import io
+
+    from megatron_entropy.cli import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(argv)
+    return code, err.getvalue()
+
+
+def test_nan_in_a_weight_is_one_line_naming_the_tensor(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from harness import run_distributed
+
+    model = tmp_path / "nan_model"
+    shutil.copytree(REPO / "examples" / "quickstart_model", model)
+    weights = load_file(model / "model.safetensors")
+    name = "model.layers.1.mlp.down_proj.weight"
+    weights[name][3, 5] = float("nan")
+    save_file(weights, str(model / "model.safetensors"), metadata={"format": "pt"})
+    config = _cli_config(tmp_path, parallel={"tensor": 1})
+    [(code, err)] = run_distributed(_cli_exit_and_stderr,
+                                    1, ["train", str(config), f"model.hf_path={model}"],
+                                    timeout=300)
+    assert code == 2, err
+    assert err.strip().splitlines() == [
+        f"megatron-entropy train: error: model.hf_path: {model / 'model.safetensors'}: tensor "
+        f"{name} holds NaN or inf (the first such tensor of the model): the weights are damaged"]
