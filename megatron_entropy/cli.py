@@ -50,10 +50,20 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 # ------------------------------------------------------------------------------------ train
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1 (got {text!r})")
+    return value
+
+
 def _add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", help="YAML config (examples/quickstart.yaml)")
     p.add_argument("overrides", nargs="*", help="dotted overrides: algorithm.loss=kl_cov ...")
-    p.add_argument("--nproc", type=int, default=None,
+    p.add_argument("--nproc", type=_positive_int, default=None,
                    help="processes to start on this machine when not under torchrun/srun "
                         "(default: parallel.tensor x parallel.pipeline)")
 

@@ -291,7 +291,9 @@ class TrainerConfig(Settings):
     seed: int = 42
     save_interval: int = _f(0, ge=0, help="steps between checkpoints; 0 = only at the end")
     keep_last: int = _f(2, ge=1)
-    resume: str = _f("auto", help="'auto' (latest in the run dir), 'none', or a checkpoint folder")
+    resume: str = _f("auto", aliases={"None": "none", "NONE": "none", "Auto": "auto"},
+                     help="'auto' (latest in the run dir), 'none', or a checkpoint: its folder, "
+                          "a checkpoints/ folder (its latest) or a run folder")
     val_interval: int = _f(0, ge=0, help="steps between validations; 0 = never")
     val_before_train: bool = False
     exit_duration_minutes: float = _f(0.0, ge=0, help=(

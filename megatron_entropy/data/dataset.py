@@ -126,7 +126,11 @@ def read_rows(path: Union[str, Path], prompt_key: str = "prompt", answer_key: st
         prompt = _lookup(record, prompt_key)
         if isinstance(prompt, list):
             prompt = _check_messages(prompt, where, prompt_key)
-        if not prompt or not isinstance(prompt, (str, list)):
+        if prompt is not None and not isinstance(prompt, (str, list)):
+            raise DatasetError(f"{where}: the prompt under {prompt_key!r} (data.prompt_key) is "
+                               f"{type(prompt).__name__} {prompt!r}, not text or a list of "
+                               "messages")
+        if not prompt:
             raise DatasetError(f"{where}: row has no prompt under {prompt_key!r} "
                                f"(data.prompt_key); its keys are {sorted(record)}")
         answer = _lookup(record, answer_key)

@@ -316,14 +316,12 @@ def run(args: argparse.Namespace) -> int:
         overrides.append(f"cluster.gpus_per_node={args.gpus_per_node}")
     if args.gpu_memory_gb is not None:
         overrides.append(f"cluster.gpu_memory_gb={args.gpu_memory_gb}")
-    try:
-        if args.nodes is None or args.nodes < 1:
-            raise ConfigError(f"--nodes must be given and >= 1 (got {args.nodes})")
-        cfg = load_config(args.config, overrides)
-        arch, source = resolve_arch(cfg, args.model_config)
-    except (ConfigError, UnsupportedModelError, FileNotFoundError) as e:
-        print(f"error: {e}")
-        return 1
+    # Bad input is raised: one line and exit 2, as every command reports it (cli.py); a
+    # layout that does not fit is printed with the plan and exits 1.
+    if args.nodes is None or args.nodes < 1:
+        raise ConfigError(f"--nodes must be given and >= 1 (got {args.nodes})")
+    cfg = load_config(args.config, overrides)
+    arch, source = resolve_arch(cfg, args.model_config)
     plan = make_plan(cfg, arch, args.nodes, source)
     print(format_plan(plan))
     return 0 if plan.fits else 1

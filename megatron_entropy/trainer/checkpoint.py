@@ -168,6 +168,27 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(state["megatron_tracker"])
 
 
+def resume_checkpoint(resume: str, manager: "CheckpointManager") -> Optional[Path]:
+    """The checkpoint ``trainer.resume`` names: None for 'none', the newest intact one of the
+    run for 'auto', else a checkpoint folder, or a checkpoints/ folder or run folder standing
+    for its latest (as `convert` takes them); CheckpointError naming the setting if it is not
+    one."""
+    if resume == "none":
+        return None
+    if resume == "auto":
+        return manager.latest()
+    path = Path(resume)
+    for root in (path, path / "checkpoints"):
+        if (root / "latest").is_file():
+            path = root / (root / "latest").read_text().strip()
+            break
+    try:
+        verify_checkpoint(path)
+    except CheckpointError as e:
+        raise CheckpointError(f"trainer.resume={resume!r}: {e}") from None
+    return path
+
+
 class CheckpointManager:
     def __init__(self, run_dir: Path, keep_last: int = 2) -> None:
         self.root = Path(run_dir) / "checkpoints"

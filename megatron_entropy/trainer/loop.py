@@ -37,8 +37,7 @@ from megatron_entropy.runtime.seeds import rollout_step_seed, validation_seed
 from megatron_entropy.trainer import preemption
 from megatron_entropy.trainer.actor import Actor
 from megatron_entropy.trainer.async_rollouts import AsyncRollouts
-from megatron_entropy.trainer.checkpoint import (CheckpointError, CheckpointManager,
-                                                 verify_checkpoint)
+from megatron_entropy.trainer.checkpoint import CheckpointManager, resume_checkpoint
 from megatron_entropy.trainer.drift import DriftTrend, drift_metrics
 from megatron_entropy.trainer.entropy_control import (build_controller, controller_state,
                                                       loss_knobs, restore_controller,
@@ -172,7 +171,7 @@ class Trainer:
         self.sampler = PromptSampler(len(self.train_data), cfg.data.shuffle, cfg.data.seed)
 
         self.ckpt = CheckpointManager(self.run_dir, cfg.trainer.keep_last)
-        resume_from = self._resume_path()
+        resume_from = resume_checkpoint(cfg.trainer.resume, self.ckpt)
         sharded_optimizer = cfg.trainer.uses_distributed_optimizer(
             ps.get_data_parallel_world_size())
         self.model = build_trainable_model(
@@ -238,19 +237,6 @@ class Trainer:
             save_run_config(cfg, self.run_dir)
 
     # ------------------------------------------------------------------ setup helpers
-
-    def _resume_path(self) -> Optional[Path]:
-        resume = self.cfg.trainer.resume
-        if resume == "none":
-            return None
-        if resume == "auto":
-            return self.ckpt.latest()
-        path = Path(resume)
-        try:
-            verify_checkpoint(path)
-        except CheckpointError as e:
-            raise CheckpointError(f"trainer.resume={resume!r}: {e}") from None
-        return path
 
     def _load_initial_weights(self, model) -> None:
         if self.cfg.model.megatron_ckpt:

@@ -446,3 +446,21 @@ def test_nan_in_a_weight_is_one_line_naming_the_tensor(tmp_path):
     assert err.strip().splitlines() == [
         f"megatron-entropy train: error: model.hf_path: {model / 'model.safetensors'}: tensor "
         f"{name} holds NaN or inf (the first such tensor of the model): the weights are damaged"]
+
+
+def test_resume_takes_a_checkpoints_folder_or_a_run_folder_as_convert_does(tmp_path):
+    from megatron_entropy.config import load_config
+    from megatron_entropy.trainer.checkpoint import resume_checkpoint
+
+    run = tmp_path / "run"
+    run_distributed(_save_steps, 1, str(run), [1])
+    manager = CheckpointManager(tmp_path / "other_run")
+    step = run / "checkpoints" / "step_00000001"
+    for given in (step, run / "checkpoints", run):
+        assert resume_checkpoint(str(given), manager) == step
+    with pytest.raises(CheckpointError, match=r"trainer.resume='nowhere': nowhere/"
+                                              r"trainer_state.json is missing"):
+        resume_checkpoint("nowhere", manager)
+    # `trainer.resume=None` on the command line (YAML reads it as the text "None"): no resume.
+    resume = load_config(overrides=["trainer.resume=None"]).trainer.resume
+    assert resume == "none" and resume_checkpoint(resume, manager) is None

@@ -116,6 +116,8 @@ def test_nested_keys_read_verl_style_rows(tmp_path):
     ({"prompt": "q", "answer": "  "}, r"bad\.jsonl:3: row has no answer"),
     ({"question": "q", "answer": "1"}, r"bad\.jsonl:3: row has no prompt under 'prompt'"),
     ({"prompt": [{"role": "user"}], "answer": "1"}, r"bad\.jsonl:3: 'prompt' is a list but not"),
+    ({"prompt": 17, "answer": "1"}, r"bad\.jsonl:3: the prompt under 'prompt' \(data.prompt_key\) "
+                                    r"is int 17, not text or a list of messages"),
 ])
 def test_bad_rows_name_file_and_line(tmp_path, bad, match):
     path = _write_jsonl(tmp_path / "bad.jsonl", [ROWS[0], ROWS[2], bad])

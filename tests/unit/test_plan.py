@@ -77,14 +77,19 @@ def test_layouts_that_do_not_fit_are_refused(recipe, args, message, capsys):
 
 def test_options_may_follow_overrides_and_bad_input_is_named(capsys, tmp_path):
     recipe = str(RECIPES[0])
-    code, out = run_plan(capsys, recipe, "parallel.tensor=8", "--nodes", "8", "cluster.x=1")
-    assert code == 1 and "unknown config key 'cluster.x'" in out
-    code, out = run_plan(capsys, recipe)
-    assert code == 1 and "--nodes must be given" in out
+    def bad(*args: str) -> str:  # one line on stderr, exit 2, as every command's bad input
+        assert main(["plan", *args]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("megatron-entropy plan: error: "), err
+        return err[0]
+
+    assert "unknown config key 'cluster.x'" in bad(recipe, "parallel.tensor=8", "--nodes", "8",
+                                                   "cluster.x=1")
+    assert "--nodes must be given and >= 1 (got None)" in bad(recipe)
+    assert "--nodes must be given and >= 1 (got 0)" in bad(recipe, "--nodes", "0")
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"model: {{hf_path: {tmp_path / 'nowhere'}}}\n")
-    code, out = run_plan(capsys, str(cfg), "--nodes", "1")
-    assert code == 1 and "has no config.json; pass --model-config" in out
+    assert "has no config.json; pass --model-config" in bad(str(cfg), "--nodes", "1")
 
 
 def test_plan_reads_the_models_config_json(capsys, tmp_path):
