@@ -275,11 +275,17 @@ def load_prompt_dataset(data: DataConfig, tokenizer: Any, max_prompt_tokens: int
 
 
 def data_notes(train: PromptDataset, val: PromptDataset, prompts_per_step: int,
-               max_prompt_tokens: int) -> tuple[list[str], dict[str, float]]:
+               max_prompt_tokens: int, validation_asked: str = ""
+               ) -> tuple[list[str], dict[str, float]]:
     """What the data settings change without an error: warnings for the console, and the
     metrics that record it (``data/dropped_overlong``, ``data/val_dropped_overlong``,
-    ``data/prompt_repeats_per_step``: how often one prompt is drawn in a step)."""
+    ``data/prompt_repeats_per_step``: how often one prompt is drawn in a step).
+    ``validation_asked``: the setting that asks for validation (``trainer.val_interval=4``), if
+    one does; with no validation prompt it is said that none will run."""
     notes = []
+    if validation_asked and not len(val):
+        notes.append(f"{validation_asked}, but there are no validation prompts (data.train_files "
+                     "without data.val_files): no validation runs; set data.val_files")
     for name, ds in (("train", train), ("validation", val)):
         if ds.dropped_overlong:
             notes.append(f"data.overlong_prompts=drop: dropped {ds.dropped_overlong} of "

@@ -211,9 +211,11 @@ class Trainer:
                                     cfg.to_dict(), start_step=self.state.step)
         if resume_from is not None:
             self.logger.write(f"resumed from {resume_from} at step {self.state.step}")
+        asked = (f"trainer.val_interval={cfg.trainer.val_interval}" if cfg.trainer.val_interval
+                 else "trainer.val_before_train=true" if cfg.trainer.val_before_train else "")
         notes, self.data_metrics = data_notes(self.train_data, self.val_data,
                                               cfg.data.prompts_per_step,
-                                              cfg.rollout.max_prompt_tokens)
+                                              cfg.rollout.max_prompt_tokens, asked)
         for note in notes:
             self.logger.write(f"warning: {note}")
         # The engine loaded hf_path's weights; anything else (a checkpoint, a converted
