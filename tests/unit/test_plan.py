@@ -171,3 +171,13 @@ def test_fullest_gpu_state_equals_megatrons(family, tied, tensor, pipeline, tmp_
     assert items["weights (fp32)"] == weights
     assert items["grad buffer (fp32)"] == grads
     assert items["Adam moments (fp32)"] == adam
+
+
+def test_a_layout_with_few_server_gpus_for_its_trainer_is_called_rollout_bound(capsys):
+    recipe = str(REPO / "examples" / "qwen2.5-7b-kl_cov.yaml")
+    code, out = run_plan(capsys, recipe, "--nodes", "32")  # 2 server nodes for 30 trainer nodes
+    assert code == 0 and "verdict: fits" in out
+    assert re.search(r"warning: rollout-bound: 240 trainer GPUs wait on 16 rollout server GPUs "
+                     r"\(15 to 1; .*raise cluster.server_nodes \(e.g. 16", out), out
+    code, out = run_plan(capsys, recipe, "--nodes", documented_nodes(Path(recipe)))
+    assert code == 0 and "rollout-bound" not in out
