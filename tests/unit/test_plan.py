@@ -181,3 +181,24 @@ def test_a_layout_with_few_server_gpus_for_its_trainer_is_called_rollout_bound(c
                      r"\(15 to 1; .*raise cluster.server_nodes \(e.g. 16", out), out
     code, out = run_plan(capsys, recipe, "--nodes", documented_nodes(Path(recipe)))
     assert code == 0 and "rollout-bound" not in out
+
+
+def test_the_recipe_table_of_examples_readme_is_what_plan_says(capsys):
+    """examples/README.md's recipe table: nodes, servers, trainer layout and trainer GPU memory
+    of each recipe, as `megatron-entropy plan` prints them at the recipe's documented nodes."""
+    text = (REPO / "examples" / "README.md").read_text()
+    rows = re.findall(r"^\| (7B|32B) (GRPO|Clip-Cov|KL-Cov) \| [^|]+ \| (\d+) \| (\d+) x TP(\d+) "
+                      r"on (\d+) nodes \| ([^|]+) \| ([\d.]+) GiB \|$", text, re.M)
+    assert len(rows) == 6, rows
+    for size, loss, nodes, servers, server_tp, server_nodes, trainer, gib in rows:
+        name = {"GRPO": "grpo", "Clip-Cov": "clip_cov", "KL-Cov": "kl_cov"}[loss]
+        recipe = REPO / "examples" / f"qwen2.5-{size.lower()}-{name}.yaml"
+        assert nodes == documented_nodes(recipe)
+        code, out = run_plan(capsys, str(recipe), "--nodes", nodes)
+        assert code == 0, out
+        assert f"rollout servers: {servers} x {server_tp} GPU(s) on {server_nodes} node(s)" in out
+        layout = re.search(r"= TP (\d+) x PP (\d+) x DP (\d+)", out).groups()
+        assert trainer.strip() == " x ".join(f"{k}{v}" for k, v in zip(("TP", "PP", "DP"), layout)
+                                             if k != "PP" or v != "1"), (trainer, layout)
+        total = float(re.search(r"  total +([\d.]+) GiB", out).group(1))
+        assert gib == f"{total:.1f}", (recipe.name, gib, total)
