@@ -268,9 +268,13 @@ def _commands() -> Mapping[str, Command]:
     })
 
 
+# What `--help` prints: plain text (the module docstring is reStructuredText).
+DESCRIPTION = "megatron-entropy COMMAND: one entry point for every user-facing task."
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="megatron-entropy", description=__doc__)
+    parser = argparse.ArgumentParser(prog="megatron-entropy", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True)
     commands = _commands()
     # The command is the first argument (the top level has no option but --help).
