@@ -170,7 +170,17 @@ def _run_train(args: argparse.Namespace) -> int:
         from megatron_entropy.trainer.loop import train
 
         train(cfg)
+    if launch.rank == 0:
+        print(finished_summary(cfg.run_dir, cfg.trainer.steps))
     return 0
+
+
+def finished_summary(run_dir: Path, steps: int) -> str:
+    """The line a finished run ends with: where its checkpoint and metrics are."""
+    pointer = run_dir / "checkpoints" / "latest"
+    checkpoint = pointer.parent / pointer.read_text().strip() if pointer.is_file() else None
+    return (f"finished: {steps} steps; last checkpoint {checkpoint or '(none)'}; metrics "
+            f"{run_dir / 'metrics.jsonl'} (megatron-entropy plot {run_dir})")
 
 
 # Set by the local launcher for its ranks: the lock it holds for them (they die with it).

@@ -337,6 +337,11 @@ def test_cli_first_screen_shows_the_run_not_megatrons_start_up_notes(model_dir, 
         assert not re.search(message, screen), message
     for line in HARMLESS_LOG_LINES:
         assert line not in screen
+    # It ends saying where the run's checkpoint and metrics are.
+    run_dir = Path(cfg["logging"]["runs_dir"]) / "screen"
+    assert screen.strip().splitlines()[-1] == (
+        f"finished: 2 steps; last checkpoint {run_dir / 'checkpoints' / 'step_00000002'}; "
+        f"metrics {run_dir / 'metrics.jsonl'} (megatron-entropy plot {run_dir})")
 
 
 STABLE = ("time/", "perf/", "weight_sync/seconds", "weight_check/seconds",
