@@ -39,16 +39,22 @@ def test_stop_all_escalates_to_sigkill_for_a_process_that_only_records_sigterm()
     assert time.monotonic() - started < 10
 
 
+def _started(start, code: str, before: str = "") -> subprocess.Popen:
+    """A Python child started by ``start`` (start_held or Popen) running ``before``, then (once
+    it has said so) ``code``."""
+    child = start(_python(f"import time\n{before}\nprint('started', flush=True)\n{code}"),
+                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                  env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert child.stdout.readline() == "started\n"
+    return child
+
+
 def test_a_signal_before_the_handler_is_installed_is_held_for_it():
     """A rank started by the launcher sleeps (as if importing torch) before it installs the
     preemption handler; SIGTERM and SIGINT sent meanwhile reach the handler once it is there."""
-    child = start_held(_python(
-        "import time; print('started', flush=True); time.sleep(1.0)\n"
-        "from megatron_entropy.trainer import preemption\n"
-        "preemption.install(); time.sleep(0.2); print(sorted(preemption._received), flush=True)"),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert child.stdout.readline() == "started\n"
+    child = _started(start_held, "time.sleep(1.0)\nfrom megatron_entropy.trainer import "
+                     "preemption\npreemption.install(); time.sleep(0.2); "
+                     "print(sorted(preemption._received), flush=True)")
     child.send_signal(signal.SIGTERM)
     child.send_signal(signal.SIGINT)
     out, err = child.communicate(timeout=60)
@@ -58,12 +64,9 @@ def test_a_signal_before_the_handler_is_installed_is_held_for_it():
 
 
 def test_second_ctrl_c_stops_at_once():
-    child = subprocess.Popen(_python(
-        "import time\nfrom megatron_entropy.trainer import preemption\n"
-        "preemption.install(); print('ready', flush=True); time.sleep(60)"),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert child.stdout.readline() == "ready\n"
+    child = _started(subprocess.Popen, "time.sleep(60)",
+                     before="from megatron_entropy.trainer import preemption\n"
+                            "preemption.install()")
     child.send_signal(signal.SIGINT)
     time.sleep(0.3)
     assert child.poll() is None  # the first one only asks for a checkpoint
