@@ -143,6 +143,7 @@ class Trainer:
         init_distributed(cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.backend,
                          cfg.parallel.timeout_minutes, socket_ifname=cfg.parallel.socket_ifname)
         set_seed(cfg.trainer.seed)
+        self.signals = _SignalFlag()
         self.ps = ps
         self.roles = Roles.here(shared_engine=engine_is_shared(cfg.rollout.engine))
         self.reward = RewardScorer(cfg.reward)
@@ -169,6 +170,7 @@ class Trainer:
         self.val_data = load_prompt_dataset(cfg.data, self.tokenizer,
                                             cfg.rollout.max_prompt_tokens, "val")
         self.sampler = PromptSampler(len(self.train_data), cfg.data.shuffle, cfg.data.seed)
+        self._stop_if_asked()
 
         self.ckpt = CheckpointManager(self.run_dir, cfg.trainer.keep_last)
         resume_from = resume_checkpoint(cfg.trainer.resume, self.ckpt)
@@ -202,6 +204,7 @@ class Trainer:
             restore_controller(self.controller, saved)
             self.drift.restore(saved)
 
+        self._stop_if_asked()
         self.async_rollouts: Optional[AsyncRollouts] = None  # made by run() if max_staleness > 0
         # Rollout engine: per DP leader (in-process) or one set of servers for the job.
         self.engine = build_engine(cfg.rollout, self.hf_dir, self.run_dir) \
@@ -223,6 +226,7 @@ class Trainer:
         if resume_from is not None or m.megatron_ckpt:
             self.sync_weights(version=self.state.step)
         try:
+            self._stop_if_asked()
             first = self.check_engine_weights("at the first contact")
         except BaseException:
             if self.engine is not None:  # stop what it launched: no one else will
@@ -231,7 +235,6 @@ class Trainer:
         if first:
             self.logger.write(f"weight check at the first contact: mean |engine - trainer| "
                               f"{first['weight_check/drift_mean']:.2e} nats")
-        self.signals = _SignalFlag()
         self.clock = preemption.job_clock(cfg.trainer.exit_duration_minutes,
                                           cfg.trainer.exit_margin_s, started, self.rank0)
         self.saved_step = self.state.step if resume_from is not None else None
@@ -239,6 +242,17 @@ class Trainer:
             save_run_config(cfg, self.run_dir)
 
     # ------------------------------------------------------------------ setup helpers
+
+    def _stop_if_asked(self) -> None:
+        """During start-up, between its long parts (every rank at the same points): a stop
+        request (a signal, Ctrl-C) ends the start now, with exit 75; there is nothing to
+        checkpoint yet."""
+        reason = self.signals.any_rank()
+        if reason:
+            if dist.get_rank() == 0:
+                print(f"{reason} during start-up: nothing to checkpoint; exiting with "
+                      f"{PREEMPTED_EXIT_CODE} to be resumed", flush=True)
+            raise Preempted()
 
     def _load_initial_weights(self, model) -> None:
         if self.cfg.model.megatron_ckpt:

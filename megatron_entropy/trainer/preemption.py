@@ -29,8 +29,9 @@ from megatron_entropy.runtime.processes import HELD_SIGNALS
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: checkpointed on a signal, resume later
 SIGNALS = HELD_SIGNALS  # SIGUSR1, SIGTERM, SIGINT
 _received: list[int] = []
-CTRL_C_NOTE = (b"Ctrl-C: checkpointing at the end of this step, then exiting with 75 (run the "
-               b"same command to resume); Ctrl-C again stops now without a checkpoint\n")
+CTRL_C_NOTE = (b"Ctrl-C: stopping after this step (during start-up: after this part of it) "
+               b"with a checkpoint and exit 75 (run the same command to resume); Ctrl-C again "
+               b"stops now without one\n")
 
 
 def _record(signum: int, frame: object) -> None:

@@ -60,7 +60,7 @@ def test_a_signal_before_the_handler_is_installed_is_held_for_it():
     out, err = child.communicate(timeout=60)
     assert child.returncode == 0, err
     assert out.strip() == str(sorted([int(signal.SIGTERM), int(signal.SIGINT)]))
-    assert "Ctrl-C: checkpointing at the end of this step" in err
+    assert "Ctrl-C: stopping after this step" in err
 
 
 def test_second_ctrl_c_stops_at_once():
