@@ -160,13 +160,11 @@ def _run_train(args: argparse.Namespace) -> int:
     launch = detect_launch_env()
     tp, pp = cfg.parallel.tensor, cfg.parallel.pipeline
     _check_model(cfg)  # before any rank starts
-    with _run_folder_lock(cfg.run_dir, launch.rank):
-        if launch.launcher == "single":
-            nproc = args.nproc or tp * pp
-            check_layout(nproc, tp, pp)
-            if nproc > 1:
-                return _spawn_local(args, nproc, cfg.run_dir)
-        check_layout(launch.world_size, tp, pp)
+    nproc = args.nproc or tp * pp if launch.launcher == "single" else launch.world_size
+    check_layout(nproc, tp, pp)
+    with _run_folder_lock(cfg.run_dir, launch.rank):  # a bad start above makes no run folder
+        if launch.launcher == "single" and nproc > 1:
+            return _spawn_local(args, nproc, cfg.run_dir)
         from megatron_entropy.trainer.loop import train
 
         train(cfg)

@@ -258,6 +258,9 @@ def test_bad_starts_are_one_line_before_any_rank_starts(tmp_path, capsys):
     assert re.search(r"model.hf_path: model.embed_tokens.weight has shape \(\d+, \d+\), but "
                      r"config.json implies", _one_error_line(
                          capsys, ["train", str(config), f"model.hf_path={revocab}"]))
+    # A process count the layout does not divide.
+    assert "world size 3 is not divisible" in _one_error_line(
+        capsys, ["train", str(config), "--nproc", "3", "parallel.tensor=2"])
     assert not (tmp_path / "runs").exists()  # no rank started, no run folder made
 
 
