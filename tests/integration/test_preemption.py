@@ -2,8 +2,8 @@
 is still starting up is held until the next point of the start-up that looks (the run exits 75
 with nothing to checkpoint, instead of dying by the signal's default action); one during a step
 stops it after the rollout round, before anything of the step is applied; the job's clock;
-helper processes started during a checkpoint (dist_checkpointing's writers and Manager) do not die of one sent to the whole process
-tree, as Slurm's proctrack/linuxproc delivers it."""
+helper processes started during a checkpoint (dist_checkpointing's writers and Manager) do not
+die of one sent to the whole process tree, as Slurm's proctrack/linuxproc delivers it."""
 
 from __future__ import annotations
 
