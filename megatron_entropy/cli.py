@@ -158,10 +158,10 @@ def _run_train(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.overrides)
     launch = detect_launch_env()
-    tp, pp = cfg.parallel.tensor, cfg.parallel.pipeline
+    tp, pp, ep = cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.expert
     _check_model(cfg)  # before any rank starts
-    nproc = args.nproc or tp * pp if launch.launcher == "single" else launch.world_size
-    check_layout(nproc, tp, pp)
+    nproc = args.nproc or tp * pp * ep if launch.launcher == "single" else launch.world_size
+    check_layout(nproc, tp, pp, ep)
     with _run_folder_lock(cfg.run_dir, launch.rank):  # a bad start above makes no run folder
         if launch.launcher == "single" and nproc > 1:
             return _spawn_local(args, nproc, cfg.run_dir)
@@ -225,7 +225,7 @@ def _check_model(cfg) -> None:
         except (KeyError, ValueError) as e:
             raise ConfigError(f"model.hf_path: {e.args[0] if isinstance(e, KeyError) else e}") \
                 from None
-    arch.check_parallel(cfg.parallel.tensor, cfg.parallel.pipeline)
+    arch.check_parallel(cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.expert)
     # The tokenizer and chat template come from hf_path, else the checkpoint's hf/ folder.
     key, folder = ("model.hf_path", m.hf_path) if m.hf_path else \
         ("model.megatron_ckpt", Path(m.megatron_ckpt) / "hf")
