@@ -153,7 +153,12 @@ def _open_rank_log(path: Path):
 
 
 def _run_train(args: argparse.Namespace) -> int:
-    preemption.install()  # first: a USR1/TERM during the minutes of start-up is held, not fatal
+    # First: a USR1/TERM/INT during the minutes of start-up is held, not fatal.
+    with preemption.installed():
+        return _train_command(args)
+
+
+def _train_command(args: argparse.Namespace) -> int:
     silence_harmless_warnings()
 
     cfg = load_config(args.config, args.overrides)

@@ -53,6 +53,20 @@ def install() -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
 
 
+@contextmanager
+def installed() -> Iterator[None]:
+    """``install()`` for the body; the earlier handlers come back after it (for callers that go
+    on after a run: a test, a program that calls the CLI's main)."""
+    previous = {sig: signal.getsignal(sig) for sig in SIGNALS}
+    install()
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            if handler is not None:  # None: set outside Python, cannot be put back
+                signal.signal(sig, handler)
+
+
 def requested() -> bool:
     return bool(_received)
 

@@ -147,7 +147,10 @@ def test_second_trainer_on_a_run_folder_is_refused_naming_the_holder(tmp_path, c
         env={**os.environ, "PYTHONPATH": str(REPO)})
     try:
         assert holder.stdout.readline() == "held\n"
+        handlers = [signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)]
         assert main(["train", str(config)]) == 2
+        # The command's signal handlers were this process's for the command only.
+        assert [signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)] == handlers
     finally:
         holder.kill()
         holder.wait()
