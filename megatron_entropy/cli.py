@@ -20,6 +20,7 @@ from megatron_entropy.config import ConfigError, load_config
 from megatron_entropy.models.arch import UnsupportedModelError, load_arch
 from megatron_entropy.runtime import ParallelLayoutError, check_layout, detect_launch_env
 from megatron_entropy.runtime.launch_env import UrlFileError
+from megatron_entropy.runtime.threads import apply_thread_defaults
 from megatron_entropy.trainer import preemption
 
 # Torch-free above. What needs torch loads inside the function that uses it: `--help` and the
@@ -160,11 +161,12 @@ def _open_rank_log(path: Path):
 
 def _run_train(args: argparse.Namespace) -> int:
     preemption.install()  # first: a USR1/TERM during the minutes of start-up is held, not fatal
-    silence_harmless_warnings()
-
     cfg = load_config(args.config, args.overrides)
     launch = detect_launch_env()
     tp, pp = cfg.parallel.tensor, cfg.parallel.pipeline
+    if launch.launcher == "single":  # ranks this command starts: their threads, before torch
+        apply_thread_defaults(args.nproc or tp * pp)
+    silence_harmless_warnings()
     _check_model(cfg)  # before any rank starts
     if launch.launcher == "single":
         nproc = args.nproc or tp * pp
