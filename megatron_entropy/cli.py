@@ -242,6 +242,7 @@ def _commands() -> Mapping[str, Command]:
         "plot": "megatron_entropy.analysis.commands:PLOT",
         "fit": "megatron_entropy.analysis.commands:FIT",
         "study": "megatron_entropy.analysis.commands:STUDY",
+        "config-reference": "megatron_entropy.config.reference:CONFIG_REFERENCE",
     })
 
 
