@@ -65,10 +65,10 @@ SETTINGS: dict[str, tuple[str, int, int, Optional[dict], Optional[dict]]] = {
 }
 
 
-def _env(threads: Optional[dict]) -> dict:
+def _env(threads: Optional[dict], repo: Path = REPO) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in THREAD_VARS}
     env.update(threads or {})
-    env["PYTHONPATH"] = str(REPO)
+    env["PYTHONPATH"] = str(repo)
     env["PYTHONUNBUFFERED"] = "1"
     env["HF_HUB_OFFLINE"] = "1"
     return env
@@ -86,12 +86,12 @@ def _tree_cpu(proc: psutil.Process) -> float:
 
 
 def _watch(cmd: list[str], env: dict, lines: Path, steps: int, log: Path,
-           timeout: float) -> list[tuple[float, float, dict]]:
+           timeout: float, cwd: Path = REPO) -> list[tuple[float, float, dict]]:
     """Run ``cmd``; return (seconds since launch, tree CPU seconds, record) at each step line of
     ``lines`` (a JSON object per line with "step" >= 1)."""
     start = time.perf_counter()
     with log.open("w") as out:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT)
     ps_proc = psutil.Process(proc.pid)
     seen: list[tuple[float, float, dict]] = []
     try:
@@ -138,18 +138,20 @@ def _summary(marks: list[tuple[float, float, dict]], per_step: int) -> dict:
             "startup_s": ends[0][0], "steps": wall}
 
 
-def run_ours(threads: Optional[dict], nproc: int, tensor: int, steps: int, work: Path) -> dict:
+def run_ours(threads: Optional[dict], nproc: int, tensor: int, steps: int, work: Path,
+             repo: Path = REPO) -> dict:
+    """Our quickstart_grpo on the matched work, from the checkout ``repo``."""
     name = f"ours_{time.monotonic_ns()}"
     cmd = [sys.executable, "-m", "megatron_entropy.cli", "train",
-           str(REPO / "examples" / "quickstart_grpo.yaml"), "--nproc", str(nproc),
+           str(repo / "examples" / "quickstart_grpo.yaml"), "--nproc", str(nproc),
            f"parallel.tensor={tensor}", f"trainer.steps={steps + 1}",
            f"data.prompts_per_step={PROMPTS}", f"rollout.n_samples={SAMPLES}",
            f"rollout.max_new_tokens={NEW_TOKENS}", f"trainer.mini_batches_per_step={UPDATES}",
            f"trainer.lr={LR}", "data.dynamic_sampling=false", "trainer.val_before_train=false",
            "trainer.val_interval=0", "trainer.save_interval=0", "rollout.weight_check=false",
            f"logging.runs_dir={work}", f"logging.name={name}", "logging.progress_bar=false"]
-    marks = _watch(cmd, _env(threads), work / name / "metrics.jsonl", steps,
-                   work / f"{name}.log", timeout=900)
+    marks = _watch(cmd, _env(threads, repo), work / name / "metrics.jsonl", steps,
+                   work / f"{name}.log", timeout=900, cwd=repo)
     out = _summary(marks, 1)
     out["response_tokens"] = statistics.median(m[2]["rollout/response_tokens"] for m in marks)
     return out
@@ -222,10 +224,12 @@ def _load() -> float:
     return float(Path("/proc/loadavg").read_text().split()[0])
 
 
-def _row(label: str, ours: list[dict], trl: list[dict]) -> str:
-    def med(runs, key):
-        return statistics.median(r[key] for r in runs) if runs else float("nan")
+def _median(runs: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in runs) if runs else float("nan")
 
+
+def _row(label: str, ours: list[dict], trl: list[dict]) -> str:
+    med = _median
     o, t = med(ours, "step_s"), med(trl, "step_s")
     loads = [r["load"] for r in ours + trl]
     return (f"| {label} | {o:.2f} | {med(ours, 'cpu_s'):.2f} | {t:.2f} | {med(trl, 'cpu_s'):.2f} "
@@ -241,6 +245,9 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--steps", type=int, default=4, help="timed steps a run (after step 1)")
     p.add_argument("--no-trl", action="store_true", help="ours only")
+    p.add_argument("--baseline", type=Path,
+                   help="another checkout of this project (e.g. the last release), run beside "
+                        "ours in each setting: its start-up and step in the table")
     p.add_argument("--out", type=Path, default=REPO / "runs" / "bench_vs_trl")
     p.add_argument("--trl-worker", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--work", type=Path, help=argparse.SUPPRESS)
@@ -257,7 +264,8 @@ def main() -> None:
     if unknown:
         sys.exit(f"--settings: unknown {unknown}; known: {', '.join(SETTINGS)}")
     args.out.mkdir(parents=True, exist_ok=True)
-    results: dict[str, dict[str, list[dict]]] = {n: {"ours": [], "trl": []} for n in names}
+    results: dict[str, dict[str, list[dict]]] = {n: {"ours": [], "trl": [], "base": []}
+                                                 for n in names}
     with tempfile.TemporaryDirectory(prefix="bench_vs_trl_") as tmp:
         work = Path(tmp)
         for repeat in range(args.repeats):
@@ -266,6 +274,9 @@ def main() -> None:
                 sides = [("ours", lambda: run_ours(ours_env, nproc, tensor, args.steps, work))]
                 if with_trl:
                     sides.append(("trl", lambda: run_trl(trl_env, args.steps, work)))
+                if args.baseline:
+                    sides.append(("base", lambda: run_ours(ours_env, nproc, tensor, args.steps,
+                                                           work, args.baseline.resolve())))
                 if repeat % 2:
                     sides.reverse()
                 for side, run in sides:
@@ -282,6 +293,15 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|---|")
     for name in names:
         print(_row(SETTINGS[name][0], results[name]["ours"], results[name]["trl"]))
+    if args.baseline:
+        print(f"\n| setting | ours start-up s | {args.baseline} start-up s | ours step s "
+              f"| {args.baseline} step s | load (1 min) |\n|---|---|---|---|---|---|")
+        for name in names:
+            o, b = results[name]["ours"], results[name]["base"]
+            loads = [r["load"] for r in o + b]
+            print(f"| {SETTINGS[name][0]} | {_median(o, 'startup_s'):.1f} "
+                  f"| {_median(b, 'startup_s'):.1f} | {_median(o, 'step_s'):.2f} "
+                  f"| {_median(b, 'step_s'):.2f} | {min(loads):.1f}-{max(loads):.1f} |")
 
 
 if __name__ == "__main__":
