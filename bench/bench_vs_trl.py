@@ -23,8 +23,11 @@ Each run is its own process tree, started by this script; runs alternate between
 between the lines a run writes at the end of consecutive steps (metrics.jsonl; TRL: a callback),
 its CPU seconds the process tree's CPU time over the same interval, both medians over the steps
 after the first (the first carries one-off warm-up). "start-up" is launch to the end of step 1.
-The 1-minute load average (/proc/loadavg) is read before each run. Prints a Markdown table;
-JSON goes to runs/bench_vs_trl/.
+The 1-minute load average (/proc/loadavg) is read before each run. On a machine shared with
+other work the wall times follow the load; the CPU seconds hardly move, so the CPU ratio is the
+one to compare across machines. ``--baseline DIR`` runs another checkout of this project (e.g.
+the last release) beside ours in each setting, for start-up and step before and after a change.
+Prints Markdown tables; JSON goes to runs/bench_vs_trl/.
 """
 
 from __future__ import annotations
@@ -135,7 +138,7 @@ def _summary(marks: list[tuple[float, float, dict]], per_step: int) -> dict:
     wall = [b[0] - a[0] for a, b in zip(ends, ends[1:])]
     cpu = [b[1] - a[1] for a, b in zip(ends, ends[1:])]
     return {"step_s": statistics.median(wall), "cpu_s": statistics.median(cpu),
-            "startup_s": ends[0][0], "steps": wall}
+            "startup_s": ends[0][0], "startup_cpu_s": ends[0][1], "steps": wall}
 
 
 def run_ours(threads: Optional[dict], nproc: int, tensor: int, steps: int, work: Path,
@@ -232,8 +235,9 @@ def _row(label: str, ours: list[dict], trl: list[dict]) -> str:
     med = _median
     o, t = med(ours, "step_s"), med(trl, "step_s")
     loads = [r["load"] for r in ours + trl]
-    return (f"| {label} | {o:.2f} | {med(ours, 'cpu_s'):.2f} | {t:.2f} | {med(trl, 'cpu_s'):.2f} "
-            f"| {o / t:.2f} | {med(ours, 'startup_s'):.1f} | {med(trl, 'startup_s'):.1f} "
+    oc, tc = med(ours, "cpu_s"), med(trl, "cpu_s")
+    return (f"| {label} | {o:.2f} | {oc:.2f} | {t:.2f} | {tc:.2f} | {o / t:.2f} | {oc / tc:.2f} "
+            f"| {med(ours, 'startup_s'):.1f} | {med(trl, 'startup_s'):.1f} "
             f"| {med(ours, 'response_tokens'):.0f} / {med(trl, 'response_tokens'):.0f} "
             f"| {min(loads):.1f}-{max(loads):.1f} |")
 
@@ -285,23 +289,29 @@ def main() -> None:
                     results[name][side].append(r)
                     print(f"[{time.strftime('%H:%M:%S')}] {name} {side}: step "
                           f"{r['step_s']:.2f} s, cpu {r['cpu_s']:.2f} s, start-up to step 1 "
-                          f"{r['startup_s']:.1f} s, load {load:.2f}", flush=True)
+                          f"{r['startup_s']:.1f} s (cpu {r['startup_cpu_s']:.1f} s), load "
+                          f"{load:.2f}", flush=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     (args.out / f"{stamp}.json").write_text(json.dumps(results, indent=1))
     print("\n| setting | ours step s | ours CPU s/step | TRL step s | TRL CPU s/step | ours/TRL "
-          "| ours start-up s | TRL start-up s | response tokens/step ours / TRL | load (1 min) |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "step | ours/TRL CPU | ours start-up s | TRL start-up s | response tokens/step ours / "
+          "TRL | load (1 min) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name in names:
         print(_row(SETTINGS[name][0], results[name]["ours"], results[name]["trl"]))
     if args.baseline:
-        print(f"\n| setting | ours start-up s | {args.baseline} start-up s | ours step s "
-              f"| {args.baseline} step s | load (1 min) |\n|---|---|---|---|---|---|")
+        base = args.baseline
+        print(f"\n| setting | start-up s ours / {base} | start-up CPU s ours / {base} "
+              f"| step s ours / {base} | step CPU s ours / {base} | load (1 min) |\n"
+              "|---|---|---|---|---|---|")
         for name in names:
             o, b = results[name]["ours"], results[name]["base"]
             loads = [r["load"] for r in o + b]
-            print(f"| {SETTINGS[name][0]} | {_median(o, 'startup_s'):.1f} "
-                  f"| {_median(b, 'startup_s'):.1f} | {_median(o, 'step_s'):.2f} "
-                  f"| {_median(b, 'step_s'):.2f} | {min(loads):.1f}-{max(loads):.1f} |")
+            print(f"| {SETTINGS[name][0]} "
+                  + "".join(f"| {_median(o, k):.{d}f} / {_median(b, k):.{d}f} "
+                            for k, d in (("startup_s", 1), ("startup_cpu_s", 1),
+                                         ("step_s", 2), ("cpu_s", 2)))
+                  + f"| {min(loads):.1f}-{max(loads):.1f} |")
 
 
 if __name__ == "__main__":
