@@ -163,17 +163,17 @@ def _run_train(args: argparse.Namespace) -> int:
     preemption.install()  # first: a USR1/TERM during the minutes of start-up is held, not fatal
     cfg = load_config(args.config, args.overrides)
     launch = detect_launch_env()
-    tp, pp = cfg.parallel.tensor, cfg.parallel.pipeline
+    tp, pp, ep = cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.expert
     if launch.launcher == "single":  # ranks this command starts: their threads, before torch
-        apply_thread_defaults(args.nproc or tp * pp)
+        apply_thread_defaults(args.nproc or tp * pp * ep)
     silence_harmless_warnings()
     _check_model(cfg)  # before any rank starts
     if launch.launcher == "single":
-        nproc = args.nproc or tp * pp
-        check_layout(nproc, tp, pp)
+        nproc = args.nproc or tp * pp * ep
+        check_layout(nproc, tp, pp, ep)
         if nproc > 1:
             return _spawn_local(args, nproc, cfg.run_dir)
-    check_layout(launch.world_size, tp, pp)
+    check_layout(launch.world_size, tp, pp, ep)
     from megatron_entropy.trainer.loop import train
 
     train(cfg)
@@ -201,7 +201,7 @@ def _check_model(cfg) -> None:
         except (KeyError, ValueError) as e:
             raise ConfigError(f"model.hf_path: {e.args[0] if isinstance(e, KeyError) else e}") \
                 from None
-    arch.check_parallel(cfg.parallel.tensor, cfg.parallel.pipeline)
+    arch.check_parallel(cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.expert)
 
 
 # ------------------------------------------------------------------------------------ table

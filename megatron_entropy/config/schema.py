@@ -35,12 +35,21 @@ class ModelConfig(Settings):
     recompute_activations: bool = False
     seq_length: int = _f(4096, ge=16, help="the longest sequence the model is built for; must "
                                            "hold rollout.max_prompt_tokens + max_new_tokens")
+    moe_aux_loss_coeff: Optional[float] = _f(
+        None, ge=0, help="mixture of experts: weight of the router's load-balancing loss (mean "
+                         "over layers and micro-batches); null = the HF config's "
+                         "router_aux_loss_coef, 0 = none")
+    moe_z_loss_coeff: float = _f(0.0, ge=0, help="mixture of experts: weight of the router's "
+                                                 "z-loss (0 = none)")
 
 
 @dataclass
 class ParallelConfig(Settings):
     tensor: int = _f(1, ge=1)
     pipeline: int = _f(1, ge=1)
+    expert: int = _f(1, ge=1, help="expert parallelism (mixture of experts): the experts are "
+                                   "split over this many data-parallel ranks; must divide the "
+                                   "data-parallel size")
     sequence_parallel: bool = _f(False, help="GPU with Transformer Engine only")
     backend: Literal["auto", "nccl", "gloo"] = _f(
         "auto", help="auto: nccl where CUDA is, else gloo (under Slurm a task without a visible "
@@ -112,6 +121,10 @@ class RolloutConfig(Settings):
     max_prompt_tokens: int = _f(1024, ge=1)
     stop: list[str] = _f(default_factory=list)
     stop_token_ids: list[int] = _f(default_factory=list)
+    routing_replay: Literal["none", "recompute"] = _f(
+        "none", help="mixture of experts: recompute = every update forward routes each token to "
+                     "the experts the actor's recompute chose (R2); none = the update routes "
+                     "afresh (the mismatch is logged as moe/routing_mismatch)")
     seed: int = 0
     dtype: DtypeName = _f("fp32", aliases=DTYPE_ALIASES, help="in-process engine's dtype")
     batch_size: int = _f(64, ge=1, help="in-process engine: sequences decoded together")

@@ -27,6 +27,9 @@ class Sample:
     old_logprobs: Optional[torch.Tensor] = None
     ref_logprobs: Optional[torch.Tensor] = None
     entropy: Optional[torch.Tensor] = None
+    # Mixture of experts: the recompute's top-k experts of every token (prompt and response) in
+    # each MoE layer of this pipeline stage, [layers, length, k] (trainer/moe_routing.py).
+    routing: Optional[torch.Tensor] = None
 
     @property
     def length(self) -> int:

@@ -163,7 +163,8 @@ class Trainer:
         self.run_dir = cfg.run_dir
         started = time.time()
         init_distributed(cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.backend,
-                         cfg.parallel.timeout_minutes, socket_ifname=cfg.parallel.socket_ifname)
+                         cfg.parallel.timeout_minutes, socket_ifname=cfg.parallel.socket_ifname,
+                         expert=cfg.parallel.expert)
         set_seed(cfg.trainer.seed)
         self.ps = ps
         self.roles = Roles.here(shared_engine=engine_is_shared(cfg.rollout.engine))
@@ -183,7 +184,7 @@ class Trainer:
                 raise ValueError("set model.hf_path (an HF model folder) or model.megatron_ckpt")
             self.arch = load_arch(m.hf_path)
             self.hf_dir = m.hf_path
-        self.arch.check_parallel(cfg.parallel.tensor, cfg.parallel.pipeline)
+        self.arch.check_parallel(cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.expert)
         self.tokenizer = load_tokenizer(self.hf_dir)
 
         self.train_data = load_prompt_dataset(cfg.data, self.tokenizer,
@@ -196,9 +197,11 @@ class Trainer:
         resume_from = self._resume_path()
         sharded_optimizer = cfg.trainer.uses_distributed_optimizer(
             ps.get_data_parallel_world_size())
+        replay = cfg.rollout.routing_replay == "recompute" and self.arch.is_moe
         self.model = build_trainable_model(
             self.arch, m, cfg.parallel, sharded_optimizer,
-            overlap=cfg.trainer.uses_overlap(on_gpu=dist.get_backend() == "nccl"))
+            overlap=cfg.trainer.uses_overlap(on_gpu=dist.get_backend() == "nccl"),
+            routing_replay=replay)
         if resume_from is None:
             self._load_initial_weights(self.model[0])
         optimizer, scheduler = build_optimizer(self.model, cfg.trainer, m.dtype,
@@ -207,11 +210,13 @@ class Trainer:
         if cfg.algorithm.kl_coef > 0:
             ref_model = build_gpt_model(self.arch, cfg.parallel.tensor, cfg.parallel.pipeline,
                                         m.dtype, m.transformer_impl, m.seq_length,
-                                        cfg.parallel.sequence_parallel)
+                                        cfg.parallel.sequence_parallel,
+                                        expert=cfg.parallel.expert)
             self._load_initial_weights(ref_model)
             ref_model.requires_grad_(False)
         self.actor = Actor(self.arch, self.model, optimizer, scheduler, cfg.algorithm,
-                           cfg.trainer, cfg.rollout.temperature, ref_model=ref_model)
+                           cfg.trainer, cfg.rollout.temperature, ref_model=ref_model,
+                           routing_replay=replay)
         self.controller = build_controller(cfg.algorithm, self.arch.vocab_size)
         self.drift = DriftTrend()
 
@@ -332,7 +337,8 @@ class Trainer:
         stats: dict[str, float] = {}
         gather_params(self.model)  # an overlapped param all-gather still in flight
         if self.roles.feeds_engine:
-            stats = self.weight_sync.sync(self.model[0], self.arch, version)
+            stats = self.weight_sync.sync(self.model[0], self.arch, version,
+                                          relay_only=self.roles.relays_experts)
         dist.barrier()
         return {k: float(v) for k, v in stats.items()}
 

@@ -1,6 +1,6 @@
 """A strict stand-in for an SGLang 0.5.x server, for tests on machines where SGLang cannot run.
 
-It serves a Qwen2 checkpoint in fp32 (the forward of transformers' Qwen2ForCausalLM written out
+It serves a Qwen2 (or Qwen3-MoE) checkpoint in fp32 (the forward of transformers' model written out
 over the checkpoint's tensors, ``PlainQwen2``: importing transformers was ~4 of the ~6 CPU seconds
 of every server start, and the suite starts ~30) so that generation, log-probs and weight updates
 can be checked against a transformers reference, and it enforces SGLang's HTTP contract as its
@@ -112,9 +112,14 @@ class PlainQwen2:
 
     def __init__(self, folder: str):
         cfg = json.loads((Path(folder) / "config.json").read_text())
-        if cfg.get("model_type") != "qwen2":
-            raise SystemExit(f"the fake SGLang server serves Qwen2 checkpoints, not "
-                             f"{cfg.get('model_type')!r} ({folder}/config.json)")
+        if cfg.get("model_type") not in ("qwen2", "qwen3_moe"):
+            raise SystemExit(f"the fake SGLang server serves Qwen2 and Qwen3-MoE checkpoints, "
+                             f"not {cfg.get('model_type')!r} ({folder}/config.json)")
+        # Qwen3-MoE: QK-norm per head and a top-k routed SwiGLU MoE block in every layer
+        # (Qwen3MoeSparseMoeBlock: softmax in fp32, top-k, optionally renormalised).
+        self.moe = cfg["model_type"] == "qwen3_moe"
+        self.topk = cfg.get("num_experts_per_tok", 0)
+        self.norm_topk = bool(cfg.get("norm_topk_prob", False))
         self.vocab_size = cfg["vocab_size"]
         self.context_len = cfg["max_position_embeddings"]
         self.eos_token_id = cfg.get("eos_token_id")
@@ -138,6 +143,22 @@ class PlainQwen2:
     def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
         return F.linear(x, self.params[name + ".weight"], self.params.get(name + ".bias"))
 
+    def _mlp(self, h: torch.Tensor, pre: str) -> torch.Tensor:
+        return self._linear(F.silu(self._linear(h, pre + "gate_proj"))
+                            * self._linear(h, pre + "up_proj"), pre + "down_proj")
+
+    def _moe(self, h: torch.Tensor, pre: str) -> torch.Tensor:
+        probs = F.softmax(self._linear(h, pre + "gate"), dim=-1, dtype=torch.float)
+        weights, experts = probs.topk(self.topk, dim=-1)
+        if self.norm_topk:
+            weights = weights / weights.sum(-1, keepdim=True)
+        out = torch.zeros_like(h)
+        for j in range(self.topk):
+            for e in experts[..., j].unique().tolist():
+                rows = experts[..., j] == e
+                out[rows] += weights[..., j][rows, None] * self._mlp(h[rows], f"{pre}experts.{e}.")
+        return out
+
     def __call__(self, ids: torch.Tensor, cache: Optional[list]
                  ) -> tuple[torch.Tensor, list]:
         """The last position's logits [V] for ``ids`` [1, T] after ``cache`` (None: none),
@@ -160,6 +181,9 @@ class PlainQwen2:
             h = self._norm(x, pre + "input_layernorm.weight")
             q, k, v = (self._linear(h, pre + f"self_attn.{n}_proj").view(1, t, -1, self.head_dim)
                        .transpose(1, 2) for n in "qkv")
+            if self.moe:
+                q = self._norm(q, pre + "self_attn.q_norm.weight")
+                k = self._norm(k, pre + "self_attn.k_norm.weight")
             q, k = rotary(q), rotary(k)
             if cache[i] is not None:
                 k, v = torch.cat((cache[i][0], k), 2), torch.cat((cache[i][1], v), 2)
@@ -170,8 +194,7 @@ class PlainQwen2:
                                                is_causal=past == 0 and t > 1)
             x = x + self._linear(a.transpose(1, 2).reshape(1, t, -1), pre + "self_attn.o_proj")
             h = self._norm(x, pre + "post_attention_layernorm.weight")
-            x = x + self._linear(F.silu(self._linear(h, pre + "mlp.gate_proj"))
-                                 * self._linear(h, pre + "mlp.up_proj"), pre + "mlp.down_proj")
+            x = x + (self._moe(h, pre + "mlp.") if self.moe else self._mlp(h, pre + "mlp."))
         x = self._norm(x[:, -1], "model.norm.weight")
         return F.linear(x, self.head)[0], cache
 
