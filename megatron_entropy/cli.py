@@ -23,6 +23,7 @@ from megatron_entropy.runtime import files, run_lock
 from megatron_entropy.runtime.harmless import silence_harmless_warnings
 from megatron_entropy.runtime.launch_env import UrlFileError
 from megatron_entropy.runtime.processes import start_held, stop_all
+from megatron_entropy.runtime.threads import apply_thread_defaults
 from megatron_entropy.trainer import preemption
 from megatron_entropy.trainer.preemption import PREEMPTED_EXIT_CODE as PREEMPTED
 
@@ -162,13 +163,14 @@ def _run_train(args: argparse.Namespace) -> int:
 
 
 def _train_command(args: argparse.Namespace) -> int:
-    silence_harmless_warnings()
-
     cfg = load_config(args.config, args.overrides)
     launch = detect_launch_env()
     tp, pp, ep = cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.expert
+    if launch.launcher == "single":  # ranks this command starts: their threads, before torch
+        apply_thread_defaults(args.nproc or tp * pp * ep)
+    silence_harmless_warnings()
     _check_model(cfg)  # before any rank starts
-    nproc = args.nproc or tp * pp * ep if launch.launcher == "single" else launch.world_size
+    nproc = (args.nproc or tp * pp * ep) if launch.launcher == "single" else launch.world_size
     check_layout(nproc, tp, pp, ep)
     with _run_folder_lock(cfg.run_dir, launch.rank):  # a bad start above makes no run folder
         if launch.launcher == "single" and nproc > 1:

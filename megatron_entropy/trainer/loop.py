@@ -98,6 +98,27 @@ def _summed_over_ranks(value: float) -> float:
     return float(total)
 
 
+def _every_engines_tokens(engine_metrics: dict[str, float]) -> dict[str, float]:
+    """``rollout/response_tokens`` and ``rollout/tokens_per_s`` of the job, from this rank's
+    engine's (none: zeros): tokens summed over the engines (one per DP replica in-process),
+    the rate over the longest engine's generating time, as the engines run side by side.
+    A collective: every rank calls it."""
+    tokens = engine_metrics.get("rollout/response_tokens", 0.0)
+    rate = engine_metrics.get("rollout/tokens_per_s", 0.0)
+    mine = torch.tensor([tokens, tokens / rate if rate > 0 else 0.0], dtype=torch.float64,
+                        device=_device())
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    total = float(sum(t[0] for t in every))
+    seconds = float(max(t[1] for t in every))
+    if "rollout/response_tokens" not in engine_metrics:
+        return {}  # no engine on this rank (rank 0 always has one: its numbers are logged)
+    out = {"rollout/response_tokens": total}
+    if seconds > 0:
+        out["rollout/tokens_per_s"] = total / seconds
+    return out
+
+
 def _reduce_token_metrics(samples: list, group) -> dict[str, float]:
     """Entropy (token mean, mean of per-sequence means, per source), summed over this DP
     rank's samples and the DP group."""
@@ -440,6 +461,7 @@ class Trainer:
                 busy = metrics.pop("rollout/engine_busy_s", None)
                 if busy is not None:  # server engines
                     metrics["time/engine_idle"] = max(0.0, time.perf_counter() - started - busy)
+            metrics.update(_every_engines_tokens(metrics))
             metrics["time/trainer_idle"] = (self.async_rollouts.pop_idle_seconds()
                                             if self.async_rollouts is not None
                                             else timer.seconds["rollout"])

@@ -264,6 +264,25 @@ def test_bf16_run_with_the_distributed_optimizer_resumes_across_a_change_of_dp(m
         assert not bad, bad
 
 
+def test_dp2_counts_the_tokens_of_every_engine(model_dir, tmp_path):
+    """At DP=2 each replica's leader runs its own in-process engine: the step's response tokens
+    and rates count both engines' work, not rank 0's half. No validation and no weight check:
+    the engines generate only the step's rollouts, every sample of which is kept."""
+    cfg = _config(model_dir, tmp_path, "dp2tok", parallel={"tensor": 1},
+                  rollout={"weight_check": False}, trainer={"steps": 2, "save_interval": 0})
+    run_distributed(train_from_dict, 2, cfg, timeout=300)
+    rows = _metrics(tmp_path, "dp2tok")
+    samples = cfg["data"]["prompts_per_step"] * cfg["rollout"]["n_samples"]
+    for r in rows:
+        generated = r["response/length_mean"] * samples  # every generated sample, all ranks
+        assert r["rollout/response_tokens"] == pytest.approx(generated, rel=1e-12)
+        # The engines generate side by side inside the rollout phase: the job's rate is at
+        # least all their tokens over that phase's time.
+        assert r["rollout/tokens_per_s"] >= generated / r["time/rollout"]
+        # Prompt and response tokens of every kept sample, per second of the step.
+        assert r["perf/tokens_per_s"] * r["time/step"] > generated
+
+
 def _model_sequence_length(cfg: dict) -> int:
     """Worker: the sequence length the trainer built its Megatron model for."""
     from megatron_entropy.config import load_config

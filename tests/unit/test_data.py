@@ -15,6 +15,7 @@ from megatron_entropy.data import (DEFAULT_PROMPT_SUFFIX, DatasetError, GroupFil
                                    PromptSampler, arithmetic_rows, data_notes, generate_problems,
                                    load_prompt_dataset, load_tokenizer, read_rows, render_prompt,
                                    train_val_problems)
+from megatron_entropy.data.dataset import encode_texts
 
 QUICKSTART = Path(__file__).resolve().parents[2] / "examples" / "quickstart_model"
 
@@ -208,6 +209,25 @@ def test_prompt_dataset_tokenises_and_handles_overlong(tokenizer, tmp_path):
         "trainer.val_interval=4, but there are no validation prompts (data.train_files without "
         "data.val_files): no validation runs; set data.val_files"]
     assert data_notes(full, full, 4, limit, "trainer.val_interval=4")[0] == []
+
+
+@pytest.mark.parametrize("add_special_tokens", [False, True])
+def test_encode_texts_gives_the_tokenizers_ids(add_special_tokens):
+    """The backend fast path and the fallbacks give what calling the tokenizer gives: with
+    special tokens in the text, with a backend set to truncate (which the call turns off) and
+    with special tokens split as text."""
+    texts = [render_prompt(f"What is {i} * 3 - 40?", load_tokenizer(QUICKSTART))
+             + "<|im_end|> héllo ½" * (i % 3) for i in range(20)]
+    for setup in ("plain", "truncating backend", "split special tokens"):
+        tok = load_tokenizer(QUICKSTART)
+        if setup == "truncating backend":
+            tok.backend_tokenizer.enable_truncation(max_length=4)
+        if setup == "split special tokens":
+            tok.split_special_tokens = True
+        got = encode_texts(tok, texts, add_special_tokens)  # first: the call resets the backend
+        expected = tok(texts, add_special_tokens=add_special_tokens)["input_ids"]
+        assert max(len(ids) for ids in expected) > 4
+        assert got == expected, setup
 
 
 def test_bytes_that_are_not_utf8_name_file_and_line(tmp_path):
