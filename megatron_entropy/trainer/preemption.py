@@ -46,11 +46,16 @@ def _record(signum: int, frame: object) -> None:
     _received.append(signum)
 
 
+_stopping_start_up = False  # inside interruptible(): SIGTERM/SIGINT raise, they are not recorded
+
+
 def install() -> None:
     """Record SIGUSR1/SIGTERM/SIGINT from now on, and unblock them (a launcher may have started
-    this process with them blocked); a request recorded or pending before is kept."""
+    this process with them blocked); a request recorded or pending before is kept. Inside
+    ``interruptible`` SIGTERM and SIGINT keep raising until it ends (it records them after)."""
     for sig in SIGNALS:
-        signal.signal(sig, _record)
+        if not (_stopping_start_up and sig in (signal.SIGTERM, signal.SIGINT)):
+            signal.signal(sig, _record)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
 
 
@@ -90,11 +95,15 @@ class StartupInterrupted(Exception):
 def interruptible() -> Iterator[None]:
     """For start-up (the model loads, the rollout servers come up, the first contact):
     SIGTERM and SIGINT raise ``StartupInterrupted`` at once, whatever the body waits for; a
-    SIGTERM recorded before is raised on entry. SIGUSR1 is still only recorded. Only in the
-    main thread (where Python runs signal handlers); elsewhere the body runs as it is."""
+    SIGTERM recorded before is raised on entry. SIGUSR1 is still only recorded. After the body
+    all three are recorded (``install``), also for callers that never installed the handler.
+    Only in the main thread (where Python runs signal handlers); elsewhere the body runs as it
+    is."""
+    global _stopping_start_up
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    install()  # what SIGTERM/SIGINT do after start-up: recorded
     if signal.SIGTERM in _received:
         raise StartupInterrupted(signal.SIGTERM)
 
@@ -102,9 +111,11 @@ def interruptible() -> Iterator[None]:
         raise StartupInterrupted(signum)
 
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    _stopping_start_up = True
     try:
         yield
     finally:
+        _stopping_start_up = False
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
