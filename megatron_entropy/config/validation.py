@@ -29,6 +29,10 @@ def validate(cfg: Config) -> None:
                           "that runs it, which rollout.server.router_url hides (the router "
                           "picks it): use rollout.inflight_at_sync=finish or address the "
                           "servers directly (rollout.server.urls)")
+    if r.routing_replay != "none" and cfg.model.recompute_activations:
+        raise ConfigError("rollout.routing_replay=recompute with model.recompute_activations="
+                          "true is not supported (the backward's re-forward would route "
+                          "afresh): set model.recompute_activations=false")
     if cfg.rollout.engine != "inprocess":
         s = cfg.rollout.server
         if not (s.urls or s.urls_file or s.launch):

@@ -19,7 +19,7 @@ from __future__ import annotations
 import pickle
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -28,6 +28,7 @@ from megatron.core import parallel_state as ps
 from megatron_entropy.algorithms.advantages import compute_advantages
 from megatron_entropy.data import GroupFilter, PromptItem
 from megatron_entropy.rollout.base import Completion, RolloutEngine, SamplingParams
+from megatron_entropy.rollout.server.partial import version_runs
 from megatron_entropy.runtime.roles import Roles
 from megatron_entropy.runtime.seeds import refill_round_seed
 from megatron_entropy.trainer.batch import Sample
@@ -309,9 +310,17 @@ def groups_to_samples(step: StepGroups, estimator: str, norm_by_std: bool) -> li
         first.append(first[-1] + len(s.rewards))
     return [Sample(prompt_ids=list(g.item.prompt_ids), response_ids=list(c.token_ids),
                    engine_logprobs=list(c.logprobs), reward=r, group=gi, source=g.item.source,
-                   advantage=adv[first[gi] + j])
+                   advantage=adv[first[gi] + j], **served_by(c))
             for gi, g in step.share for j, (c, r) in enumerate(zip(g.completions, g.rewards))
             if (gi, j) not in step.dropped]
+
+
+def served_by(c: Completion) -> dict[str, Any]:
+    """The ``Sample`` fields that say who generated ``c`` and on which weights."""
+    versions = {v for v, n in version_runs(c) if n}
+    return {"server": c.meta.get("server"),
+            "weight_version": str(versions.pop()) if len(versions) == 1 else None,
+            "exact_logprobs": "logprobs" not in c.meta}
 
 
 def dp_share(samples: list[Sample]) -> list[Sample]:
