@@ -27,6 +27,7 @@ from megatron_entropy.algorithms.entropy_control import EntropyControlSettings, 
 from megatron_entropy.algorithms.settings import (PolicyLossSettings, RolloutCorrectionSettings,
                                                   TokenRuleSettings, check_token_rules)
 from megatron_entropy.runtime.dtypes import DTYPE_ALIASES, DtypeName
+from megatron_entropy.evaluation.settings import EvalConfig
 from megatron_entropy.settings import SettingError, Settings, canonical, check_choice, field_types
 from megatron_entropy.settings import setting as _f  # a field with bounds and help
 
@@ -241,10 +242,35 @@ class SumsConfig(Settings):
 
 
 @dataclass
+class HintedConfig(Settings):
+    """The two-mode study task: sums with a guess of the total, solved by taking the guess
+    (right with probability guess_right) or by working the sum out
+    (megatron_entropy/data/hinted.py)."""
+
+    num_train: int = _f(20000, ge=1)
+    num_val: int = _f(256, ge=1)
+    num_test: int = _f(512, ge=0, help="problems of the test split (megatron-entropy eval); "
+                                       "disjoint from train and validation")
+    min_terms: int = _f(3, ge=2)
+    max_terms: int = _f(4, ge=2)
+    max_operand: int = _f(20, ge=1)
+    guess_right: float = _f(0.6, ge=0, le=1, help="chance that the guess is the total; a "
+                                                  "wrong one is off by 10")
+    seed: int = 0
+
+    def validate(self) -> None:
+        super().validate()
+        if self.min_terms > self.max_terms:
+            raise SettingError("min_terms", f"{self.min_terms} must be <= max_terms "
+                                            f"({self.max_terms})")
+
+
+@dataclass
 class DataConfig(Settings):
     train_files: list[str] = _f(default_factory=list, help="jsonl/parquet; empty = synthetic task")
-    task: Literal["arithmetic", "sums"] = _f(
-        "arithmetic", help="the synthetic task without train_files: data.arithmetic or data.sums")
+    task: Literal["arithmetic", "sums", "hinted"] = _f(
+        "arithmetic", help="the synthetic task without train_files: data.arithmetic, data.sums "
+                           "or data.hinted")
     val_files: list[str] = _f(default_factory=list)
     prompt_key: str = "prompt"
     answer_key: str = "answer"
@@ -261,6 +287,7 @@ class DataConfig(Settings):
     max_refill_rounds: int = _f(3, ge=0)
     arithmetic: ArithmeticConfig = _f(default_factory=ArithmeticConfig)
     sums: SumsConfig = _f(default_factory=SumsConfig)
+    hinted: HintedConfig = _f(default_factory=HintedConfig)
 
 
 @dataclass
@@ -424,6 +451,9 @@ class StudyConfig(Settings):
     time_budget_minutes: float = _f(90.0, gt=0, help="target wall time of the whole study")
     quick: list[str] = _f(default_factory=list, help="overrides applied with --quick (toy "
                                                      "length: steps, batch, validation set)")
+    eval_runs: bool = _f(False, help="after each run, megatron-entropy eval on its last "
+                                      "checkpoint (the eval section) into runs/NAME/"
+                                      "eval.json; the report's final numbers")
 
     def validate(self) -> None:
         super().validate()
@@ -465,6 +495,7 @@ class Config(Settings):
     cluster: ClusterConfig = _f(default_factory=ClusterConfig)
     analysis: AnalysisConfig = _f(default_factory=AnalysisConfig)
     study: StudyConfig = _f(default_factory=StudyConfig)
+    eval: EvalConfig = _f(default_factory=EvalConfig)
 
     @property
     def run_dir(self) -> Path:

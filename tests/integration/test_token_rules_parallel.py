@@ -1,4 +1,4 @@
-"""The token rules (issue 15) in the global scope do not depend on the model-parallel layout:
+"""The entropy token rules in the global scope do not depend on the model-parallel layout:
 with the same rollouts, seed and initial weights, one RL step of the actor at TP=2 and at PP=2
 selects the tokens and makes the update that TP=1/PP=1 makes, up to rounding (tests/helpers/tolerance.py),
 for the 80/20 minority, Archer clipping and entropy advantage shaping, and for the 80/20 rule
