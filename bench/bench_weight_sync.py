@@ -210,7 +210,8 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--sync-dir", default="/dev/shm" if Path("/dev/shm").is_dir() else None,
-                    help="where the sync folders go (default /dev/shm, as the README advises)")
+                    help="where the sync folders go (default /dev/shm, as "
+                         "docs/rollout_servers.md advises)")
     ap.add_argument("--out", default=str(REPO / "runs" / "bench_weight_sync.json"))
     args = ap.parse_args()
     if not VENV_PYTHON.exists():

@@ -1,12 +1,13 @@
 """The settings of one component: a dataclass whose fields carry their choices, bounds and help.
 
-Every config section (``megatron_entropy/config.py``) and every pure room's settings class
+Every config section (``megatron_entropy/config/``) and every pure component's settings class
 (``algorithms/``) subclasses ``Settings``. Constructing one maps a field's aliases to its one
 spelling, checks each field against the choices of its ``Literal`` type and its bounds
 (``setting(..., ge=0)``), then the class's own rules between its fields (``validate``, written
 once, in the class that owns the fields). A bad value raises ``SettingError`` naming the field;
-the config tree prefixes the section's key path. Standard library only: the pure rooms and the
-torch-free config (Slurm helpers, ``plan``) load it.
+the config tree prefixes the section's key path and raises ``ConfigError``. Standard library
+only: the pure components, the ground floor (runtime/) and the torch-free config (Slurm helpers,
+``plan``) load it.
 """
 
 from __future__ import annotations
@@ -20,6 +21,10 @@ from typing import Any, Literal, Mapping, Optional, Union
 
 _BOUNDS = (("ge", lambda v, b: v >= b, ">="), ("gt", lambda v, b: v > b, ">"),
            ("le", lambda v, b: v <= b, "<="), ("lt", lambda v, b: v < b, "<"))
+
+
+class ConfigError(ValueError):
+    """A bad config value; the message names the key path. The CLI prints it as one line."""
 
 
 class SettingError(ValueError):

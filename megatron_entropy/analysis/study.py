@@ -1,7 +1,7 @@
 """``megatron-entropy study CONFIG``: the paper's comparison at toy scale, one training run at a
 time, then a report with the counterpart of each of the paper's figures.
 
-The run matrix comes from the config's ``study`` section (config.StudyConfig):
+The run matrix comes from the config's ``study`` section (analysis/study_settings.py):
 
 - every arm of ``study.losses`` (a name and its overrides) at every seed of ``study.seeds``;
 - the entropy bonus (``study.entropy_bonus``: arm ``base`` with ``key`` at each value) and the
@@ -36,7 +36,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from megatron_entropy.analysis.plots import read_metrics
-from megatron_entropy.config import Config, ConfigError, StudyConfig, load_config
+from megatron_entropy.analysis.study_settings import StudyConfig
+from megatron_entropy.config import Config, ConfigError, load_config
 from megatron_entropy.trainer.checkpoint import CheckpointManager
 
 RUN_STATE_FILE = "study_run.json"

@@ -13,10 +13,10 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
-from megatron_entropy.config import ConfigError
 from megatron_entropy.runtime import cpu_compat
 from megatron_entropy.runtime.launch_env import (LaunchEnv, check_layout, detect_launch_env,
                                                   raise_open_files_limit)
+from megatron_entropy.settings import ConfigError
 
 
 def pick_backend(requested: str = "auto", launch: Optional[LaunchEnv] = None) -> str:

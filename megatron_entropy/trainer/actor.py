@@ -27,7 +27,8 @@ adjustments in the loss.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from dataclasses import replace
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 from megatron.core import parallel_state as ps
@@ -39,7 +40,6 @@ from megatron_entropy.algorithms.policy_loss import (TokenAdjustments, policy_lo
                                                      reduce_metrics, select_tokens_global)
 from megatron_entropy.algorithms.rollout_correction import RolloutCorrection, correct_rollout
 from megatron_entropy.algorithms.settings import PolicyLossSettings, TokenRuleSettings
-from megatron_entropy.analysis.entropy_change import entropy_change_metrics
 from megatron_entropy.config import AlgorithmConfig, TrainerConfig
 from megatron_entropy.models.arch import ModelArch
 from megatron_entropy.models.output_head import (hidden_states_instead_of_logits,
@@ -48,6 +48,7 @@ from megatron_entropy.ops.logprob_entropy import (fused_linear_logprob_entropy,
                                                   vocab_parallel_logprob_entropy)
 from megatron_entropy.runtime.seeds import micro_batch_draw_seed, update_seed
 from megatron_entropy.trainer.batch import MicroBatch, Sample, pack_micro_batches, to_device
+from megatron_entropy.trainer.entropy_change import entropy_change_metrics
 from megatron_entropy.trainer.model_setup import optimizer_step
 
 
@@ -244,15 +245,15 @@ class Actor:
             ents = [_recomputed_entropy(mb, samples) for mb in mbs]
         return [lp.to(self.device) for lp in logps], [h.to(self.device) for h in ents]
 
-    def _global_selections(self, mbs: list[MicroBatch], inputs: Optional[tuple[list, list]],
-                           seed: int) -> Optional[list]:
+    def _global_selections(self, loss: PolicyLossSettings, mbs: list[MicroBatch],
+                           inputs: Optional[tuple[list, list]], seed: int) -> Optional[list]:
         """Clip-Cov/KL-Cov token choice over the whole optimizer step (cov_scope=global)."""
         if self.algorithm.cov_scope != "global" or inputs is None:
             return None
         # On the device of the loss (and of NCCL's collectives).
         dev = [to_device(mb, self.device) for mb in mbs]
         return select_tokens_global(
-            self.algorithm, inputs[0], [mb.old_logprobs for mb in dev],
+            loss, inputs[0], [mb.old_logprobs for mb in dev],
             [mb.advantages for mb in dev], [mb.mask for mb in dev],
             dp_group=self.ps.get_data_parallel_group(), seed=seed)
 
@@ -290,8 +291,12 @@ class Actor:
             mb.mask = out[mb.index].mask
         return out
 
-    def update(self, samples: list[Sample], step: int) -> dict[str, float]:
-        """ppo_epochs x mini_batches_per_step optimizer steps over this rank's samples."""
+    def update(self, samples: list[Sample], step: int,
+               loss_knobs: Optional[Mapping[str, float]] = None) -> dict[str, float]:
+        """ppo_epochs x mini_batches_per_step optimizer steps over this rank's samples.
+        ``loss_knobs`` are this step's values of loss settings that change while the run goes
+        (the entropy controller's knob); the ``algorithm`` section keeps the configured ones."""
+        loss = replace(self.algorithm, **loss_knobs) if loss_knobs else self.algorithm
         n_mini = self.trainer.mini_batches_per_step
         bounds = [round(i * len(samples) / n_mini) for i in range(n_mini + 1)]
         all_metrics: list[dict] = []
@@ -316,10 +321,10 @@ class Actor:
                 # Every draw derives from (seed, step, epoch, mini-batch, micro-batch): resumable.
                 draw_seed = update_seed(self.trainer.seed, step, epoch, k)
                 inputs = self._selection_inputs(mbs, samples)
-                selections = self._global_selections(mbs, inputs, draw_seed)
+                selections = self._global_selections(loss, mbs, inputs, draw_seed)
                 step_rules = None
                 if self.ps.is_pipeline_last_stage():
-                    step_rules = StepRules(self.algorithm.token_rules, self.algorithm,
+                    step_rules = StepRules(self.algorithm.token_rules, loss,
                                            [mb.mask.to(self.device) for mb in mbs],
                                            None if inputs is None else inputs[1],
                                            self.ps.get_data_parallel_group())
@@ -334,14 +339,14 @@ class Actor:
                         adjust = _with_correction(adjust, corrections[mb.index], entropy.device)
                         rule_metrics.update(corrections[mb.index].metrics)
                     gen = torch.Generator().manual_seed(micro_batch_draw_seed(draw_seed, mb.index))
-                    loss, metrics = policy_loss(
-                        self.algorithm, mb.scatter(logp), mb.old_logprobs,
+                    value, metrics = policy_loss(
+                        loss, mb.scatter(logp), mb.old_logprobs,
                         mb.advantages, mb.mask, normalizer=normalizer, entropy=entropy,
                         ref_logp=mb.ref_logprobs,
                         selection=None if selections is None else selections[mb.index],
                         generator=gen, adjust=adjust)
                     metrics.update(rule_metrics, **shaping.get(mb.index, {}))
-                    return loss, torch.tensor(mb.num_tokens, dtype=torch.int), {"m": metrics}
+                    return value, torch.tensor(mb.num_tokens, dtype=torch.int), {"m": metrics}
 
                 outs = self._run_schedule(self.model, mbs, loss_fn, forward_only=False)
                 all_metrics.extend(o["m"] for o in outs)

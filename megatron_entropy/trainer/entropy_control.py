@@ -1,5 +1,6 @@
-"""The target-entropy controller in the loop: built from the config, it sets its knob in the
-actor's loss settings before each step's update and is fed the step's reduced entropy after it.
+"""The target-entropy controller in the loop: built from the config, it gives each step's update
+its knob's value (a runtime value beside the configured loss settings, which stay as they are)
+and is fed the step's reduced entropy after it.
 
 Every rank runs the same Python float arithmetic on ``entropy/seq_mean``, which is reduced over
 the DP group (and equal on every TP/PP rank of a replica), so every rank holds the same knob
@@ -8,14 +9,27 @@ without a collective. Its state goes into the checkpoint's trainer state.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any, Optional
 
-from megatron_entropy.algorithms.entropy_control import EntropyController
-from megatron_entropy.config import AlgorithmConfig, ConfigError, entropy_control_settings
+from megatron_entropy.algorithms.entropy_control import EntropyController, EntropyControlSettings
+from megatron_entropy.config import AlgorithmConfig
+from megatron_entropy.settings import ConfigError, SettingError
 
 STATE_KEY = "entropy_control"
 MEASURED = "entropy/seq_mean"  # the mean per-sequence entropy of the step's rollouts
+
+
+def entropy_control_settings(a: AlgorithmConfig, vocab_size: Optional[int] = None
+                             ) -> Optional[EntropyControlSettings]:
+    """The controller's settings (None when off), checked against the loss, the knob's starting
+    value in ``a`` and, given ``vocab_size``, an absolute target against log V."""
+    if not a.entropy_control.enabled:
+        return None
+    try:
+        a.check_entropy_control(vocab_size)
+    except SettingError as e:
+        raise ConfigError(f"algorithm.{e}") from None
+    return a.entropy_control
 
 
 def build_controller(algorithm: AlgorithmConfig, vocab_size: int
@@ -27,10 +41,10 @@ def build_controller(algorithm: AlgorithmConfig, vocab_size: int
     return EntropyController(settings, getattr(algorithm, settings.knob), vocab_size)
 
 
-def apply_knob(controller: Optional[EntropyController], actor: Any) -> None:
-    """Put the knob for the coming step into the actor's loss settings (its ``algorithm``)."""
-    if controller is not None:
-        actor.algorithm = replace(actor.algorithm, **{controller.settings.knob: controller.value})
+def loss_knobs(controller: Optional[EntropyController]) -> dict[str, float]:
+    """The coming step's value of the controller's knob, for ``Actor.update`` ({} when off):
+    the controller holds it, the config keeps the starting value."""
+    return {} if controller is None else {controller.settings.knob: controller.value}
 
 
 def update_controller(controller: Optional[EntropyController], metrics: dict[str, float]

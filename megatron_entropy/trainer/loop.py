@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from megatron_entropy.config import Config, save_run_config
+from megatron_entropy.config import Config
 from megatron_entropy.data import PromptSampler, data_notes, load_prompt_dataset, load_tokenizer
 from megatron_entropy.models.arch import load_arch
 from megatron_entropy.models.bridge import load_hf_weights
@@ -40,13 +40,14 @@ from megatron_entropy.trainer.async_rollouts import AsyncRollouts
 from megatron_entropy.trainer.checkpoint import (CheckpointError, CheckpointManager,
                                                  verify_checkpoint)
 from megatron_entropy.trainer.drift import DriftTrend, drift_metrics
-from megatron_entropy.trainer.entropy_control import (apply_knob, build_controller,
-                                                      controller_state, restore_controller,
+from megatron_entropy.trainer.entropy_control import (build_controller, controller_state,
+                                                      loss_knobs, restore_controller,
                                                       update_controller)
 from megatron_entropy.trainer.metrics import MetricsLogger, PhaseTimer
 from megatron_entropy.trainer.model_setup import (build_optimizer, build_trainable_model,
                                                   gather_params)
 from megatron_entropy.trainer.preemption import PREEMPTED_EXIT_CODE
+from megatron_entropy.trainer.run_folder import save_run_config
 from megatron_entropy.trainer.rollouts import (collect_step_groups, generate_round,
                                                groups_to_samples, rollout_metrics)
 from megatron_entropy.trainer.weight_check import (check_engine_weights, engine_dtype,
@@ -390,9 +391,8 @@ class Trainer:
                 metrics.update(_reduce_token_metrics(mine, dp_group))
                 metrics.update(drift_metrics(mine, dp_group))
                 metrics.update(self.drift.observe(step, metrics, self.logger.write))
-                apply_knob(self.controller, self.actor)
                 with timer("update"):
-                    actor_metrics = self.actor.update(mine, step)
+                    actor_metrics = self.actor.update(mine, step, loss_knobs(self.controller))
                 metrics.update(update_controller(self.controller, metrics))
                 metrics.update({_LOSS_METRIC_NAMES.get(k, k): v for k, v in actor_metrics.items()})
                 if cfg.analysis.entropy_change:

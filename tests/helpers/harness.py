@@ -12,7 +12,7 @@ import psutil
 
 # Re-exported: the tests import the forked ranks from here, beside the loop helpers.
 from megatron_entropy.testing.ranks import free_port, init_megatron, run_distributed  # noqa: F401
-from readme_metrics import undocumented_metrics
+from metrics_table import undocumented_metrics
 
 
 def train_from_dict(cfg: dict) -> dict:
@@ -25,12 +25,12 @@ def train_from_dict(cfg: dict) -> dict:
 
 def metrics_rows(run_dir) -> list[dict]:
     """Every line of a run's metrics.jsonl, as written (a step logged twice shows twice), after
-    checking that the README's metrics table names every key (readme_metrics.py): each test
+    checking that docs/metrics.md's table names every key (metrics_table.py): each test
     that reads a run's metrics keeps that table, the one list of metric names, complete."""
     rows = [json.loads(line)
             for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
     missing = undocumented_metrics(k for row in rows for k in row)
-    assert not missing, f"{run_dir}: metrics missing from README's table: {missing}"
+    assert not missing, f"{run_dir}: metrics missing from the table in docs/metrics.md: {missing}"
     return rows
 
 

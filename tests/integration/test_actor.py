@@ -21,11 +21,13 @@ def _update_worker(loss: str, scope: str, selection_logprobs: str,
                    micro_batch_tokens: int = 24, rules: dict | None = None,
                    clip_ratio: float = 1.0, temperature: float = 1.0,
                    distributed_optimizer: bool = False, correction: dict | None = None,
-                   overlap: bool = False):
+                   overlap: bool = False, kl_cov_ratio: float = 0.1,
+                   loss_knobs: dict | None = None):
     """One RL step's updates (2 epochs x 2 mini-batches) of the tiny model on ``random_samples(0)`` (plus
     a sample with an empty response, last), with the token rules ``rules`` (TokenRuleSettings
     fields) and the rollout correction ``correction`` (RolloutCorrectionSettings fields; engine
-    log-probs from ``drift_engine_logprobs``); returns the weights after, the metrics (and this
+    log-probs from ``drift_engine_logprobs``) and the step's ``loss_knobs`` (as the entropy
+    controller passes them); returns the weights after, the metrics (and this
     rank's recompute entropies), the weights before."""
     from megatron_entropy.algorithms.rollout_correction import RolloutCorrectionSettings
     from megatron_entropy.algorithms.token_rules import TokenRuleSettings
@@ -52,7 +54,7 @@ def _update_worker(loss: str, scope: str, selection_logprobs: str,
     optimizer, scheduler = build_optimizer(chunks, trainer,
                                            distributed_optimizer=distributed_optimizer)
     algorithm = AlgorithmConfig(
-        loss=loss, clip_cov_ratio=0.1, clip_cov_lb=0.0, clip_cov_ub=100.0, kl_cov_ratio=0.1,
+        loss=loss, clip_cov_ratio=0.1, clip_cov_lb=0.0, clip_cov_ub=100.0, kl_cov_ratio=kl_cov_ratio,
         kl_cov_coef=1.0, clip_ratio_low=clip_ratio, clip_ratio_high=clip_ratio,
         loss_agg_mode=loss_agg_mode, logprob_impl="fused", cov_scope=scope,
         global_selection_logprobs=selection_logprobs,
@@ -66,7 +68,7 @@ def _update_worker(loss: str, scope: str, selection_logprobs: str,
     actor.recompute(mine)
     if correction:
         drift_engine_logprobs(mine)
-    metrics = actor.update(mine, step=1)
+    metrics = actor.update(mine, step=1, loss_knobs=loss_knobs)
     # The largest |log-prob| the selection saw, the scale of its rounding.
     metrics["max_abs_logp"] = float(torch.cat([s.old_logprobs for s in mine]).abs().max())
     metrics["recompute_entropies"] = [s.entropy.double() for s in mine]
@@ -176,6 +178,21 @@ def test_micro_batch_scope_selects_inside_each_micro_batch():
     assert mm["selected_frac"] > 0 and mg["selected_frac"] > 0
     assert mm["cov_selected_mean"] != pytest.approx(mg["cov_selected_mean"], rel=1e-3)
     assert max((wm[n] - wg[n]).abs().max() for n in wm) > 1e-6
+
+
+def test_a_loss_knob_of_the_step_acts_as_the_configured_value_would():
+    """The entropy controller's knob reaches the loss as a runtime value of the step (the
+    ``algorithm`` section keeps the configured one): KL-Cov at k = 0.1 given k = 0.3 for the step
+    makes the update a run configured with k = 0.3 makes, bit for bit, and another than k = 0.1."""
+    ((wk, mk, _),) = run_distributed(_update_worker, 1, "kl_cov", "global", "recompute",
+                                     loss_knobs={"kl_cov_ratio": 0.3})
+    ((wc, mc, _),) = run_distributed(_update_worker, 1, "kl_cov", "global", "recompute",
+                                     kl_cov_ratio=0.3)
+    ((w0, m0, _),) = run_distributed(_update_worker, 1, "kl_cov", "global", "recompute")
+    assert mk["selected_frac"] == mc["selected_frac"] > m0["selected_frac"]
+    for name in wk:
+        torch.testing.assert_close(wk[name], wc[name], rtol=0, atol=0, msg=name)
+    assert max((wk[n] - w0[n]).abs().max() for n in wk) > 0
 
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])

@@ -12,7 +12,7 @@ import torch
 from harness import init_megatron, run_distributed
 from tiny_models import random_samples, tiny_hf_config
 
-from megatron_entropy.analysis.entropy_change import entropy_change_metrics
+from megatron_entropy.trainer.entropy_change import entropy_change_metrics
 from megatron_entropy.models.arch import arch_from_hf_config
 
 TEMPERATURE = 0.7

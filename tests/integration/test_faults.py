@@ -259,7 +259,8 @@ def test_bad_starts_are_one_line_before_any_rank_starts(tmp_path, capsys):
 
 def test_run_config_is_kept_per_start_and_rank_logs_are_appended(tmp_path):
     from megatron_entropy.cli import _exit_status, _open_rank_log
-    from megatron_entropy.config import load_config, save_run_config
+    from megatron_entropy.config import load_config
+    from megatron_entropy.trainer.run_folder import save_run_config
 
     run = tmp_path / "run"
     run.mkdir()

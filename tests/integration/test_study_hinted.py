@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers.readme_metrics import undocumented_metrics
+from helpers.metrics_table import undocumented_metrics
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -98,7 +98,7 @@ def test_run_writes_finite_metrics_and_engine_matches_actor(model_dir, drift_tol
     hf_bytes = sum(t.numel() * 4 for t in load_file(model_dir / "model.safetensors").values())
     for r in rows:
         assert EXPECTED_KEYS <= r.keys(), EXPECTED_KEYS - r.keys()
-        # The engine's sync metrics under the names the README documents, once: every HF
+        # The engine's sync metrics under the names docs/metrics.md documents, once: every HF
         # tensor (fp32) went to the engine.
         assert r["weight_sync/bytes"] == hf_bytes
         assert not [k for k in r if k.startswith("sync/")]

@@ -105,9 +105,9 @@ def test_seq_length_must_hold_a_full_sequence():
 
 
 def test_vllm_cpu_example_is_the_quickstart_with_working_cpu_server_flags():
-    """examples/quickstart_vllm_cpu.yaml, which the README names for vLLM on a CPU machine (and
-    tests/servers/test_rollout_vllm.py runs against a real server): the quickstart but for the engine, and
-    the launched server gets the flags and environment that work there."""
+    """examples/quickstart_vllm_cpu.yaml, which examples/README.md names for vLLM on a CPU machine
+    (and tests/servers/test_rollout_vllm.py runs against a real server): the quickstart but for
+    the engine, and the launched server gets the flags and environment that work there."""
     from pathlib import Path
 
     from megatron_entropy.rollout.server.process import parse_extra_env

@@ -13,7 +13,8 @@ import pytest
 from megatron_entropy.algorithms.entropy_control import (EntropyControlSettings,
                                                          EntropyController)
 from megatron_entropy.settings import SettingError
-from megatron_entropy.config import ConfigError, entropy_control_settings, load_config
+from megatron_entropy.config import ConfigError, load_config
+from megatron_entropy.trainer.entropy_control import entropy_control_settings
 
 SETTINGS = EntropyControlSettings(target=0.3, knob="kl_cov_ratio", knob_min=1e-4, knob_max=5e-2,
                                   kp=1.0, ki=0.3, max_step_factor=1.5, warmup_steps=3)

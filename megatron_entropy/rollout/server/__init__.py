@@ -1,6 +1,6 @@
-"""Inference servers (vLLM, SGLang) behind the rollout engines, one room per module.
+"""Inference servers (vLLM, SGLang) behind the rollout engines, one concern per module.
 
-- ``errors``: what a server failure raises, named once for every room.
+- ``errors``: what a server failure raises, named once for every module.
 - ``process``: one server process (its command line, port, environment and log), started and
   stopped; the URL list of servers started elsewhere.
 - ``pool``: ``ServerPool``, the servers of one engine: requests dispatched over asyncio to the
@@ -11,6 +11,6 @@
 - ``vllm``, ``sglang``: what each serving stack does its own way (payloads, answers, endpoints,
   weight sync, aborts).
 
-Nothing is re-exported here: importing one room (``partial`` from the trainer, ``process`` from
+Nothing is re-exported here: importing one module (``partial`` from the trainer, ``process`` from
 the Slurm helpers) loads neither aiohttp nor an engine.
 """

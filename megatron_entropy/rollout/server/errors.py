@@ -1,4 +1,4 @@
-"""The errors of the server rooms (process, pool, engines), in one place so that each can raise
+"""The errors of the server modules (process, pool, engines), in one place so that each can raise
 them without importing the others."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The README's metrics table ("Reading the metrics") is the one list of metric names users read:
-every key a run logs must match one of its entries.
+"""docs/metrics.md's table (the first one headed `| key | meaning |`) is the one list of metric
+names users read: every key a run logs must match one of its entries.
 
 A table row's first cell lists keys in backticks, each written in full or shortened from the
 one before it: `_max` after `a/b_mean` is `a/b_max`, `/drift_max` after `w/drift_mean` is
@@ -13,7 +13,7 @@ import functools
 import re
 from pathlib import Path
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+METRICS_PAGE = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
 
 
 def _expand(names: list[str]) -> list[str]:
@@ -30,12 +30,15 @@ def _expand(names: list[str]) -> list[str]:
 
 
 @functools.lru_cache(maxsize=None)  # read once: tests poll metrics_rows while a run writes
-def documented_metrics(readme: Path = README) -> tuple[re.Pattern, ...]:
-    """One pattern per key the README's metrics table names."""
-    text = readme.read_text()
-    start = text.index("**Reading the metrics**")
+def documented_metrics(page: Path = METRICS_PAGE) -> tuple[re.Pattern, ...]:
+    """One pattern per key the metrics table names."""
+    lines = page.read_text().splitlines()
+    start = next((i for i, line in enumerate(lines) if line.replace(" ", "") == "|key|meaning|"),
+                 None)
+    if start is None:
+        raise ValueError(f"{page}: no table headed '| key | meaning |'")
     rows = []
-    for line in text[start:].splitlines()[1:]:
+    for line in lines[start + 1:]:
         if rows and not line.startswith("|"):
             break
         if line.startswith("| `"):
@@ -48,8 +51,8 @@ def documented_metrics(readme: Path = README) -> tuple[re.Pattern, ...]:
     return tuple(patterns)
 
 
-def undocumented_metrics(keys, readme: Path = README) -> list[str]:
-    """The keys no entry of the README's metrics table names (``step`` is the row's index)."""
-    patterns = documented_metrics(readme)
+def undocumented_metrics(keys, page: Path = METRICS_PAGE) -> list[str]:
+    """The keys no entry of the metrics table names (``step`` is the row's index)."""
+    patterns = documented_metrics(page)
     return sorted(k for k in set(keys) - {"step"}
                   if not any(p.fullmatch(k) for p in patterns))

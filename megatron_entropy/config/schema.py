@@ -1,39 +1,28 @@
-"""One typed config tree for a run, loaded from YAML with dotted command-line overrides.
+"""The config tree's schema: one ``Settings`` dataclass per section, composed into ``Config``.
 
-Every section is a ``Settings`` dataclass (megatron_entropy/settings.py): a field's type is the
-schema, its metadata holds its bounds, and the section's ``validate`` its rules between fields.
-The components own their sections: ``algorithm`` is the policy loss's ``PolicyLossSettings``
-(plus the actor's keys), ``algorithm.token_rules``, ``.rollout_correction`` and
-``.entropy_control`` are the algorithms' settings classes; the trainer, optimizer and actor take
-the ``trainer`` section itself. ``load_config`` rejects unknown keys (suggesting the closest one),
-wrong types and out-of-range values with a single ConfigError that names the key path, the bad
-value and what is allowed. Torch-free: the Slurm helpers and ``plan`` load configs without it.
+A field's type is the schema, its metadata holds its bounds and help, and the section's
+``validate`` its rules between fields. The components own their sections: ``algorithm`` is the
+policy loss's ``PolicyLossSettings`` (plus the actor's keys), ``algorithm.token_rules``,
+``.rollout_correction`` and ``.entropy_control`` are the algorithms' settings classes, ``study``
+is the study's (analysis/study_settings.py); the trainer, optimizer and actor take the
+``trainer`` section itself. Torch-free.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import os
-import types
-import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
-import yaml
-
 from megatron_entropy.algorithms.entropy_control import EntropyControlSettings, EntropyController
 from megatron_entropy.algorithms.settings import (PolicyLossSettings, RolloutCorrectionSettings,
                                                   TokenRuleSettings, check_token_rules)
+from megatron_entropy.analysis.study_settings import StudyConfig
 from megatron_entropy.runtime.dtypes import DTYPE_ALIASES, DtypeName
 from megatron_entropy.evaluation.settings import EvalConfig
-from megatron_entropy.settings import SettingError, Settings, canonical, check_choice, field_types
+from megatron_entropy.settings import SettingError, Settings
 from megatron_entropy.settings import setting as _f  # a field with bounds and help
-
-
-class ConfigError(ValueError):
-    """A bad config value; the message names the key path."""
 
 
 @dataclass
@@ -392,97 +381,6 @@ class AnalysisConfig(Settings):
 
 
 @dataclass
-class StudyLoss(Settings):
-    """One arm of a study's comparison: a name and the overrides that make it."""
-
-    name: str = _f("", help="names its runs (NAME-seedS) and its curves; --losses picks by it")
-    overrides: list[str] = _f(default_factory=list, help="dotted overrides, e.g. "
-                                                         "algorithm.loss=clip_cov")
-
-
-@dataclass
-class EntropyBonusSweep(Settings):
-    """The entropy bonus the paper shows failing (Fig. 6): the base arm at each coefficient."""
-
-    base: str = _f("grpo", help="the study.losses arm the runs start from")
-    key: str = _f("algorithm.entropy_coef", help="the dotted config key that is varied")
-    values: list[float] = _f(default_factory=lambda: [1e-4, 1e-3, 1e-2],
-                             help="empty: no such runs")
-
-
-@dataclass
-class ThresholdSweep(Settings):
-    """The threshold sweep (Fig. 7): more tokens restrained should keep more entropy."""
-
-    base: str = _f("kl_cov", help="the study.losses arm the runs start from")
-    key: str = _f("algorithm.kl_cov_ratio", help="the dotted config key that is varied "
-                                                 "(algorithm.clip_cov_ratio for Clip-Cov)")
-    values: list[float] = _f(default_factory=lambda: [2e-4, 2e-3, 2e-2],
-                             help="empty: no such runs")
-
-
-def _default_study_losses() -> list[StudyLoss]:
-    return [StudyLoss("grpo", ["algorithm.loss=ppo_clip"]),
-            # The paper's Clip-Cov runs use eps_low = eps_high = 1.
-            StudyLoss("clip_cov", ["algorithm.loss=clip_cov", "algorithm.clip_ratio_low=1.0",
-                                   "algorithm.clip_ratio_high=1.0"]),
-            StudyLoss("kl_cov", ["algorithm.loss=kl_cov"])]
-
-
-@dataclass
-class StudyConfig(Settings):
-    """The run matrix of ``megatron-entropy study`` (ignored by ``train``)."""
-
-    losses: list[StudyLoss] = _f(default_factory=_default_study_losses)
-    baseline: str = _f("grpo", help="the arm the targets compare the others with")
-    seeds: list[int] = _f(default_factory=lambda: [1, 2, 3])
-    seed_keys: list[str] = _f(default_factory=lambda: ["trainer.seed", "rollout.seed",
-                                                       "data.seed"],
-                              help="config keys each run sets to its seed")
-    entropy_bonus: EntropyBonusSweep = _f(default_factory=EntropyBonusSweep)
-    threshold_sweep: ThresholdSweep = _f(default_factory=ThresholdSweep)
-    sweep_seeds: int = _f(1, ge=1, help="the first K of seeds run the entropy-bonus and "
-                                        "threshold sweeps")
-    window: int = _f(5, ge=1, help="steps averaged for a run's start and end values")
-    early_fraction: float = _f(1 / 3, gt=0, lt=1, help="early prediction: the law fitted on "
-                                                       "this first fraction of the steps")
-    bootstrap: int = _f(1000, ge=0, help="resamples of the ceiling's interval; 0 = none")
-    bootstrap_seed: int = 0
-    time_budget_minutes: float = _f(90.0, gt=0, help="target wall time of the whole study")
-    quick: list[str] = _f(default_factory=list, help="overrides applied with --quick (toy "
-                                                     "length: steps, batch, validation set)")
-    eval_runs: bool = _f(False, help="after each run, megatron-entropy eval on its last "
-                                      "checkpoint (the eval section) into runs/NAME/"
-                                      "eval.json; the report's final numbers")
-
-    def validate(self) -> None:
-        super().validate()
-        names = [arm.name for arm in self.losses]
-        for i, arm in enumerate(self.losses):
-            if not arm.name or "/" in arm.name or arm.name != arm.name.strip():
-                raise SettingError(f"losses[{i}].name", f"{arm.name!r} must be a non-empty name "
-                                                        "without '/' or surrounding spaces")
-            if names.count(arm.name) > 1:
-                raise SettingError("losses", f"the name {arm.name!r} is used twice")
-        if names and self.baseline not in names:
-            raise SettingError("baseline", f"{self.baseline!r} is not one of study.losses "
-                                           f"({', '.join(names)})")
-        for part in ("entropy_bonus", "threshold_sweep"):
-            sweep = getattr(self, part)
-            if not sweep.values:
-                continue
-            if sweep.base not in names:
-                raise SettingError(f"{part}.base", f"{sweep.base!r} is not one of study.losses "
-                                                   f"({', '.join(names)})")
-            if not sweep.key:
-                raise SettingError(f"{part}.key", "set the config key the sweep varies")
-            if len(set(sweep.values)) != len(sweep.values):
-                raise SettingError(f"{part}.values", f"{sweep.values} repeats a value")
-        if len(set(self.seeds)) != len(self.seeds):
-            raise SettingError("seeds", f"{self.seeds} repeats a seed")
-
-
-@dataclass
 class Config(Settings):
     model: ModelConfig = _f(default_factory=ModelConfig)
     parallel: ParallelConfig = _f(default_factory=ParallelConfig)
@@ -503,218 +401,3 @@ class Config(Settings):
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-
-# --------------------------------------------------------------------------------------- parsing
-
-
-def _type_name(tp: Any) -> str:
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        return " | ".join(repr(a) for a in typing.get_args(tp))
-    if origin in (Union, types.UnionType):
-        return " or ".join(_type_name(a) for a in typing.get_args(tp))
-    if origin is list:
-        return f"list of {_type_name(typing.get_args(tp)[0])}"
-    if tp is type(None):
-        return "null"
-    return getattr(tp, "__name__", str(tp))
-
-
-def _coerce(value: Any, tp: Any, path: str) -> Any:
-    origin = typing.get_origin(tp)
-    if origin in (Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _coerce(value, arg, path)
-            except ConfigError as e:
-                errors.append(e)
-        raise errors[0] if len(errors) == 1 else ConfigError(
-            f"{path}: {value!r} is not {_type_name(tp)}")
-    if origin is Literal:
-        try:
-            check_choice(path, value, tp)
-        except SettingError as e:
-            raise ConfigError(str(e)) from None
-        return value
-    if origin is list:
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{path}: expected {_type_name(tp)}, got {value!r}")
-        (item,) = typing.get_args(tp)
-        return [_coerce(v, item, f"{path}[{i}]") for i, v in enumerate(value)]
-    if dataclasses.is_dataclass(tp):
-        if not isinstance(value, dict):
-            raise ConfigError(f"{path}: expected a mapping (section), got {value!r}")
-        return _build(tp, value, path)
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(f"{path}: expected true or false, got {value!r}")
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise ConfigError(f"{path}: expected an integer, got {value!r}")
-    if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        raise ConfigError(f"{path}: expected a number, got {value!r}")
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        raise ConfigError(f"{path}: expected a string, got {value!r}")
-    raise ConfigError(f"{path}: unsupported config type {tp!r}")
-
-
-def _build(cls: type, data: dict, prefix: str) -> Any:
-    """Section ``cls`` from its mapping; its own checks (bounds, rules) run on construction."""
-    hints = field_types(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    kwargs = {}
-    for key, value in data.items():
-        path = f"{prefix}.{key}" if prefix else str(key)
-        if key not in fields:
-            close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.6)
-            hint = f"; did you mean {(prefix + '.' if prefix else '') + close[0]!r}?" if close else ""
-            raise ConfigError(f"unknown config key {path!r}{hint} (allowed in "
-                              f"{prefix or 'the top level'}: {', '.join(fields)})")
-        kwargs[key] = _coerce(canonical(fields[key], value), hints[key], path)
-    try:
-        return cls(**kwargs)
-    except SettingError as e:
-        raise ConfigError(f"{prefix + '.' if prefix else ''}{e}") from None
-
-
-def _merge(base: dict, update: dict) -> dict:
-    out = dict(base)
-    for k, v in update.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
-
-
-def parse_overrides(overrides: list[str]) -> dict:
-    """``["algorithm.loss=kl_cov", "trainer.lr=1e-6"]`` -> nested dict; values parsed as YAML."""
-    tree: dict = {}
-    for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"override {item!r} must look like section.key=value")
-        key, raw = item.split("=", 1)
-        try:
-            value = _floats_in_yaml(yaml.safe_load(raw)) if raw != "" else ""
-        except yaml.YAMLError:
-            value = raw
-        node = tree
-        parts = key.strip().split(".")
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"override {item!r} conflicts with another override")
-        node[parts[-1]] = value
-    return tree
-
-
-def _floats_in_yaml(node: Any) -> Any:
-    # PyYAML (YAML 1.1) reads "1e-6" as a string; the config means a number there.
-    if isinstance(node, dict):
-        return {k: _floats_in_yaml(v) for k, v in node.items()}
-    if isinstance(node, list):
-        return [_floats_in_yaml(v) for v in node]
-    if isinstance(node, str):
-        try:
-            return float(node) if any(c in node for c in "eE") and node[0] in "+-.0123456789" \
-                else node
-        except ValueError:
-            return node
-    return node
-
-
-def load_config(path: Optional[Union[str, Path]] = None, overrides: Optional[list[str]] = None,
-                data: Optional[dict] = None) -> Config:
-    """Build the config from a YAML file (or a dict), then apply dotted overrides."""
-    tree: dict = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {str(p)!r} does not exist")
-        try:
-            loaded = yaml.safe_load(p.read_text())
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from None
-        except UnicodeDecodeError as e:
-            raise ConfigError(f"config file {str(p)!r} is not UTF-8 text ({e.reason} at byte "
-                              f"{e.start})") from None
-        if loaded is None:
-            raise ConfigError(f"config file {str(p)!r} is empty; start from "
-                              "examples/quickstart.yaml")
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"config file {str(p)!r} must hold a mapping of sections")
-        tree = _floats_in_yaml(loaded)
-    if data:
-        tree = _merge(tree, data)
-    if overrides:
-        tree = _merge(tree, parse_overrides(overrides))
-    cfg = _build(Config, tree, "")
-    validate(cfg)
-    return cfg
-
-
-def validate(cfg: Config) -> None:
-    """Checks across sections (each section checks its own fields when it is built)."""
-    r = cfg.rollout
-    if cfg.model.seq_length < r.max_prompt_tokens + r.max_new_tokens:
-        raise ConfigError(f"model.seq_length ({cfg.model.seq_length}) is shorter than a full "
-                          f"sequence: rollout.max_prompt_tokens + rollout.max_new_tokens = "
-                          f"{r.max_prompt_tokens} + {r.max_new_tokens} = "
-                          f"{r.max_prompt_tokens + r.max_new_tokens}; raise model.seq_length or "
-                          "lower those")
-    if r.max_staleness > 0 and r.engine == "inprocess":
-        raise ConfigError(f"rollout.max_staleness={r.max_staleness} needs a server engine "
-                          "(rollout.engine=vllm or sglang); rollout.engine=inprocess shares "
-                          "the trainer's processes, so its rollouts stay synchronous: set "
-                          "rollout.max_staleness=0")
-    if r.max_staleness > 0 and r.inflight_at_sync == "abort" and r.server.router_url:
-        raise ConfigError("rollout.inflight_at_sync=abort aborts each request on the server "
-                          "that runs it, which rollout.server.router_url hides (the router "
-                          "picks it): use rollout.inflight_at_sync=finish or address the "
-                          "servers directly (rollout.server.urls)")
-    if cfg.rollout.engine != "inprocess":
-        s = cfg.rollout.server
-        if not (s.urls or s.urls_file or s.launch):
-            raise ConfigError(f"rollout.engine={cfg.rollout.engine} needs servers: set "
-                              "rollout.server.urls, rollout.server.urls_file or "
-                              "rollout.server.launch")
-
-
-def entropy_control_settings(a: AlgorithmConfig, vocab_size: Optional[int] = None
-                             ) -> Optional[EntropyControlSettings]:
-    """The controller's settings (None when off), checked against the loss, the knob's starting
-    value in ``a`` and, given ``vocab_size``, an absolute target against log V."""
-    if not a.entropy_control.enabled:
-        return None
-    try:
-        a.check_entropy_control(vocab_size)
-    except SettingError as e:
-        raise ConfigError(f"algorithm.{e}") from None
-    return a.entropy_control
-
-
-def save_run_config(cfg: Config, run_dir: Path) -> Path:
-    """``run_dir/config.yaml`` := ``cfg``, for a run that has started. A different config.yaml
-    already there (an earlier start of this run folder) is kept as ``config.<n>.yaml``, the next
-    free ``n`` from 1."""
-    path = run_dir / "config.yaml"
-    text = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
-    if path.is_file() and path.read_text() != text:
-        n = 1
-        while (run_dir / f"config.{n}.yaml").exists():
-            n += 1
-        os.replace(path, run_dir / f"config.{n}.yaml")
-    tmp = run_dir / ".config.yaml.tmp"
-    tmp.write_text(text)
-    os.replace(tmp, path)
-    return path

@@ -1,0 +1,177 @@
+"""Loading the config tree: YAML file, then a mapping, then dotted command-line overrides.
+
+``load_config`` rejects unknown keys (suggesting the closest one), wrong types and out-of-range
+values with a single ConfigError that names the key path, the bad value and what is allowed,
+then runs the checks across sections (validation.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import yaml
+
+from megatron_entropy.config.schema import Config
+from megatron_entropy.config.validation import validate
+from megatron_entropy.settings import (ConfigError, SettingError, canonical, check_choice,
+                                       field_types)
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is list:
+        return f"list of {_type_name(typing.get_args(tp)[0])}"
+    if tp is type(None):
+        return "null"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, path: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, path)
+            except ConfigError as e:
+                errors.append(e)
+        raise errors[0] if len(errors) == 1 else ConfigError(
+            f"{path}: {value!r} is not {_type_name(tp)}")
+    if origin is Literal:
+        try:
+            check_choice(path, value, tp)
+        except SettingError as e:
+            raise ConfigError(str(e)) from None
+        return value
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{path}: expected {_type_name(tp)}, got {value!r}")
+        (item,) = typing.get_args(tp)
+        return [_coerce(v, item, f"{path}[{i}]") for i, v in enumerate(value)]
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a mapping (section), got {value!r}")
+        return _build(tp, value, path)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{path}: expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{path}: expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{path}: expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{path}: expected a string, got {value!r}")
+    raise ConfigError(f"{path}: unsupported config type {tp!r}")
+
+
+def _build(cls: type, data: dict, prefix: str) -> Any:
+    """Section ``cls`` from its mapping; its own checks (bounds, rules) run on construction."""
+    hints = field_types(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        path = f"{prefix}.{key}" if prefix else str(key)
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.6)
+            hint = f"; did you mean {(prefix + '.' if prefix else '') + close[0]!r}?" if close else ""
+            raise ConfigError(f"unknown config key {path!r}{hint} (allowed in "
+                              f"{prefix or 'the top level'}: {', '.join(fields)})")
+        kwargs[key] = _coerce(canonical(fields[key], value), hints[key], path)
+    try:
+        return cls(**kwargs)
+    except SettingError as e:
+        raise ConfigError(f"{prefix + '.' if prefix else ''}{e}") from None
+
+
+def _merge(base: dict, update: dict) -> dict:
+    out = dict(base)
+    for k, v in update.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def parse_overrides(overrides: list[str]) -> dict:
+    """``["algorithm.loss=kl_cov", "trainer.lr=1e-6"]`` -> nested dict; values parsed as YAML."""
+    tree: dict = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like section.key=value")
+        key, raw = item.split("=", 1)
+        try:
+            value = _floats_in_yaml(yaml.safe_load(raw)) if raw != "" else ""
+        except yaml.YAMLError:
+            value = raw
+        node = tree
+        parts = key.strip().split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r} conflicts with another override")
+        node[parts[-1]] = value
+    return tree
+
+
+def _floats_in_yaml(node: Any) -> Any:
+    # PyYAML (YAML 1.1) reads "1e-6" as a string; the config means a number there.
+    if isinstance(node, dict):
+        return {k: _floats_in_yaml(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_floats_in_yaml(v) for v in node]
+    if isinstance(node, str):
+        try:
+            return float(node) if any(c in node for c in "eE") and node[0] in "+-.0123456789" \
+                else node
+        except ValueError:
+            return node
+    return node
+
+
+def load_config(path: Optional[Union[str, Path]] = None, overrides: Optional[list[str]] = None,
+                data: Optional[dict] = None) -> Config:
+    """Build the config from a YAML file (or a dict), then apply dotted overrides."""
+    tree: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist")
+        try:
+            loaded = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file {str(p)!r} is not UTF-8 text ({e.reason} at byte "
+                              f"{e.start})") from None
+        if loaded is None:
+            raise ConfigError(f"config file {str(p)!r} is empty; start from "
+                              "examples/quickstart.yaml")
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {str(p)!r} must hold a mapping of sections")
+        tree = _floats_in_yaml(loaded)
+    if data:
+        tree = _merge(tree, data)
+    if overrides:
+        tree = _merge(tree, parse_overrides(overrides))
+    cfg = _build(Config, tree, "")
+    validate(cfg)
+    return cfg

@@ -1,0 +1,33 @@
+"""Checks across the config's sections (each section checks its own fields when it is built)."""
+
+from __future__ import annotations
+
+from megatron_entropy.config.schema import Config
+from megatron_entropy.settings import ConfigError
+
+
+def validate(cfg: Config) -> None:
+    """Checks across sections (each section checks its own fields when it is built)."""
+    r = cfg.rollout
+    if cfg.model.seq_length < r.max_prompt_tokens + r.max_new_tokens:
+        raise ConfigError(f"model.seq_length ({cfg.model.seq_length}) is shorter than a full "
+                          f"sequence: rollout.max_prompt_tokens + rollout.max_new_tokens = "
+                          f"{r.max_prompt_tokens} + {r.max_new_tokens} = "
+                          f"{r.max_prompt_tokens + r.max_new_tokens}; raise model.seq_length or "
+                          "lower those")
+    if r.max_staleness > 0 and r.engine == "inprocess":
+        raise ConfigError(f"rollout.max_staleness={r.max_staleness} needs a server engine "
+                          "(rollout.engine=vllm or sglang); rollout.engine=inprocess shares "
+                          "the trainer's processes, so its rollouts stay synchronous: set "
+                          "rollout.max_staleness=0")
+    if r.max_staleness > 0 and r.inflight_at_sync == "abort" and r.server.router_url:
+        raise ConfigError("rollout.inflight_at_sync=abort aborts each request on the server "
+                          "that runs it, which rollout.server.router_url hides (the router "
+                          "picks it): use rollout.inflight_at_sync=finish or address the "
+                          "servers directly (rollout.server.urls)")
+    if cfg.rollout.engine != "inprocess":
+        s = cfg.rollout.server
+        if not (s.urls or s.urls_file or s.launch):
+            raise ConfigError(f"rollout.engine={cfg.rollout.engine} needs servers: set "
+                              "rollout.server.urls, rollout.server.urls_file or "
+                              "rollout.server.launch")
