@@ -209,6 +209,12 @@ class ArithmeticConfig(Settings):
             raise SettingError("min_ops", f"{self.min_ops} must be <= max_ops ({self.max_ops})")
 
 
+def _check_terms(task: Settings) -> None:
+    if task.min_terms > task.max_terms:
+        raise SettingError("min_terms", f"{task.min_terms} must be <= max_terms "
+                                        f"({task.max_terms})")
+
+
 @dataclass
 class SumsConfig(Settings):
     """The study task: sums of several numbers, whose worked solutions may add the terms in any
@@ -225,9 +231,7 @@ class SumsConfig(Settings):
 
     def validate(self) -> None:
         super().validate()
-        if self.min_terms > self.max_terms:
-            raise SettingError("min_terms", f"{self.min_terms} must be <= max_terms "
-                                            f"({self.max_terms})")
+        _check_terms(self)
 
 
 @dataclass
@@ -249,9 +253,7 @@ class HintedConfig(Settings):
 
     def validate(self) -> None:
         super().validate()
-        if self.min_terms > self.max_terms:
-            raise SettingError("min_terms", f"{self.min_terms} must be <= max_terms "
-                                            f"({self.max_terms})")
+        _check_terms(self)
 
 
 @dataclass

@@ -27,7 +27,8 @@ import re
 from dataclasses import dataclass
 from typing import Literal, Optional
 
-from megatron_entropy.data.sums import make_problem, worked_solution
+from megatron_entropy.data.sums import (check_sizes, draw_distinct, make_problem,
+                                        worked_solution)
 from megatron_entropy.runtime.seeds import task_split_seeds
 
 MODES = ("direct", "worked", "other")
@@ -104,29 +105,14 @@ def generate_hinted_problems(num: int, min_terms: int, max_terms: int, max_opera
                              exclude: frozenset[str] = frozenset()) -> list[HintedProblem]:
     """``num`` problems whose sums (the terms, in order) are distinct and not in ``exclude``
     (sums, not questions: a problem does not reappear in another split with another guess)."""
-    if not 2 <= min_terms <= max_terms:
-        raise ValueError(f"need 2 <= min_terms <= max_terms, got min_terms={min_terms}, "
-                         f"max_terms={max_terms}")
-    if max_operand < 1:
-        raise ValueError(f"max_operand must be >= 1, got {max_operand}")
+    check_sizes(min_terms, max_terms, max_operand)
     if not 0.0 <= guess_right <= 1.0:
         raise ValueError(f"guess_right must be in [0, 1], got {guess_right}")
     rng = random.Random(seed)
-    out: list[HintedProblem] = []
-    seen = set(exclude)
-    attempts = 0
-    while len(out) < num:
-        attempts += 1
-        if attempts > 100 * num + 1000:
-            raise ValueError(f"cannot draw {num} distinct problems outside the {len(exclude)} "
-                             f"excluded ones with max_terms={max_terms}, "
-                             f"max_operand={max_operand}")
-        p = make_hinted_problem(rng, min_terms, max_terms, max_operand, guess_right)
-        key = sum_key(p.terms)
-        if key not in seen:
-            seen.add(key)
-            out.append(p)
-    return out
+    return draw_distinct(num, lambda: make_hinted_problem(rng, min_terms, max_terms, max_operand,
+                                                          guess_right),
+                         lambda p: sum_key(p.terms), exclude,
+                         f"max_terms={max_terms}, max_operand={max_operand}")
 
 
 def sum_key(terms: tuple[int, ...]) -> str:

@@ -3,17 +3,22 @@ reward of each mode and the detection of modes."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import random
 import re
+from pathlib import Path
 
 import pytest
 
-from megatron_entropy.config import ConfigError, load_config
+from megatron_entropy.config import ConfigError, HintedConfig, load_config
 from megatron_entropy.data.hinted import (HintedProblem, direct_solution, generate_hinted_problems,
                                           hinted_splits, hinted_worked_solution, mode_accuracy,
                                           response_mode, solution_mode, sum_key)
 from megatron_entropy.rewards import math_rewards
 from megatron_entropy.trainer.rollouts import GroupStats, rollout_metrics
+
+HINTED_MODEL = Path(__file__).resolve().parents[2] / "examples" / "hinted_model"
 
 
 def test_guesses_are_right_at_the_set_rate_and_wrong_ones_off_by_ten():
@@ -76,3 +81,20 @@ def test_config_selects_the_task():
         load_config(overrides=["data.hinted.min_terms=5"])
     with pytest.raises(ConfigError, match=r"data\.hinted\.guess_right"):
         load_config(overrides=["data.hinted.guess_right=1.5"])
+
+
+def test_the_hinted_model_held_out_the_default_validation_and_test_sets():
+    """examples/hinted_model never saw the problems a default data.hinted run validates or is
+    evaluated on: its training summary names the held-out questions by digest, and the default
+    splits are prefixes of them."""
+    summary = json.loads((HINTED_MODEL / "training_summary.json").read_text())
+    cfg = HintedConfig()
+    n = summary["held_out"]
+    held = hinted_splits(0, n, n, cfg.min_terms, cfg.max_terms, cfg.max_operand,
+                         cfg.guess_right, cfg.seed)
+    questions = [p.question for p in held["val"] + held["test"]]
+    assert hashlib.sha256("\n".join(questions).encode()).hexdigest() == summary["held_out_sha256"]
+    default = hinted_splits(0, cfg.num_val, cfg.num_test, cfg.min_terms, cfg.max_terms,
+                            cfg.max_operand, cfg.guess_right, cfg.seed)
+    assert default["val"] == held["val"][:cfg.num_val]
+    assert default["test"] == held["test"][:cfg.num_test]
