@@ -38,6 +38,7 @@ from megatron_entropy.analysis.study_eval import (arm_test, render_test_section,
 ENTROPY = "entropy/seq_mean"
 VAL = "val/acc/mean"
 TRAIN_ACC = "acc/mean"
+DIRECT_SHARE = "modes/direct_frac"  # tasks with solution modes (data/hinted.py)
 REWARD = "reward/mean"
 LENGTH = "response/length_mean"
 DELTA = "entropy/delta"
@@ -392,6 +393,8 @@ def render_report(summary: dict, figures: dict[str, Path]) -> str:
 FIGURE_TITLES = {
     "entropy": "Entropy against step per loss (paper Figs. 1, 8)",
     "val_accuracy": "Validation accuracy against step per loss",
+    "mode_share": "Share of the direct mode against step per loss",
+    "pass_at_k": "Test pass@k at the end per loss",
     "entropy_law": "Performance against entropy with the fitted law (Figs. 1, 2)",
     "early_prediction": "Early prediction: the law fitted on the first steps predicts the rest "
                         "(Fig. 3)",
