@@ -35,7 +35,10 @@ USER_ERRORS: tuple[type[BaseException], ...] = (FileNotFoundError, ConfigError,
 # The same, of modules that load torch: named, not imported. A class whose module never loaded
 # cannot have been raised, so a command without torch does not load it to print an error.
 TORCH_USER_ERRORS = (("megatron_entropy.data.dataset", "DatasetError"),
-                     ("megatron_entropy.models.megatron_checkpoint", "CheckpointError"))
+                     ("megatron_entropy.models.megatron_checkpoint", "CheckpointError"),
+                     # The engine holds other weights; a rollout server failed for good.
+                     ("megatron_entropy.trainer.weight_check", "WeightCheckError"),
+                     ("megatron_entropy.rollout.server.errors", "ServerError"))
 
 # megatron-core's start-up notes that are known to be harmless, matched by the start of their
 # message: fallbacks on machines without Transformer Engine/Apex, deprecations inside
@@ -164,14 +167,14 @@ def _run_train(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.overrides)
     launch = detect_launch_env()
-    tp, pp = cfg.parallel.tensor, cfg.parallel.pipeline
+    tp, pp, ep = cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.expert
     _check_model(cfg)  # before any rank starts
     if launch.launcher == "single":
-        nproc = args.nproc or tp * pp
-        check_layout(nproc, tp, pp)
+        nproc = args.nproc or tp * pp * ep
+        check_layout(nproc, tp, pp, ep)
         if nproc > 1:
             return _spawn_local(args, nproc, cfg.run_dir)
-    check_layout(launch.world_size, tp, pp)
+    check_layout(launch.world_size, tp, pp, ep)
     from megatron_entropy.trainer.loop import train
 
     train(cfg)
@@ -199,7 +202,7 @@ def _check_model(cfg) -> None:
         except (KeyError, ValueError) as e:
             raise ConfigError(f"model.hf_path: {e.args[0] if isinstance(e, KeyError) else e}") \
                 from None
-    arch.check_parallel(cfg.parallel.tensor, cfg.parallel.pipeline)
+    arch.check_parallel(cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.expert)
 
 
 # ------------------------------------------------------------------------------------ table
@@ -263,6 +266,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         args.overrides += extra
     try:
         return commands[args.command][2](args) or 0
+    except preemption.StartupInterrupted as e:
+        print(f"megatron-entropy {args.command}: {e}", file=sys.stderr)
+        return e.exit_code
     except _user_errors() as e:
         print(f"megatron-entropy {args.command}: error: {e}", file=sys.stderr)
         return 2

@@ -16,7 +16,8 @@ from megatron_entropy.config.schema import (AlgorithmConfig, AnalysisConfig, Ari
                                             EntropyControlConfig, HintedConfig, LoggingConfig,
                                             ModelConfig,
                                             ParallelConfig, RewardConfig, RolloutConfig,
-                                            ServerConfig, SumsConfig, TrainerConfig)
+                                            ServerConfig, SumsConfig, TrainerConfig,
+                                            WeightCheckConfig)
 from megatron_entropy.config.validation import validate
 from megatron_entropy.evaluation.settings import EvalConfig
 from megatron_entropy.settings import ConfigError
@@ -26,4 +27,4 @@ __all__ = ["AlgorithmConfig", "AnalysisConfig", "ArithmeticConfig", "ClusterConf
            "HintedConfig",
            "LoggingConfig", "ModelConfig", "ParallelConfig", "RewardConfig", "RolloutConfig",
            "ServerConfig", "StudyConfig", "StudyLoss", "SumsConfig", "ThresholdSweep",
-           "TrainerConfig", "load_config", "parse_overrides", "validate"]
+           "TrainerConfig", "WeightCheckConfig", "load_config", "parse_overrides", "validate"]

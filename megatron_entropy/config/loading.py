@@ -63,6 +63,8 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
         (item,) = typing.get_args(tp)
         return [_coerce(v, item, f"{path}[{i}]") for i, v in enumerate(value)]
     if dataclasses.is_dataclass(tp):
+        if isinstance(value, bool) and "enabled" in {f.name for f in dataclasses.fields(tp)}:
+            raise ConfigError(f"{path} is a section: set {path}.enabled={str(value).lower()}")
         if not isinstance(value, dict):
             raise ConfigError(f"{path}: expected a mapping (section), got {value!r}")
         return _build(tp, value, path)
@@ -92,6 +94,9 @@ def _build(cls: type, data: dict, prefix: str) -> Any:
     kwargs = {}
     for key, value in data.items():
         path = f"{prefix}.{key}" if prefix else str(key)
+        moved = getattr(cls, "MOVED_KEYS", {}).get(key)
+        if moved is not None:
+            raise ConfigError(f"config key {path!r} is now {prefix + '.' + moved!r}")
         if key not in fields:
             close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.6)
             hint = f"; did you mean {(prefix + '.' if prefix else '') + close[0]!r}?" if close else ""

@@ -13,10 +13,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Any, ClassVar, Literal, Optional, Union
 
 from megatron_entropy.algorithms.entropy_control import EntropyControlSettings, EntropyController
-from megatron_entropy.algorithms.settings import (PolicyLossSettings, RolloutCorrectionSettings,
+from megatron_entropy.algorithms.settings import (AdvantageName, PolicyLossSettings,
+                                                  RolloutCorrectionSettings,
                                                   TokenRuleSettings, check_token_rules)
 from megatron_entropy.analysis.study_settings import StudyConfig
 from megatron_entropy.runtime.dtypes import DTYPE_ALIASES, DtypeName
@@ -36,12 +37,21 @@ class ModelConfig(Settings):
     recompute_activations: bool = False
     seq_length: int = _f(4096, ge=16, help="the longest sequence the model is built for; must "
                                            "hold rollout.max_prompt_tokens + max_new_tokens")
+    moe_aux_loss_coeff: Optional[float] = _f(
+        None, ge=0, help="mixture of experts: weight of the router's load-balancing loss (mean "
+                         "over layers and micro-batches); null = the HF config's "
+                         "router_aux_loss_coef, 0 = none")
+    moe_z_loss_coeff: float = _f(0.0, ge=0, help="mixture of experts: weight of the router's "
+                                                 "z-loss (0 = none)")
 
 
 @dataclass
 class ParallelConfig(Settings):
     tensor: int = _f(1, ge=1)
     pipeline: int = _f(1, ge=1)
+    expert: int = _f(1, ge=1, help="expert parallelism (mixture of experts): the experts are "
+                                   "split over this many data-parallel ranks; must divide the "
+                                   "data-parallel size")
     sequence_parallel: bool = _f(False, help="GPU with Transformer Engine only")
     backend: Literal["auto", "nccl", "gloo"] = _f(
         "auto", help="auto: nccl where CUDA is, else gloo (under Slurm a task without a visible "
@@ -103,7 +113,33 @@ class ServerConfig(Settings):
 
 
 @dataclass
+class WeightCheckConfig(Settings):
+    """Does the engine hold the trainer's weights? A probe at the first contact and after every
+    sync, and each step's recompute of the rollout tokens (trainer/weight_check.py)."""
+
+    enabled: bool = _f(True, help="check at the first contact and after every weight sync; stop "
+                                  "the run if the engine's log-probs disagree with the actor's")
+    prompts: int = _f(8, ge=1, help="probe: the first k training prompts")
+    tokens: int = _f(32, ge=1, help="probe: tokens the engine generates per prompt")
+    tolerance: Optional[float] = _f(
+        None, gt=0, help="largest mean |engine - actor| log-prob (nats) accepted, on the probe "
+                         "and on each step's rollout tokens; null = derived from the engine's "
+                         "and the actor's dtypes")
+    quantile: float = _f(0.99, gt=0, lt=1, help="the high quantile of |engine - actor| per "
+                                                "token also held to a tolerance")
+    quantile_tolerance: Optional[float] = _f(
+        None, gt=0, help="largest accepted value of that quantile (nats); null = derived from "
+                         "the dtypes")
+
+
+@dataclass
 class RolloutConfig(Settings):
+    # Keys that became part of a section: where they are now (load_config says so).
+    MOVED_KEYS: ClassVar[dict[str, str]] = {
+        "weight_check_prompts": "weight_check.prompts",
+        "weight_check_tokens": "weight_check.tokens",
+        "weight_check_tolerance": "weight_check.tolerance"}
+
     engine: Literal["inprocess", "vllm", "sglang"] = "inprocess"
     n_samples: int = _f(8, ge=1, help="responses per prompt (group size)")
     temperature: float = _f(1.0, gt=0)
@@ -113,6 +149,10 @@ class RolloutConfig(Settings):
     max_prompt_tokens: int = _f(1024, ge=1)
     stop: list[str] = _f(default_factory=list)
     stop_token_ids: list[int] = _f(default_factory=list)
+    routing_replay: Literal["none", "recompute"] = _f(
+        "none", help="mixture of experts: recompute = every update forward routes each token to "
+                     "the experts the actor's recompute chose (R2); none = the update routes "
+                     "afresh (the mismatch is logged as moe/routing_mismatch)")
     seed: int = 0
     dtype: DtypeName = _f("fp32", aliases=DTYPE_ALIASES, help="in-process engine's dtype")
     batch_size: int = _f(64, ge=1, help="in-process engine: sequences decoded together")
@@ -122,14 +162,7 @@ class RolloutConfig(Settings):
     weight_sync_bucket_mb: int = _f(512, ge=1, help=(
         "weight sync: tensors a pipeline stage streams at a time (broadcast buckets, and what "
         "later stages relay to the in-process engine); a bigger tensor goes alone"))
-    weight_check: bool = _f(True, help="after every weight sync and at the first contact, score "
-                                       "a fixed probe on the engine and the actor; stop if they "
-                                       "disagree")
-    weight_check_prompts: int = _f(4, ge=1, help="probe: the first k training prompts")
-    weight_check_tokens: int = _f(8, ge=1, help="probe: tokens the engine generates per prompt")
-    weight_check_tolerance: Optional[float] = _f(
-        None, gt=0, help="probe: largest mean |engine - actor| log-prob (nats) accepted; null = "
-                         "derived from the engine's and the actor's dtypes")
+    weight_check: WeightCheckConfig = _f(default_factory=WeightCheckConfig)
     max_staleness: int = _f(0, ge=0, help="server engines: > 0 generates the next steps' "
                                           "rollouts while a step trains, on weights at most "
                                           "this many updates old (older samples are dropped); "
@@ -158,7 +191,7 @@ class AlgorithmConfig(PolicyLossSettings):
     """The policy loss's settings (algorithms/settings.py: loss, clip ranges, Clip-Cov/KL-Cov,
     regularisers, aggregation), the advantage and the actor's log-prob and Cov-scope keys."""
 
-    advantage: Literal["grpo", "drgrpo", "rloo"] = "grpo"
+    advantage: AdvantageName = "grpo"
     norm_adv_by_std: bool = _f(True, help="GRPO: divide by the group std (+1e-6)")
     cov_scope: Literal["micro_batch", "global"] = _f(
         "micro_batch", help="micro_batch = paper code/verl; global = the whole optimizer step")
@@ -186,7 +219,7 @@ class AlgorithmConfig(PolicyLossSettings):
         if not c.enabled:
             return
         try:
-            c.check(self.loss, vocab_size)
+            c.check(self.cov_rule or self.loss, vocab_size)
             EntropyController(c, getattr(self, c.knob))
         except SettingError as e:
             raise SettingError(f"entropy_control.{e.setting}", e.message) from None

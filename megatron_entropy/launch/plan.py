@@ -15,7 +15,10 @@ The estimate follows what the trainer builds (models/builder.py, trainer/model_s
   set without recompute; the first pipeline stage holds ``pipeline`` micro-batches in flight (1F1B);
 - the LM head: one chunk of fp32 logits (fused log-prob) or the micro-batch's logits (chunked);
 - in-process rollout: a full model copy in ``rollout.dtype`` and its KV cache on each DP leader;
-- a server GPU: weights / server_gpus, the rest of 90% of the GPU is KV cache (vLLM/SGLang default).
+- a server GPU: weights / server_gpus, the rest of 90% of the GPU is KV cache (vLLM/SGLang default);
+- mixture of experts: each GPU holds its EP rank's experts (num_experts / EP, TP-split) and the
+  router; the distributed optimizer shards the experts' state over DP / EP; a token's activations
+  count its k experts; the all-to-all volume is a note (``all_to_all_bytes``).
 Activation sizes count the tensors autograd keeps (bf16), not the allocator's peaks, so a trainer
 GPU counts as full at 90% of its memory.
 """
@@ -41,8 +44,15 @@ SERVER_WORKSPACE = 2 * GiB  # CUDA graphs, sampler and activation workspace of a
 RUNTIME_OVERHEAD = 2 * GiB  # CUDA context, NCCL buffers
 TRAINER_MEMORY_LIMIT = 0.9  # refuse above this share of the GPU: the estimate is not exact
 
-# The public config.json numbers of the paper's models, for planning before the weights are
-# downloaded (model.hf_path's folder name selects one when it has no config.json yet).
+# What the two Qwen3-MoE models' config.json files share.
+_QWEN3_MOE = dict(architectures=["Qwen3MoeForCausalLM"], vocab_size=151936, num_key_value_heads=4,
+                  head_dim=128, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                  max_position_embeddings=40960, rope_theta=1e6, rms_norm_eps=1e-6,
+                  tie_word_embeddings=False, router_aux_loss_coef=0.001)
+
+# The public config.json numbers of the paper's models and of Qwen3's MoE models, for planning
+# before the weights are downloaded (model.hf_path's folder name selects one when it has no
+# config.json yet).
 KNOWN_MODELS = {
     "qwen2.5-7b": dict(architectures=["Qwen2ForCausalLM"], vocab_size=152064, hidden_size=3584,
                        intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
@@ -52,6 +62,12 @@ KNOWN_MODELS = {
                         intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40,
                         num_key_value_heads=8, max_position_embeddings=131072, rope_theta=1e6,
                         rms_norm_eps=1e-5, tie_word_embeddings=False),
+    "qwen3-30b-a3b": dict(_QWEN3_MOE, hidden_size=2048, intermediate_size=6144,
+                          moe_intermediate_size=768, num_hidden_layers=48,
+                          num_attention_heads=32),
+    "qwen3-235b-a22b": dict(_QWEN3_MOE, hidden_size=4096, intermediate_size=12288,
+                            moe_intermediate_size=1536, num_hidden_layers=94,
+                            num_attention_heads=64),
 }
 
 
@@ -81,12 +97,24 @@ def _arch_from_file(path: Path) -> ModelArch:
 # ------------------------------------------------------------------------------------ counting
 
 
+def expert_params(a: ModelArch) -> int:
+    """One routed expert's SwiGLU (0 for a dense model)."""
+    return 3 * a.hidden_size * a.moe_ffn_hidden_size if a.is_moe else 0
+
+
 def layer_params(a: ModelArch) -> int:
     q, kv = a.num_attention_heads * a.head_dim, a.num_query_groups * a.head_dim
     attn = a.hidden_size * (q + 2 * kv) + q * a.hidden_size + ((q + 2 * kv) if a.qkv_bias else 0)
-    mlp = 3 * a.hidden_size * a.ffn_hidden_size
+    mlp = (a.num_experts * (expert_params(a) + a.hidden_size) if a.is_moe  # experts + router
+           else 3 * a.hidden_size * a.ffn_hidden_size)
     norms = 2 * a.hidden_size + (2 * a.head_dim if a.qk_layernorm else 0)
     return attn + mlp + norms
+
+
+def active_params(a: ModelArch) -> int:
+    """Parameters one token uses (a mixture of experts runs top-k of its experts)."""
+    idle = (a.num_experts - a.moe_topk) * expert_params(a) if a.is_moe else 0
+    return total_params(a) - a.num_layers * idle
 
 
 def total_params(a: ModelArch) -> int:
@@ -96,15 +124,24 @@ def total_params(a: ModelArch) -> int:
         + a.hidden_size
 
 
-def stage_params(a: ModelArch, tensor: int, pipeline: int) -> int:
+def stage_expert_params(a: ModelArch, tensor: int, pipeline: int, expert: int = 1) -> int:
+    """Routed-expert parameters on one GPU of a stage: its EP rank's experts, TP-split."""
+    return a.num_layers // pipeline * a.num_experts // expert * expert_params(a) // tensor
+
+
+def stage_params(a: ModelArch, tensor: int, pipeline: int, expert: int = 1) -> int:
     """Parameters on one GPU of the fullest pipeline stage (padded vocab). TP splits every weight
-    but the norms; the first stage holds the embedding, the last the final norm and the output
-    layer (with tied embeddings and PP > 1, a copy of the embedding)."""
+    but the norms (and an MoE router); EP splits the experts; the first stage holds the
+    embedding, the last the final norm and the output layer (with tied embeddings and PP > 1, a
+    copy of the embedding)."""
     q, kv = a.num_attention_heads * a.head_dim, a.num_query_groups * a.head_dim
-    split = (a.hidden_size * (q + 2 * kv) + q * a.hidden_size
-             + 3 * a.hidden_size * a.ffn_hidden_size + ((q + 2 * kv) if a.qkv_bias else 0))
+    mlp = 0 if a.is_moe else 3 * a.hidden_size * a.ffn_hidden_size
+    split = (a.hidden_size * (q + 2 * kv) + q * a.hidden_size + mlp
+             + ((q + 2 * kv) if a.qkv_bias else 0))
     norms = 2 * a.hidden_size + (2 * a.head_dim if a.qk_layernorm else 0)
-    layers = a.num_layers // pipeline * (split // tensor + norms)
+    router = a.num_experts * a.hidden_size
+    layers = a.num_layers // pipeline * (split // tensor + norms + router) \
+        + stage_expert_params(a, tensor, pipeline, expert)
     emb = a.padded_vocab_size * a.hidden_size // tensor
     if pipeline == 1:
         return layers + emb + a.hidden_size + (0 if a.tie_word_embeddings else emb)
@@ -122,7 +159,23 @@ def layer_activation_elems(a: ModelArch, tensor: int, sequence_parallel: bool) -
     q, kv = a.num_attention_heads * a.head_dim, a.num_query_groups * a.head_dim
     replicated = 4 * a.hidden_size  # two norm inputs, the two normed inputs to QKV and FC1
     split = (q + 2 * kv) + q + 3 * a.ffn_hidden_size  # QKV out, attention out, FC1 out, SwiGLU out
+    if a.is_moe:
+        # Router logits and probs, each token's k dispatched copies (the experts' inputs) and
+        # their FC1 and SwiGLU outputs.
+        replicated += 2 * a.num_experts + a.moe_topk * a.hidden_size
+        split = (q + 2 * kv) + q + a.moe_topk * 3 * a.moe_ffn_hidden_size
     return replicated / (tensor if sequence_parallel else 1) + split / tensor
+
+
+def all_to_all_bytes(a: ModelArch, tokens: float, expert: int, passes: int,
+                     dtype_bytes: int = 2) -> float:
+    """Bytes one GPU sends through the MoE token dispatcher for ``tokens`` tokens of its own
+    stage: per MoE layer and pass (a forward or a backward) each token's k copies go out and
+    come back (dispatch and combine), all but the 1/EP that stay on the GPU."""
+    if not a.is_moe or expert == 1:
+        return 0.0
+    per_token = 2 * a.moe_topk * a.hidden_size * dtype_bytes * (expert - 1) / expert
+    return tokens * per_token * passes
 
 
 # ------------------------------------------------------------------------------------ the plan
@@ -139,6 +192,7 @@ class Plan:
     tensor: int
     pipeline: int
     data_parallel: int = 0
+    expert: int = 1
     trainer: list[tuple[str, float]] = field(default_factory=list)  # (item, bytes) worst GPU
     server: list[tuple[str, float]] = field(default_factory=list)  # (item, bytes) one server GPU
     server_kv_tokens: int = 0
@@ -158,10 +212,11 @@ def make_plan(cfg: Config, arch: ModelArch, nodes: int, arch_source: str = "") -
     """Layout and memory estimate for ``cfg`` on ``nodes`` nodes of ``cfg.cluster``'s shape."""
     c, p, r, t = cfg.cluster, cfg.parallel, cfg.rollout, cfg.trainer
     plan = Plan(arch=arch, arch_source=arch_source, nodes=nodes, gpus_per_node=c.gpus_per_node,
-                gpu_memory_gb=c.gpu_memory_gb, layout=None, tensor=p.tensor, pipeline=p.pipeline)
+                gpu_memory_gb=c.gpu_memory_gb, layout=None, tensor=p.tensor, pipeline=p.pipeline,
+                expert=p.expert)
     capacity = c.gpu_memory_gb * GiB
     try:
-        arch.check_parallel(p.tensor, p.pipeline)
+        arch.check_parallel(p.tensor, p.pipeline, p.expert)
         plan.layout = job_layout(cfg, [f"node{i}" for i in range(nodes)])
     except (UnsupportedModelError, ParallelLayoutError, NotEnoughNodesError, ConfigError) as e:
         plan.problems.append(str(e))
@@ -172,20 +227,30 @@ def make_plan(cfg: Config, arch: ModelArch, nodes: int, arch_source: str = "") -
             "cluster.server_nodes=0 puts the rollout servers on the first trainer node, beside "
             "the trainer's GPUs: that is for CPU tests; give the servers nodes of their own")
     plan.data_parallel = lay.trainer_tasks // (p.tensor * p.pipeline)
+    if plan.data_parallel % p.expert:
+        plan.problems.append(f"parallel.expert={p.expert} does not divide the data-parallel size "
+                             f"{plan.data_parallel}")
+        return plan
     seq = r.max_prompt_tokens + r.max_new_tokens
     if t.micro_batch_tokens < seq:
         plan.problems.append(f"trainer.micro_batch_tokens={t.micro_batch_tokens} cannot hold one "
                              f"full sequence of {seq} tokens")
 
     # Trainer: the fullest GPU (first pipeline stage; it also holds the in-process engine).
-    n = stage_params(arch, p.tensor, p.pipeline)
+    n = stage_params(arch, p.tensor, p.pipeline, p.expert)
+    experts = stage_expert_params(arch, p.tensor, p.pipeline, p.expert)
     w = DTYPES[cfg.model.dtype].bytes
     plan.trainer.append((f"weights ({cfg.model.dtype})", n * w))
     plan.trainer.append(("grad buffer (fp32)", n * 4))
-    # The distributed optimizer keeps each DP rank's 1/DP of the main weights and moments.
+    # The distributed optimizer keeps each DP rank's 1/DP of the main weights and moments; an
+    # expert's over the DP ranks that hold the same experts (DP / EP).
     sharded = t.uses_distributed_optimizer(plan.data_parallel)
+    expert_dp = plan.data_parallel // p.expert
     dp_shard = f", 1/{plan.data_parallel} by the distributed optimizer" if sharded else ""
-    optimizer_params = -(-n // plan.data_parallel) if sharded else n
+    if sharded and experts:
+        dp_shard += f" (experts 1/{expert_dp})"
+    optimizer_params = (-(-(n - experts) // plan.data_parallel) + -(-experts // expert_dp)
+                        if sharded else n)
     if w < 4:
         plan.trainer.append((f"fp32 main weights{dp_shard}", optimizer_params * 4))
     plan.trainer.append((f"Adam moments (fp32{dp_shard})", optimizer_params * 8))
@@ -214,6 +279,13 @@ def make_plan(cfg: Config, arch: ModelArch, nodes: int, arch_source: str = "") -
         plan.trainer.append((f"in-process engine weights ({r.dtype})", total_params(arch) * rw))
         plan.trainer.append((f"in-process KV cache ({r.batch_size} x {seq} tokens)",
                              r.batch_size * seq * kv_bytes_per_token(arch, rw)))
+    if arch.is_moe and p.expert > 1:
+        # Recompute (forward), then each epoch's forward and backward over the step's tokens.
+        tokens_per_gpu = cfg.data.prompts_per_step * r.n_samples * seq / plan.data_parallel
+        passes = arch.num_layers // p.pipeline * (1 + 2 * t.ppo_epochs)
+        volume = all_to_all_bytes(arch, tokens_per_gpu, p.expert, passes, w)
+        plan.notes.append(f"MoE all-to-all: up to {volume / GiB:.1f} GiB sent per GPU per step "
+                          f"(full-length sequences; EP {p.expert}, top-{arch.moe_topk})")
     slack = 0.1 * sum(b for name, b in plan.trainer if name.startswith(("activ", "LM", "in-p")))
     plan.trainer.append(("CUDA context, NCCL, allocator slack", RUNTIME_OVERHEAD + slack))
     if plan.trainer_bytes > TRAINER_MEMORY_LIMIT * capacity:
@@ -255,9 +327,11 @@ def make_plan(cfg: Config, arch: ModelArch, nodes: int, arch_source: str = "") -
 
 def format_plan(plan: Plan) -> str:
     a, lay = plan.arch, plan.layout
-    lines = [f"model: {a.architecture} {total_params(a) / 1e9:.2f}B params, {a.num_layers} layers, "
-             f"hidden {a.hidden_size}, vocab {a.vocab_size} (padded {a.padded_vocab_size})"
-             + (f" [{plan.arch_source}]" if plan.arch_source else ""),
+    moe = (f" ({active_params(a) / 1e9:.2f}B active: {a.num_experts} experts, top-"
+           f"{a.moe_topk})" if a.is_moe else "")
+    lines = [f"model: {a.architecture} {total_params(a) / 1e9:.2f}B params{moe}, {a.num_layers} "
+             f"layers, hidden {a.hidden_size}, vocab {a.vocab_size} (padded "
+             f"{a.padded_vocab_size})" + (f" [{plan.arch_source}]" if plan.arch_source else ""),
              f"nodes: {plan.nodes} x {plan.gpus_per_node} GPUs of {plan.gpu_memory_gb:g} GiB"]
     if lay is not None:
         if lay.num_servers:
@@ -266,7 +340,9 @@ def format_plan(plan: Plan) -> str:
             lines.append(f"rollout servers: {lay.num_servers} x {lay.server_gpus} GPU(s) on "
                          f"{where}, {lay.servers_per_node} per node")
         lines.append(f"trainer: {len(lay.trainer_nodes)} node(s), {lay.trainer_tasks} GPUs = "
-                     f"TP {plan.tensor} x PP {plan.pipeline} x DP {plan.data_parallel}")
+                     f"TP {plan.tensor} x PP {plan.pipeline} x DP {plan.data_parallel}"
+                     + (f" (EP {plan.expert}: the experts split over {plan.expert} DP ranks)"
+                        if plan.expert > 1 else ""))
     if plan.trainer:
         lines.append("trainer memory per GPU (fullest pipeline stage):")
         lines += [f"  {name:<58} {b / GiB:8.2f} GiB" for name, b in plan.trainer]

@@ -28,10 +28,8 @@ import shlex
 import signal
 import socket
 import struct
-import subprocess
 import sys
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +37,7 @@ from typing import Callable, Optional, Sequence
 
 from megatron_entropy.config import Config, ConfigError, load_config
 from megatron_entropy.runtime.launch_env import (ParallelLayoutError, check_layout,
-                                                 expand_nodelist, read_urls_file,
+                                                 expand_nodelist, healthy, read_urls_file,
                                                  server_environment)
 from megatron_entropy.runtime.processes import die_with_parent
 
@@ -212,14 +210,6 @@ def write_urls_file(path: os.PathLike, urls: Sequence[str]) -> Path:
     return p
 
 
-def healthy(url: str, timeout: float = 5.0) -> bool:
-    try:
-        with urllib.request.urlopen(url.rstrip("/") + "/health", timeout=timeout) as r:
-            return r.status == 200
-    except OSError:
-        return False
-
-
 def all_healthy(urls: Sequence[str], timeout: float = 5.0) -> bool:
     """Whether every URL answers /health, asked all at once: a dead node costs one timeout,
     not one per server."""
@@ -361,6 +351,9 @@ def serve(cfg: Config, urls_dir: os.PathLike, task: int, local_id: int,
     returns 0 then. SIGTERM and SIGUSR1 are ignored (preemption and the time-limit warning are the
     trainer's to act on). Any other end of the server is a failure (non-zero).
     """
+    # Here, not at the top: the server modules import torch (see server_command).
+    from megatron_entropy.rollout.server.process import signal_group, start_process
+
     s = cfg.rollout.server
     port = s.base_port + local_id
     node = node or os.environ.get("SLURMD_NODENAME") or socket.gethostname()
@@ -380,14 +373,14 @@ def serve(cfg: Config, urls_dir: os.PathLike, task: int, local_id: int,
 
     for sig in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, ignored)
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True,
-                            preexec_fn=functools.partial(_server_process_setup, os.getpid()))
+    proc = start_process(cmd, {}, None, "slurm task", f"server task {task}", env=env,
+                         preexec_fn=functools.partial(_server_process_setup, os.getpid()))
     stop_requested: list[float] = []
 
     def stop(signum: Optional[int], frame: object) -> None:
         if not stop_requested:
             stop_requested.append(time.monotonic())
-            _signal_group(proc, signal.SIGINT)
+            signal_group(proc, signal.SIGINT)
 
     signal.signal(STOP_SIGNAL, stop)
     signal.signal(signal.SIGINT, stop)
@@ -398,7 +391,7 @@ def serve(cfg: Config, urls_dir: os.PathLike, task: int, local_id: int,
         while proc.poll() is None:
             if stop_requested:
                 if time.monotonic() - stop_requested[0] > SERVER_STOP_GRACE_S:
-                    _signal_group(proc, signal.SIGKILL)
+                    signal_group(proc, signal.SIGKILL)
             elif not published and healthy(url):
                 write_url(urls_dir, task, url)
                 print(f"[serve {task}] ready at {url}", flush=True)
@@ -410,19 +403,12 @@ def serve(cfg: Config, urls_dir: os.PathLike, task: int, local_id: int,
                 stop(None, None)
             time.sleep(0.5)
     finally:
-        _signal_group(proc, signal.SIGKILL)  # whatever of the server's group is left
+        signal_group(proc, signal.SIGKILL)  # whatever of the server's group is left
         proc.wait()
     if stop_requested and not timed_out:
         return 0
     print(f"[serve {task}] the server exited with {proc.returncode}", flush=True)
     return proc.returncode if proc.returncode and proc.returncode > 0 else 1
-
-
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(proc.pid, sig)
-    except ProcessLookupError:
-        pass
 
 
 # ------------------------------------------------------------------------------------- CLI

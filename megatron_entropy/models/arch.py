@@ -19,6 +19,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 
 # The padded vocabulary is a multiple of this, independent of TP, so that a checkpoint converted at
@@ -51,13 +52,31 @@ class ModelArch:
     rope_scaling_factor: Optional[float] = None  # Llama-3 style scaling; None = no scaling
     bos_token_id: Optional[int] = None
     eos_token_id: Optional[Union[int, list]] = None
+    # Mixture of experts (num_experts 0: a dense model). Every layer's MLP is a routed MoE block
+    # of num_experts SwiGLU experts of size moe_ffn_hidden_size, moe_topk of them per token.
+    num_experts: int = 0
+    moe_ffn_hidden_size: int = 0
+    moe_topk: int = 0
+    norm_topk_prob: bool = False  # renormalise the top-k probabilities to sum to 1
+    router_aux_loss_coef: float = 0.0  # HF's load-balancing coefficient (a training default)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     @property
     def padded_vocab_size(self) -> int:
         return int(math.ceil(self.vocab_size / VOCAB_PAD_MULTIPLE) * VOCAB_PAD_MULTIPLE)
 
-    def check_parallel(self, tensor: int, pipeline: int) -> None:
-        """Raise naming the config key if this model cannot be split TP x PP."""
+    def check_parallel(self, tensor: int, pipeline: int, expert: int = 1) -> None:
+        """Raise naming the config key if this model cannot be split TP x PP x EP."""
+        if expert > 1 and not self.is_moe:
+            raise UnsupportedModelError(
+                f"parallel.expert={expert} needs a mixture-of-experts model; {self.architecture} "
+                "is dense (set parallel.expert=1)")
+        if self.is_moe and self.num_experts % expert:
+            raise UnsupportedModelError(
+                f"parallel.expert={expert} does not divide the model's {self.num_experts} experts")
         problems = []
         if self.num_attention_heads % tensor:
             problems.append(f"{self.num_attention_heads} attention heads")
@@ -65,6 +84,8 @@ class ModelArch:
             problems.append(f"{self.num_query_groups} query groups (KV heads)")
         if self.ffn_hidden_size % tensor:
             problems.append(f"FFN size {self.ffn_hidden_size}")
+        if self.is_moe and self.moe_ffn_hidden_size % tensor:
+            problems.append(f"expert FFN size {self.moe_ffn_hidden_size}")
         if self.padded_vocab_size % tensor:
             problems.append(f"padded vocab {self.padded_vocab_size}")
         if problems:
@@ -129,6 +150,7 @@ def arch_from_hf_config(cfg: dict, where: str = "config.json") -> ModelArch:
     if cfg.get("mlp_bias"):
         raise UnsupportedModelError(f"{where}: mlp_bias=true is not supported")
     eos = cfg.get("eos_token_id")
+    moe = _moe(cfg, where) if family == "qwen3_moe" else {}
     return ModelArch(
         architecture=name,
         family=family,
@@ -144,12 +166,44 @@ def arch_from_hf_config(cfg: dict, where: str = "config.json") -> ModelArch:
         max_position_embeddings=cfg.get("max_position_embeddings", 4096),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=qkv_bias,
-        qk_layernorm=family == "qwen3",
+        qk_layernorm=family in ("qwen3", "qwen3_moe"),
         init_std=float(cfg.get("initializer_range", 0.02)),
         rope_scaling_factor=scaling,
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_id=eos,
+        **moe,
     )
+
+
+def _moe(cfg: dict, where: str) -> dict[str, Any]:
+    """The MoE fields of a Qwen3-MoE config; what Megatron's MoE layer cannot express raises
+    naming the key."""
+    if cfg.get("mlp_only_layers"):
+        raise UnsupportedModelError(
+            f"{where}: mlp_only_layers={cfg['mlp_only_layers']} (dense layers between MoE layers) "
+            "is not supported: every layer must be an MoE layer")
+    if int(cfg.get("decoder_sparse_step", 1)) != 1:
+        raise UnsupportedModelError(
+            f"{where}: decoder_sparse_step={cfg['decoder_sparse_step']} is not supported (only 1: "
+            "every layer an MoE layer)")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise UnsupportedModelError(f"{where}: hidden_act={cfg['hidden_act']!r} is not supported "
+                                    "(only 'silu')")
+    for key in ("shared_expert_intermediate_size", "n_shared_experts"):
+        if cfg.get(key):
+            raise UnsupportedModelError(
+                f"{where}: {key}={cfg[key]} (shared experts) is not supported for Qwen3-MoE")
+    # transformers 5 writes num_local_experts (its attribute map), Qwen's checkpoints num_experts.
+    experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+    if not experts:
+        raise UnsupportedModelError(f"{where}: num_experts is missing or 0")
+    topk = int(cfg.get("num_experts_per_tok", 0))
+    if not 0 < topk <= experts:
+        raise UnsupportedModelError(f"{where}: num_experts_per_tok={topk} must be in [1, "
+                                    f"num_experts={experts}]")
+    return dict(num_experts=int(experts), moe_ffn_hidden_size=int(cfg["moe_intermediate_size"]),
+                moe_topk=topk, norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+                router_aux_loss_coef=float(cfg.get("router_aux_loss_coef", 0.0)))
 
 
 def load_arch(hf_dir: Union[str, Path]) -> ModelArch:

@@ -14,7 +14,11 @@ Layout facts:
 - the embedding and output layer have ``arch.padded_vocab_size`` rows: the rows past the real
   vocabulary are zero on import and dropped on export;
 - tied embeddings: HF stores only ``model.embed_tokens.weight``; with PP > 1 Megatron's last stage
-  keeps a copy of it as ``output_layer.weight``.
+  keeps a copy of it as ``output_layer.weight``;
+- mixture of experts (Qwen3-MoE): the router ``mlp.router.weight`` is HF ``mlp.gate.weight``;
+  expert e's ``mlp.experts.local_experts.{e}.linear_fc1`` is [gate; up] of HF
+  ``mlp.experts.{e}.gate_proj`` / ``up_proj`` and its ``linear_fc2`` HF's ``down_proj`` (the
+  per-expert tensors of Qwen's checkpoints, which transformers' ``save_pretrained`` writes too).
 """
 
 from __future__ import annotations
@@ -31,7 +35,9 @@ import torch.distributed as dist
 from megatron_entropy.models.arch import ModelArch, load_arch
 from megatron_entropy.models.hf_io import (TensorSpec, hf_weight_files, open_hf_slices,
                                            save_hf_weights)
-from megatron_entropy.models.sharding import layer_offset, tp_gather, to_global_name, unwrap_model
+from megatron_entropy.models.sharding import (ep_gather_experts, expert_offset,
+                                              is_expert_param, layer_offset, tp_gather,
+                                              to_global_name, unwrap_model)
 
 # Deferred imports: Megatron (~4-5 s), and runtime/roles.py which imports it, load inside the
 # functions that use them: the CLI checks the model with this module before any rank starts
@@ -50,6 +56,8 @@ class WeightMap:
 
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _HF_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_EXPERT_RE = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
+_HF_EXPERT_RE = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 
 # Layer-relative Megatron name -> (layer-relative HF names, kind). Local and TE names both appear.
@@ -65,6 +73,7 @@ _LAYER_RULES: dict[str, tuple[tuple[str, ...], Kind]] = {
     "mlp.linear_fc1.layer_norm_weight": (("post_attention_layernorm.weight",), "copy"),
     "mlp.linear_fc1.weight": (("mlp.gate_proj.weight", "mlp.up_proj.weight"), "glu"),
     "mlp.linear_fc2.weight": (("mlp.down_proj.weight",), "copy"),
+    "mlp.router.weight": (("mlp.gate.weight",), "copy"),
 }
 
 # Transformer-Engine name -> local-spec name of the same parameter.
@@ -88,6 +97,13 @@ def weight_map(name: str, arch: ModelArch) -> WeightMap:
     if m and m.group(2) in _LAYER_RULES:
         hf, kind = _LAYER_RULES[m.group(2)]
         return WeightMap(name, tuple(f"model.layers.{m.group(1)}.{h}" for h in hf), kind)
+    e = _EXPERT_RE.match(m.group(2)) if m and arch.is_moe else None
+    if e:
+        prefix = f"model.layers.{m.group(1)}.mlp.experts.{e.group(1)}"
+        if e.group(2) == "linear_fc1":
+            return WeightMap(name, (f"{prefix}.gate_proj.weight", f"{prefix}.up_proj.weight"),
+                             "glu")
+        return WeightMap(name, (f"{prefix}.down_proj.weight",), "copy")
     raise KeyError(f"Megatron parameter {name!r} has no Hugging Face counterpart "
                    f"({arch.architecture} mapping)")
 
@@ -101,6 +117,14 @@ def layer_param_names(arch: ModelArch, te_names: bool = False) -> list[str]:
         names.append("self_attention.linear_qkv.bias")
     if arch.qk_layernorm:
         names += ["self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"]
+    if arch.is_moe:
+        # An MoE layer's norm is a module of its own under both specs; dist checkpoints of the
+        # local spec store it under the fused name all the same (its keys map).
+        names += ["mlp.linear_fc1.layer_norm_weight" if te_names else "pre_mlp_layernorm.weight",
+                  "mlp.router.weight"]
+        names += [f"mlp.experts.local_experts.{e}.{fc}.weight"
+                  for e in range(arch.num_experts) for fc in ("linear_fc1", "linear_fc2")]
+        return names
     names += ["mlp.linear_fc1.layer_norm_weight" if te_names else "pre_mlp_layernorm.weight",
               "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"]
     return names
@@ -136,6 +160,14 @@ def hf_shape(name: str, arch: ModelArch) -> tuple[int, ...]:
         return (h,)
     m = _HF_LAYER_RE.match(name)
     rel = m.group(2) if m else ""
+    e = _HF_EXPERT_RE.match(rel) if arch.is_moe else None
+    if e and int(e.group(1)) < arch.num_experts:
+        i = arch.moe_ffn_hidden_size
+        return (h, i) if e.group(2) == "down_proj" else (i, h)
+    if arch.is_moe and rel == "mlp.gate.weight":
+        return (arch.num_experts, h)
+    if arch.is_moe and rel.startswith("mlp."):
+        raise KeyError(f"{name!r} is not a tensor of a {arch.architecture} model")
     shapes = {
         "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
         "self_attn.q_proj.weight": (q_rows, h), "self_attn.q_proj.bias": (q_rows,),
@@ -292,11 +324,11 @@ def load_hf_weights(model, hf_dir: Union[str, Path], arch: ModelArch) -> None:
     files = hf_weight_files(hf_dir)
     check_hf_checkpoint(files, arch, hf_dir)
     module = unwrap_model(model)
-    offset = layer_offset(module)
+    offset, experts = layer_offset(module), expert_offset(module)
     tp_rank = ps.get_tensor_model_parallel_rank()
     tp_size = ps.get_tensor_model_parallel_world_size()
     for name, param in module.named_parameters():
-        wm = weight_map(to_global_name(name, offset), arch)
+        wm = weight_map(to_global_name(name, offset, experts), arch)
         dim = param.partition_dim if getattr(param, "tensor_model_parallel", False) else None
         with open_hf_slices(files, wm.hf) as sources:
             shard = hf_to_megatron(wm, sources, arch, tp_rank, tp_size, dim)
@@ -324,6 +356,9 @@ def export_hf_weights(model, arch: ModelArch
     from megatron_entropy.runtime.roles import is_replica_leader
 
     module = unwrap_model(model)
+    if arch.is_moe and ps.get_expert_model_parallel_world_size() > 1:
+        raise NotImplementedError("export_hf_weights gathers over TP and PP only; with "
+                                  "parallel.expert > 1 use export_stage_hf_weights per stage")
     params = _stage_params(module, arch)
     pp_group = ps.get_pipeline_model_parallel_group()
     pp_rank = ps.get_pipeline_model_parallel_rank()
@@ -368,11 +403,11 @@ def _hf_items(gname: str, full: Optional[torch.Tensor], arch: ModelArch, leader:
 def _stage_params(module, arch: ModelArch) -> dict[str, tuple[str, torch.nn.Parameter]]:
     """This stage's parameters, global name -> (local name, parameter), in global order; a tied
     output layer (the last stage's copy of the embedding) left out: it is exported once."""
-    offset = layer_offset(module)
+    offset, experts = layer_offset(module), expert_offset(module)
     order = {name: i for i, name in enumerate(megatron_param_names(arch))}
     params = {}
     for name, param in module.named_parameters():
-        gname = to_global_name(name, offset)
+        gname = to_global_name(name, offset, experts)
         if not (gname == "output_layer.weight" and arch.tie_word_embeddings):
             params[gname] = (name, param)
     # Stages hold consecutive layers, so sorting each stage's parameters gives the global order.
@@ -390,23 +425,54 @@ def export_stage_hf_weights(model, arch: ModelArch
     HF-named tensor (padded vocab rows removed, on the model's device and in its dtype), on the
     others the same names come with None. Nothing crosses stages. Over all stages, in stage
     order, the streams are ``export_hf_weights``'s stream; tied embeddings come once, from the
-    first stage.
+    first stage. With expert parallelism every stage streams all experts: the stream is then
+    collective over the EP group too (every EP rank of the stage iterates it in lockstep).
     """
     from megatron.core import parallel_state as ps
 
     module = unwrap_model(model)
     params = _stage_params(module, arch)
-    specs = [(n, hf_shape(n, arch), param.dtype)
-             for gname, (_, param) in params.items() for n in weight_map(gname, arch).hf]
+    ep = ps.get_expert_model_parallel_world_size() if arch.is_moe else 1
+    names = _with_all_experts(list(params), arch) if ep > 1 else list(params)
+    dtype = next(iter(params.values()))[1].dtype
+    specs = [(n, hf_shape(n, arch), params[g][1].dtype if g in params else dtype)
+             for g in names for n in weight_map(g, arch).hf]
     leader = ps.get_tensor_model_parallel_rank() == 0
 
     # The decorator (not a ``with`` inside the generator) turns grad off only while the generator
     # runs: a consumer that stops after the last tensor must not leave it off for the caller.
     @torch.no_grad()
     def stream() -> Iterator[tuple[str, Optional[torch.Tensor]]]:
-        for gname, (name, param) in params.items():
-            full = tp_gather(name, param.detach(), param)
+        gathered: dict[str, torch.Tensor] = {}
+        for gname in names:
+            if ep > 1 and is_expert_param(gname) and gname not in gathered:
+                # A layer's first expert: every EP rank's experts of the layer, at once.
+                layer = gname.split(".mlp.")[0]
+                gathered = ep_gather_experts(
+                    [(g, tp_gather(n, p.detach(), p)) for g, (n, p) in params.items()
+                     if is_expert_param(g) and g.split(".mlp.")[0] == layer],
+                    arch.num_experts // ep)
+            if gname in gathered:
+                full = gathered.pop(gname)
+            else:
+                name, param = params[gname]
+                full = tp_gather(name, param.detach(), param)
             yield from _hf_items(gname, full, arch, leader)
             del full
 
     return specs, stream()
+
+
+def _with_all_experts(names: list[str], arch: ModelArch) -> list[str]:
+    """A stage's global names (this EP rank's experts) with every expert of each layer instead,
+    in global order."""
+    out: list[str] = []
+    for name in names:
+        if not is_expert_param(name):
+            out.append(name)
+            continue
+        layer = name.split(".mlp.")[0]
+        if not any(is_expert_param(n) and n.startswith(layer + ".") for n in out):
+            out += [f"{layer}.mlp.experts.local_experts.{e}.{fc}.weight"
+                    for e in range(arch.num_experts) for fc in ("linear_fc1", "linear_fc2")]
+    return out

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import importlib.util
 import warnings
+from dataclasses import dataclass
 from typing import Literal, Optional
 
 import torch
 import torch.nn.functional as F
 
-from megatron_entropy.models.arch import ModelArch
+from megatron_entropy.models.arch import ModelArch, UnsupportedModelError
 from megatron_entropy.runtime import dtypes
 
 # Deferred imports: Megatron (~4-5 s) loads inside the functions that use it, because the CLI
@@ -39,12 +40,53 @@ def resolve_transformer_impl(impl: str) -> str:
     return impl
 
 
+@dataclass(frozen=True)
+class MoeOptions:
+    """Training choices of a mixture-of-experts model that its HF config does not fix."""
+
+    aux_loss_coeff: Optional[float] = None  # load balancing; None: the HF config's coefficient
+    z_loss_coeff: float = 0.0
+    routing_replay: bool = False  # build Megatron's RouterReplay into every router
+
+
+def moe_kwargs(arch: ModelArch, expert: int, moe: MoeOptions) -> dict:
+    """TransformerConfig's MoE fields for ``arch`` (none for a dense model)."""
+    if not arch.is_moe:
+        return {}
+    aux = arch.router_aux_loss_coef if moe.aux_loss_coeff is None else moe.aux_loss_coeff
+    return dict(
+        num_moe_experts=arch.num_experts,
+        moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
+        moe_router_topk=arch.moe_topk,
+        # Without renormalisation HF takes the top-k of the softmax over all experts (Megatron's
+        # pre-softmax); with it, the softmax over the top-k logits is the same numbers.
+        moe_router_pre_softmax=not arch.norm_topk_prob,
+        moe_router_score_function="softmax",
+        # HF routes on fp32 probabilities; a bf16 router would pick other experts on near ties.
+        moe_router_dtype="fp32",
+        moe_router_load_balancing_type="aux_loss" if aux > 0 else "none",
+        moe_aux_loss_coeff=aux,
+        moe_z_loss_coeff=moe.z_loss_coeff or None,
+        moe_grouped_gemm=False,
+        moe_enable_routing_replay=moe.routing_replay,
+        expert_model_parallel_size=expert,
+    )
+
+
 def transformer_config(arch: ModelArch, tensor: int = 1, pipeline: int = 1, dtype: str = "fp32",
                        sequence_parallel: bool = False, recompute: bool = False,
-                       use_cpu_initialization: Optional[bool] = None):
+                       use_cpu_initialization: Optional[bool] = None, expert: int = 1,
+                       moe: MoeOptions = MoeOptions()):
     from megatron.core.transformer import TransformerConfig
 
-    arch.check_parallel(tensor, pipeline)
+    arch.check_parallel(tensor, pipeline, expert)
+    if arch.is_moe and tensor > 1 and not sequence_parallel:
+        # Megatron-Core refuses MoE with TP and without sequence parallelism, which in turn
+        # needs Transformer Engine (GPU).
+        raise UnsupportedModelError(
+            f"parallel.tensor={tensor} with a mixture-of-experts model needs "
+            "parallel.sequence_parallel=true (GPU with Transformer Engine); on the CPU use "
+            "parallel.tensor=1 and parallel.expert for the experts")
     on_gpu = torch.cuda.is_available()
     params_dtype = DTYPES[dtype]
     kwargs = dict(
@@ -85,6 +127,7 @@ def transformer_config(arch: ModelArch, tensor: int = 1, pipeline: int = 1, dtyp
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         batch_p2p_sync=on_gpu,
+        **moe_kwargs(arch, expert, moe),
     )
     if recompute:
         kwargs.update(recompute_granularity="full", recompute_method="uniform",
@@ -97,15 +140,18 @@ def layer_spec(arch: ModelArch, impl: Literal["local", "transformer_engine"]):
 
     if impl == "transformer_engine":
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
-            qk_layernorm=arch.qk_layernorm)
-    return gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=arch.qk_layernorm,
+            num_experts=arch.num_experts or None, qk_layernorm=arch.qk_layernorm)
+    # Local spec: SequentialMLP experts (one Megatron MLP per local expert, no grouped GEMM).
+    return gpt_layer_specs.get_gpt_layer_local_spec(num_experts=arch.num_experts or None,
+                                                    qk_layernorm=arch.qk_layernorm,
                                                     normalization="RMSNorm")
 
 
 def build_gpt_model(arch: ModelArch, tensor: int = 1, pipeline: int = 1, dtype: str = "fp32",
                     transformer_impl: str = "auto", seq_length: int = 4096,
                     sequence_parallel: bool = False, recompute: bool = False,
-                    use_cpu_initialization: Optional[bool] = None):
+                    use_cpu_initialization: Optional[bool] = None, expert: int = 1,
+                    moe: MoeOptions = MoeOptions()):
     """This rank's part of the model, for the parallel state already initialised.
 
     The output layer returns vocab-parallel logits [S, B, V/tp] (``parallel_output=True``); the
@@ -117,7 +163,7 @@ def build_gpt_model(arch: ModelArch, tensor: int = 1, pipeline: int = 1, dtype: 
 
     impl = resolve_transformer_impl(transformer_impl)
     config = transformer_config(arch, tensor, pipeline, dtype, sequence_parallel, recompute,
-                                use_cpu_initialization)
+                                use_cpu_initialization, expert, moe)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*Apex is not installed.*")
         spec = layer_spec(arch, impl)

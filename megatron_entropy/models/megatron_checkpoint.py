@@ -57,6 +57,9 @@ from megatron_entropy.models.sharding import unwrap_model
 ARCH_FILE = "arch.json"
 HF_SUBDIR = "hf"
 _LAYERS = "decoder.layers."
+# Dist checkpoints stack each expert tensor of all layers and experts: [layers, experts, ...].
+_EXPERTS = "mlp.experts.experts."
+_LOCAL_EXPERTS = "mlp.experts.local_experts."
 
 
 class CheckpointError(ValueError):
@@ -267,7 +270,12 @@ class _LazySavePlanner(DefaultSavePlanner):
 
 
 def _global_name(key: str, offset: tuple[int, ...], prepended: int) -> str:
-    """``decoder.layers.mlp.linear_fc1.weight`` at layer offset 3 -> ``decoder.layers.3.mlp...``."""
+    """``decoder.layers.mlp.linear_fc1.weight`` at layer offset 3 -> ``decoder.layers.3.mlp...``;
+    ``decoder.layers.mlp.experts.experts.linear_fc1.weight`` at (3, 5) ->
+    ``decoder.layers.3.mlp.experts.local_experts.5.linear_fc1.weight``."""
+    if prepended == 2:
+        rel = key.removeprefix(_LAYERS).removeprefix(_EXPERTS)
+        return f"{_LAYERS}{offset[0]}.{_LOCAL_EXPERTS}{offset[1]}.{rel}"
     if prepended:
         return f"{_LAYERS}{offset[0]}.{key.removeprefix(_LAYERS)}"
     return key
@@ -387,7 +395,11 @@ def _model_keys(arch: ModelArch) -> tuple[list[str], list[str]]:
     top = ["embedding.word_embeddings.weight", "decoder.final_layernorm.weight"]
     if not arch.tie_word_embeddings:
         top.append("output_layer.weight")
-    return top, [_LAYERS + n for n in layer_param_names(arch, te_names=True)]
+    stacked = [_LAYERS + n for n in layer_param_names(arch, te_names=True)
+               if not n.startswith(_LOCAL_EXPERTS)]
+    if arch.is_moe:
+        stacked += [f"{_LAYERS}{_EXPERTS}{fc}.weight" for fc in ("linear_fc1", "linear_fc2")]
+    return top, stacked
 
 
 def iter_checkpoint_tensors(ckpt_dir: Union[str, Path], arch: ModelArch
@@ -409,6 +421,9 @@ def iter_checkpoint_tensors(ckpt_dir: Union[str, Path], arch: ModelArch
         if stored[key].size[0] != arch.num_layers:
             raise CheckpointError(f"{ckpt_dir}: {key} has {stored[key].size[0]} layers, the "
                                   f"architecture {arch.num_layers}")
+        if _EXPERTS in key and stored[key].size[1] != arch.num_experts:
+            raise CheckpointError(f"{ckpt_dir}: {key} has {stored[key].size[1]} experts, the "
+                                  f"architecture {arch.num_experts}")
 
     def load(request: dict[str, ShardedTensor]) -> dict[str, torch.Tensor]:
         return dist_checkpointing.load(request, str(ckpt_dir), validate_access_integrity=False)
@@ -429,8 +444,14 @@ def iter_checkpoint_tensors(ckpt_dir: Union[str, Path], arch: ModelArch
                 key, torch.empty((1, *md.size[1:]), dtype=md.properties.dtype),
                 (0, layer, arch.num_layers), replica_id=0)
         loaded = load(request)
+        # Megatron's order within a layer: its own tensors, then expert by expert fc1, fc2.
+        experts = [k for k in stacked if _EXPERTS in k]
         for key in stacked:
-            yield _global_name(key, (layer,), 1), loaded.pop(key)[0]
+            if key not in experts:
+                yield _global_name(key, (layer,), 1), loaded.pop(key)[0]
+        for e in range(arch.num_experts if experts else 0):
+            for key in experts:
+                yield _global_name(key, (layer, e), 2), loaded[key][0, e]
     for key in last:
         yield key, load({key: whole(key)})[key]
 

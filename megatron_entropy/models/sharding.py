@@ -9,7 +9,11 @@ Layout facts handled here:
 - SwiGLU's ``linear_fc1`` stores ``[gate; up]`` per TP shard, so the full tensor is not the
   concatenation of the shards but ``[gate_0..gate_n; up_0..up_n]``;
 - ``linear_qkv`` shards hold whole query groups, so plain concatenation is right;
-- QK-norm weights are replicated across TP.
+- QK-norm weights are replicated across TP;
+- mixture of experts: with expert parallelism (EP) each EP rank holds ``num_experts / EP``
+  consecutive experts as ``mlp.experts.local_experts.{j}``; the global name counts experts over
+  all EP ranks (``local_experts.{global_e}``). An expert's fc1 is a SwiGLU [gate; up] like a dense
+  fc1, TP-sharded the same way (expert TP = TP).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch
 # Deferred imports: Megatron (~4-5 s) loads inside the functions that use it, because
 # models/bridge.py, which the CLI uses before any rank starts, imports this module.
 _LAYER_RE = re.compile(r"(^|\.)decoder\.layers\.(\d+)\.")
+_EXPERT_RE = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
 
 
 def unwrap_model(model) -> torch.nn.Module:
@@ -43,15 +48,55 @@ def layer_offset(model) -> int:
     return get_transformer_layer_offset(unwrap_model(model).config)
 
 
-def to_global_name(local_name: str, offset: int) -> str:
-    """``decoder.layers.1.x`` on a stage starting at layer 4 -> ``decoder.layers.5.x``."""
+def expert_offset(model) -> int:
+    """Global index of this expert-parallel rank's first expert (0 for a dense model)."""
+    from megatron.core import parallel_state as ps
+
+    config = unwrap_model(model).config
+    if not config.num_moe_experts:
+        return 0
+    return ps.get_expert_model_parallel_rank() * (
+        config.num_moe_experts // ps.get_expert_model_parallel_world_size())
+
+
+def to_global_name(local_name: str, offset: int, experts: int = 0) -> str:
+    """``decoder.layers.1.x`` on a stage starting at layer 4 -> ``decoder.layers.5.x``; with
+    ``experts`` (``expert_offset``) local expert j becomes expert ``experts + j``."""
     local_name = local_name.removeprefix("module.")
-    return _LAYER_RE.sub(lambda m: f"{m.group(1)}decoder.layers.{int(m.group(2)) + offset}.",
+    name = _LAYER_RE.sub(lambda m: f"{m.group(1)}decoder.layers.{int(m.group(2)) + offset}.",
                          local_name, count=1)
+    if experts:
+        name = _EXPERT_RE.sub(
+            lambda m: f".mlp.experts.local_experts.{int(m.group(1)) + experts}.", name, count=1)
+    return name
+
+
+def is_expert_param(name: str) -> bool:
+    return ".mlp.experts.local_experts." in name
+
+
+def ep_gather_experts(local: list[tuple[str, torch.Tensor]], experts_per_rank: int
+                      ) -> dict[str, torch.Tensor]:
+    """Every expert-parallel rank's expert tensors from this rank's (global name, full tensor)
+    list, which lists the same local experts in the same order on every EP rank (one layer's,
+    say): global name -> tensor. A collective over the EP group."""
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_expert_model_parallel_group()
+    size, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
+    out = {}
+    for name, t in local:
+        parts = [torch.empty_like(t) for _ in range(size)]
+        torch.distributed.all_gather(parts, t.contiguous(), group=group)
+        j = int(_EXPERT_RE.search(name).group(1)) - rank * experts_per_rank
+        for r, part in enumerate(parts):
+            out[_EXPERT_RE.sub(f".mlp.experts.local_experts.{r * experts_per_rank + j}.", name,
+                               count=1)] = part
+    return out
 
 
 def is_glu_fc1(name: str) -> bool:
-    return name.endswith("mlp.linear_fc1.weight") or name.endswith("mlp.linear_fc1.bias")
+    return name.endswith("linear_fc1.weight") or name.endswith("linear_fc1.bias")
 
 
 def tp_shard(name: str, full: torch.Tensor, param: torch.nn.Parameter, tp_rank: int,
@@ -90,10 +135,11 @@ def tp_gather(name: str, local: torch.Tensor, param: torch.nn.Parameter,
 
 
 def iter_full_params(model) -> Iterator[tuple[str, torch.Tensor]]:
-    """(global name, full tensor) for each parameter of this PP stage; collective over TP."""
-    offset = layer_offset(model)
+    """(global name, full tensor) for each parameter of this PP stage (of the experts, this EP
+    rank's); collective over TP."""
+    offset, experts = layer_offset(model), expert_offset(model)
     for name, param in unwrap_model(model).named_parameters():
-        yield to_global_name(name, offset), tp_gather(name, param.detach(), param)
+        yield to_global_name(name, offset, experts), tp_gather(name, param.detach(), param)
 
 
 def full_state_dict(model) -> dict[str, torch.Tensor]:
@@ -111,10 +157,10 @@ def load_full_state_dict(model, full: dict[str, torch.Tensor], strict: bool = Tr
 
     tp_rank = ps.get_tensor_model_parallel_rank()
     tp_size = ps.get_tensor_model_parallel_world_size()
-    offset = layer_offset(model)
+    offset, experts = layer_offset(model), expert_offset(model)
     missing = []
     for name, param in unwrap_model(model).named_parameters():
-        gname = to_global_name(name, offset)
+        gname = to_global_name(name, offset, experts)
         if gname == "output_layer.weight" and gname not in full:
             # Tied embeddings: with PP > 1 the last stage keeps its own copy of the embedding.
             gname = "embedding.word_embeddings.weight"

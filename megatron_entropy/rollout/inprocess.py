@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import inspect
 import random
+import re
 import time
 from pathlib import Path
 from typing import Optional, Union
@@ -30,6 +31,28 @@ from megatron_entropy.models.builder import DTYPES
 from megatron_entropy.rollout.base import Completion, NamedTensors, RolloutEngine, SamplingParams
 from megatron_entropy.runtime.seeds import sample_seed
 
+
+
+_HF_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def _fused_expert_slot(state: dict, name: str) -> Optional[tuple[str, torch.Tensor]]:
+    """Where a per-expert HF tensor (``...mlp.experts.{e}.gate_proj.weight``, the checkpoint
+    layout the bridge exports) lives in a transformers model that keeps its experts fused
+    (``mlp.experts.gate_up_proj`` [E, 2I, H] = [gate; up] per expert, ``down_proj`` [E, H, I]):
+    (fused key, the view to copy into); None for any other name."""
+    m = _HF_EXPERT.match(name)
+    if m is None or name in state:
+        return None
+    prefix, e, proj = m.group(1), int(m.group(2)), m.group(3)
+    if proj == "down_proj":
+        key = f"{prefix}.down_proj"
+        return (key, state[key][e]) if key in state else None
+    key = f"{prefix}.gate_up_proj"
+    if key not in state:
+        return None
+    gate, up = state[key][e].chunk(2, dim=0)
+    return key, gate if proj == "gate_proj" else up
 
 
 def _version(v: str) -> tuple[int, ...]:
@@ -93,6 +116,7 @@ class InProcessEngine(RolloutEngine):
                                     "needs a Hugging Face model folder")
         self.device = torch.device(device)
         self.batch_size = batch_size
+        self._dtype = dtype
         # transformers 4.56 renamed torch_dtype to dtype.
         dtype_kw = "dtype" if _version(transformers.__version__) >= (4, 56) else "torch_dtype"
         self.model = AutoModelForCausalLM.from_pretrained(
@@ -197,6 +221,10 @@ class InProcessEngine(RolloutEngine):
                                   meta={"weight_version": self.weight_version}))
         return out
 
+    @property
+    def logprob_dtype(self) -> str:
+        return self._dtype
+
     def generate(self, prompts: list[list[int]],
                  sampling: SamplingParams) -> list[list[Completion]]:
         if sampling.n < 1 or sampling.max_new_tokens < 1:
@@ -234,7 +262,20 @@ class InProcessEngine(RolloutEngine):
         state = self.model.state_dict()
         needed = {t.data_ptr(): name for name, t in state.items()}
         done: set[int] = set()
+        expert_slices: dict[str, int] = {}  # fused expert tensor -> slices written
         for name, tensor in named_tensors:
+            fused = _fused_expert_slot(state, name)
+            if fused is not None:
+                key, dst = fused
+                if tuple(tensor.shape) != tuple(dst.shape):
+                    raise ValueError(f"load_weights: {name!r} has shape {tuple(tensor.shape)}, "
+                                     f"the rollout model's slice of {key} is {tuple(dst.shape)}")
+                dst.copy_(tensor.to(device=dst.device, dtype=dst.dtype))
+                expert_slices[key] = expert_slices.get(key, 0) + 1
+                parts = 2 if key.endswith("gate_up_proj") else 1
+                if expert_slices[key] == parts * state[key].shape[0]:
+                    done.add(state[key].data_ptr())
+                continue
             if name not in state:
                 raise KeyError(f"load_weights: {name!r} is not a weight of the rollout model "
                                f"(e.g. {', '.join(list(state)[:3])})")

@@ -12,6 +12,13 @@ On a machine without CUDA each of these raises. This layer redirects them to the
   replaced by a proxy whose tensor factories map "cuda" to "cpu".
 * ``clip_grad_by_total_norm_fp32`` asserts a CUDA grad type; it is replaced by the same computation
   without that assertion.
+* MoE: the all-to-all token dispatcher creates a CUDA stream for its device-to-host copies (inert
+  here, the copies are host copies already), and without Transformer Engine 0.16's router gating
+  reads a ``te_general_gemm`` name its failed import never bound: it is bound to None, which
+  selects the plain torch matmul the function has for that case. The dispatcher's "device to
+  host" step (``maybe_move_tensor_to_cpu``) only acts on CUDA tensors, so its all-to-all split
+  sizes would stay tensors, which ``all_to_all_single`` refuses: on the CPU it returns the numpy
+  arrays it returns on a GPU.
 
 The layer was written against the megatron-core versions in ``SUPPORTED_MEGATRON_VERSIONS``; any other
 version raises instead of half-working. It is never applied when CUDA is available, so nothing here
@@ -41,6 +48,7 @@ _LITERAL_CUDA_MODULES = (
     "megatron.core.transformer.utils",
     "megatron.core.tensor_parallel.data",
     "megatron.core.utils",
+    "megatron.core.transformer.moe.moe_utils",  # the aux-loss tracker's buffers
 )
 
 _FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange", "rand", "randn", "randint",
@@ -84,13 +92,14 @@ class _CpuTorch(types.ModuleType):
 
 
 class _InertStream:
-    """A CUDA stream/event stand-in: every method is a no-op."""
+    """A CUDA stream/event stand-in: every method is a no-op that returns another inert stand-in
+    (``stream.record_event().synchronize()`` works, as the MoE dispatcher calls it)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         pass
 
     def __getattr__(self, name: str) -> Any:
-        return lambda *a, **k: None
+        return lambda *a, **k: _InertStream()
 
     def __enter__(self):
         return self
@@ -112,6 +121,13 @@ def _clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decouple
     if clip_coeff < 1.0:
         for grad in grads:
             grad.mul_(clip_coeff)
+
+
+def _host_tensor(tensor, as_numpy: bool = False, record_stream: bool = False):
+    # megatron's maybe_move_tensor_to_cpu for tensors that are on the host already.
+    if as_numpy and torch.is_tensor(tensor):
+        return tensor.numpy()
+    return tensor
 
 
 _CUDA_TYPE_NAMES = {"torch.FloatTensor": "torch.cuda.FloatTensor",
@@ -237,6 +253,12 @@ def apply() -> bool:
     proxy = _CpuTorch()
     for name in _LITERAL_CUDA_MODULES:
         importlib.import_module(name).torch = proxy
+
+    moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
+    if not moe_utils.HAVE_TE and not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    importlib.import_module("megatron.core.transformer.moe.token_dispatcher") \
+        .maybe_move_tensor_to_cpu = _host_tensor
 
     clip_grads = importlib.import_module("megatron.core.optimizer.clip_grads")
     optimizer = importlib.import_module("megatron.core.optimizer.optimizer")

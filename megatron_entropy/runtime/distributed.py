@@ -49,8 +49,9 @@ def _env_or_unset(name: str) -> str:
 def init_distributed(tensor: int = 1, pipeline: int = 1, backend: str = "auto",
                      timeout_minutes: float = 30.0, launch: Optional[LaunchEnv] = None,
                      init_method: Optional[str] = None,
-                     socket_ifname: Optional[str] = None) -> LaunchEnv:
-    """Join the job (torchrun, srun or one process), then build Megatron's TP/PP/DP groups.
+                     socket_ifname: Optional[str] = None, expert: int = 1) -> LaunchEnv:
+    """Join the job (torchrun, srun or one process), then build Megatron's TP/PP/DP groups (and
+    the expert-parallel groups: ``expert`` ranks of a DP group share out the experts).
 
     On a machine without CUDA the CPU compatibility layer is applied first. ``socket_ifname``
     (parallel.socket_ifname) becomes NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME: the interface
@@ -61,7 +62,7 @@ def init_distributed(tensor: int = 1, pipeline: int = 1, backend: str = "auto",
     hard limit.
     """
     launch = launch or detect_launch_env()
-    check_layout(launch.world_size, tensor, pipeline)
+    check_layout(launch.world_size, tensor, pipeline, expert)
     backend = pick_backend(backend, launch)
     raise_open_files_limit()
     if socket_ifname:
@@ -88,7 +89,7 @@ def init_distributed(tensor: int = 1, pipeline: int = 1, backend: str = "auto",
     # the host name resolves to.
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tensor, pipeline_model_parallel_size=pipeline,
-        create_gloo_process_groups=False)
+        expert_model_parallel_size=expert, create_gloo_process_groups=False)
     return launch
 
 

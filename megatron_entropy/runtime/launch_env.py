@@ -11,6 +11,7 @@ import re
 import resource
 import shutil
 import subprocess
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional
@@ -32,8 +33,9 @@ class ParallelLayoutError(ValueError):
     pass
 
 
-def check_layout(world_size: int, tensor: int, pipeline: int) -> int:
-    """Return the data-parallel size, or raise naming the config keys if the world does not factor."""
+def check_layout(world_size: int, tensor: int, pipeline: int, expert: int = 1) -> int:
+    """Return the data-parallel size, or raise naming the config keys if the world does not factor.
+    Expert parallelism splits the experts over data-parallel ranks: it must divide DP."""
     if tensor < 1 or pipeline < 1:
         raise ParallelLayoutError(
             f"parallel.tensor={tensor} and parallel.pipeline={pipeline} must both be >= 1")
@@ -42,7 +44,12 @@ def check_layout(world_size: int, tensor: int, pipeline: int) -> int:
             f"world size {world_size} is not divisible by parallel.tensor x parallel.pipeline = "
             f"{tensor} x {pipeline} = {tensor * pipeline}; use a world size that is a multiple of "
             f"{tensor * pipeline} or change the layout")
-    return world_size // (tensor * pipeline)
+    dp = world_size // (tensor * pipeline)
+    if expert < 1 or dp % expert:
+        raise ParallelLayoutError(
+            f"parallel.expert={expert} must divide the data-parallel size {dp} (world size "
+            f"{world_size} / parallel.tensor x parallel.pipeline = {tensor} x {pipeline})")
+    return dp
 
 
 def expand_nodelist(nodelist: str) -> list[str]:
@@ -142,6 +149,15 @@ def server_environment(extra: Optional[Mapping[str, str]] = None,
     variables (RANK_VARIABLES), plus ``extra``."""
     env = os.environ if env is None else env
     return {**{k: v for k, v in env.items() if k not in RANK_VARIABLES}, **(extra or {})}
+
+
+def healthy(url: str, timeout: float = 5.0) -> bool:
+    """Whether the (rollout) server at ``url`` answers GET /health with 200 within ``timeout``."""
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/health", timeout=timeout) as r:
+            return r.status == 200
+    except OSError:
+        return False
 
 
 def raise_open_files_limit() -> tuple[int, int]:

@@ -27,13 +27,16 @@ class Roles:
     dp_size: int
     replica_leader: bool  # see is_replica_leader
     shared_engine: bool  # one engine (servers) for the job, else one per DP replica
+    # Rank among the replicas that share out the experts (expert parallelism); = dp_rank at EP=1.
+    expert_dp_rank: int = 0
 
     @classmethod
     def here(cls, shared_engine: bool) -> Roles:
         """This rank's roles (parallel state initialised) with a shared or per-replica engine."""
         return cls(rank=dist.get_rank(), dp_rank=ps.get_data_parallel_rank(),
                    dp_size=ps.get_data_parallel_world_size(), replica_leader=is_replica_leader(),
-                   shared_engine=shared_engine)
+                   shared_engine=shared_engine,
+                   expert_dp_rank=ps.get_expert_data_parallel_rank())
 
     @property
     def rank0(self) -> bool:
@@ -47,5 +50,11 @@ class Roles:
     @property
     def feeds_engine(self) -> bool:
         """Takes part in gathering the full weights an engine is sent: every model-parallel rank
-        of DP replica 0 for a shared engine, of every replica else."""
-        return self.dp_rank == 0 if self.shared_engine else True
+        of DP replica 0 for a shared engine (and, with expert parallelism, of the replicas that
+        hold the rest of its experts: ``relays_experts``), of every replica else."""
+        return self.expert_dp_rank == 0 if self.shared_engine else True
+
+    @property
+    def relays_experts(self) -> bool:
+        """Feeds a shared engine only by handing its experts to DP replica 0's ranks."""
+        return self.shared_engine and self.feeds_engine and self.dp_rank != 0

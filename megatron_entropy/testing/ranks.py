@@ -119,8 +119,8 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     return [outputs[r] for r in range(world_size)]
 
 
-def init_megatron(tensor: int = 1, pipeline: int = 1, seed: int = 1234) -> None:
+def init_megatron(tensor: int = 1, pipeline: int = 1, seed: int = 1234, expert: int = 1) -> None:
     """Inside a rank of ``run_distributed``: Megatron parallel state on the already-initialised
     gloo group, seeded."""
-    init_distributed(tensor=tensor, pipeline=pipeline, backend="gloo")
+    init_distributed(tensor=tensor, pipeline=pipeline, backend="gloo", expert=expert)
     set_seed(seed)

@@ -29,14 +29,25 @@ FAMILIES = {
                     rope_theta=1000000.0, sliding_window=None),
 }
 
+# Mixture-of-experts families (apart: the dense tests' TP=2 layouts do not apply to them).
+MOE_FAMILIES = {
+    # 4 experts of FFN 32, top-2; the dense intermediate_size is unused (every layer is MoE).
+    "qwen3_moe": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
+                      rope_theta=1000000.0, head_dim=32, attention_bias=False,
+                      use_sliding_window=False, num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=1,
+                      mlp_only_layers=[], router_aux_loss_coef=0.001),
+}
+
 # head_dim 64: a size every vLLM CPU attention backend takes.
 SERVED_ARCH = dict(hidden_size=128, intermediate_size=256, num_attention_heads=2,
                    num_key_value_heads=1, vocab_size=512, max_position_embeddings=512)
 
 
 def tiny_hf_config(family: str, **overrides) -> dict:
-    """config.json of a tiny model of ``family`` (a key of FAMILIES), with ``overrides``."""
-    return {**BASE, **FAMILIES[family], **overrides}
+    """config.json of a tiny model of ``family`` (a key of FAMILIES or MOE_FAMILIES), with
+    ``overrides``."""
+    return {**BASE, **{**FAMILIES, **MOE_FAMILIES}[family], **overrides}
 
 
 def save_tiny_hf_model(family: str, out_dir: Path, seed: int = 0, **overrides) -> Path:
@@ -46,11 +57,14 @@ def save_tiny_hf_model(family: str, out_dir: Path, seed: int = 0, **overrides) -
         k: v for k, v in cfg_dict.items() if k != "model_type"})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
-    # Random norms and biases too, so that a swapped or dropped tensor shows in the logits.
+    # Random norms and biases too, so that a swapped or dropped tensor shows in the logits; a
+    # router with spread-out logits (HF initialises it to zero: every token would tie).
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith(".bias"):
                 p.add_(torch.randn_like(p) * 0.1)
+            elif name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 0.5)
     out_dir = Path(out_dir)
     model.save_pretrained(out_dir, safe_serialization=True)
     return out_dir

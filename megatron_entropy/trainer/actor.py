@@ -27,8 +27,9 @@ adjustments in the loss.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import replace
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, ContextManager, Mapping, Optional, Sequence
 
 import torch
 from megatron.core import parallel_state as ps
@@ -50,6 +51,7 @@ from megatron_entropy.runtime.seeds import micro_batch_draw_seed, update_seed
 from megatron_entropy.trainer.batch import MicroBatch, Sample, pack_micro_batches, to_device
 from megatron_entropy.trainer.entropy_change import entropy_change_metrics
 from megatron_entropy.trainer.model_setup import optimizer_step
+from megatron_entropy.trainer.moe_routing import MoeRouting
 
 
 class StepRules:
@@ -107,11 +109,13 @@ class Actor:
     """The policy's updates, configured by the ``algorithm`` section (the loss's settings, the
     token rules, the rollout correction, log-prob and Cov-scope keys) and the ``trainer``
     section (micro-batch budget, mini-batches, epochs, seed); ``temperature`` is the rollout's,
-    at which log-probs and entropies are scored."""
+    at which log-probs and entropies are scored. A mixture-of-experts policy records the
+    recompute's routing and, with ``routing_replay``, replays it in the updates (R2)."""
 
     def __init__(self, arch: ModelArch, model_chunks: list, optimizer, scheduler,
                  algorithm: AlgorithmConfig, trainer: TrainerConfig, temperature: float,
-                 ref_model: Optional[torch.nn.Module] = None) -> None:
+                 ref_model: Optional[torch.nn.Module] = None,
+                 routing_replay: bool = False) -> None:
         self.arch = arch
         self.model = model_chunks
         self.optimizer = optimizer
@@ -122,6 +126,8 @@ class Actor:
         self.ref_model = ref_model
         self.ps = ps
         self.device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        self.routing = (MoeRouting(model_chunks, routing_replay)
+                        if arch is not None and arch.is_moe else None)
 
     # ------------------------------------------------------------------ token statistics
 
@@ -147,15 +153,19 @@ class Actor:
 
     def _run_schedule(self, model_chunks: list, micro_batches: list[MicroBatch],
                       loss_fn: Callable[[Any, torch.Tensor, MicroBatch], tuple],
-                      forward_only: bool) -> list[dict]:
-        """Run micro-batches through Megatron's schedule; returns the last stage's loss dicts."""
+                      forward_only: bool,
+                      scope: Optional[Callable[[MicroBatch], ContextManager]] = None
+                      ) -> list[dict]:
+        """Run micro-batches through Megatron's schedule; returns the last stage's loss dicts.
+        ``scope(mb)`` is entered around each micro-batch's forward (MoE routing)."""
         if not micro_batches:
             return []
         queue = iter(micro_batches)
 
         def forward_step(data_iterator, model):
             mb = to_device(next(data_iterator), self.device)
-            output = self._model_forward(model, mb)
+            with scope(mb) if scope else contextlib.nullcontext():
+                output = self._model_forward(model, mb)
             return output, lambda out: loss_fn(model, out, mb)
 
         seq = max(mb.tokens.shape[1] for mb in micro_batches)
@@ -178,7 +188,8 @@ class Actor:
     # ------------------------------------------------------------------ forward-only passes
 
     @torch.no_grad()
-    def _forward_only(self, chunks: list, mbs: list[MicroBatch]
+    def _forward_only(self, chunks: list, mbs: list[MicroBatch],
+                      scope: Optional[Callable[[MicroBatch], ContextManager]] = None
                       ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """micro-batch index -> (log-probs [N], entropies [N]); on the last PP stage only."""
         for c in chunks:
@@ -190,20 +201,25 @@ class Actor:
                     {"index": mb.index, "logp": logp.float().cpu(), "entropy": ent.float().cpu()})
 
         try:
-            outs = self._run_schedule(chunks, mbs, loss_fn, forward_only=True)
+            outs = self._run_schedule(chunks, mbs, loss_fn, forward_only=True, scope=scope)
         finally:
             for c in chunks:
                 c.train()
         return {o["index"]: (o["logp"], o["entropy"]) for o in outs}
 
-    def compute_logprobs(self, samples: list[Sample], reference: bool = False
+    def compute_logprobs(self, samples: list[Sample], reference: bool = False,
+                         record_routing: bool = False
                          ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(log-probs, entropies) of each sample's response tokens under the current policy (or
-        the frozen reference), on every rank of the replica."""
+        the frozen reference), on every rank of the replica; ``record_routing``: an MoE policy
+        stores each sample's routing (``Sample.routing``)."""
         if reference and self.ref_model is None:
             raise RuntimeError("reference log-probs need a reference model (algorithm.kl_coef > 0)")
         mbs = pack_micro_batches(samples, self.trainer.micro_batch_tokens)
-        stats = self._forward_only([self.ref_model] if reference else self.model, mbs)
+        scope = None
+        if record_routing and self.routing is not None:
+            scope = lambda mb: self.routing.record(mb, samples)  # noqa: E731
+        stats = self._forward_only([self.ref_model] if reference else self.model, mbs, scope)
         result: list = [None] * len(samples)
         if self.ps.is_pipeline_last_stage():
             for mb in mbs:
@@ -215,7 +231,7 @@ class Actor:
 
     def recompute(self, samples: list[Sample]) -> None:
         """Fill old log-probs and entropies (and reference log-probs) of every sample."""
-        for s, (lp, en) in zip(samples, self.compute_logprobs(samples)):
+        for s, (lp, en) in zip(samples, self.compute_logprobs(samples, record_routing=True)):
             s.old_logprobs, s.entropy = lp, en
         if self.ref_model is not None:
             for s, (lp, _) in zip(samples, self.compute_logprobs(samples, reference=True)):
@@ -348,7 +364,13 @@ class Actor:
                     metrics.update(rule_metrics, **shaping.get(mb.index, {}))
                     return value, torch.tensor(mb.num_tokens, dtype=torch.int), {"m": metrics}
 
-                outs = self._run_schedule(self.model, mbs, loss_fn, forward_only=False)
+                scope, aux_scale = None, contextlib.nullcontext()
+                if self.routing is not None:
+                    scope = lambda mb: self.routing.update(mb, samples)  # noqa: E731
+                    aux_scale = self.routing.aux_loss_scale(mbs)
+                with aux_scale:
+                    outs = self._run_schedule(self.model, mbs, loss_fn, forward_only=False,
+                                              scope=scope)
                 all_metrics.extend(o["m"] for o in outs)
                 opt_stats.append(optimizer_step(self.optimizer, self.scheduler, self.model))
         return self._summarize(all_metrics, opt_stats)
@@ -373,6 +395,8 @@ class Actor:
             out["grad_norm"] = sum(norms) / len(norms)
         out["lr"] = opt_stats[-1]["lr"] if opt_stats else 0.0
         out["update_skipped"] = float(sum(not s["update_successful"] for s in opt_stats))
+        if self.routing is not None:
+            out.update(self.routing.metrics())
         return out
 
 

@@ -50,8 +50,8 @@ from megatron_entropy.trainer.preemption import PREEMPTED_EXIT_CODE
 from megatron_entropy.trainer.run_folder import save_run_config
 from megatron_entropy.trainer.rollouts import (collect_step_groups, generate_round,
                                                groups_to_samples, rollout_metrics)
-from megatron_entropy.trainer.weight_check import (check_engine_weights, engine_dtype,
-                                                   probe_sampling, probe_tolerance)
+from megatron_entropy.trainer.weight_check import (check_engine_weights, check_rollout_weights,
+                                                   probe_sampling, tolerances)
 from megatron_entropy.weight_sync import build_weight_sync
 
 
@@ -142,7 +142,8 @@ class Trainer:
         self.run_dir = cfg.run_dir
         started = time.time()
         init_distributed(cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.backend,
-                         cfg.parallel.timeout_minutes, socket_ifname=cfg.parallel.socket_ifname)
+                         cfg.parallel.timeout_minutes, socket_ifname=cfg.parallel.socket_ifname,
+                         expert=cfg.parallel.expert)
         set_seed(cfg.trainer.seed)
         self.ps = ps
         self.roles = Roles.here(shared_engine=engine_is_shared(cfg.rollout.engine))
@@ -162,7 +163,7 @@ class Trainer:
                 raise ValueError("set model.hf_path (an HF model folder) or model.megatron_ckpt")
             self.arch = load_arch(m.hf_path)
             self.hf_dir = m.hf_path
-        self.arch.check_parallel(cfg.parallel.tensor, cfg.parallel.pipeline)
+        self.arch.check_parallel(cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.expert)
         self.tokenizer = load_tokenizer(self.hf_dir)
 
         self.train_data = load_prompt_dataset(cfg.data, self.tokenizer,
@@ -175,9 +176,11 @@ class Trainer:
         resume_from = self._resume_path()
         sharded_optimizer = cfg.trainer.uses_distributed_optimizer(
             ps.get_data_parallel_world_size())
+        replay = cfg.rollout.routing_replay == "recompute" and self.arch.is_moe
         self.model = build_trainable_model(
             self.arch, m, cfg.parallel, sharded_optimizer,
-            overlap=cfg.trainer.uses_overlap(on_gpu=dist.get_backend() == "nccl"))
+            overlap=cfg.trainer.uses_overlap(on_gpu=dist.get_backend() == "nccl"),
+            routing_replay=replay)
         if resume_from is None:
             self._load_initial_weights(self.model[0])
         optimizer, scheduler = build_optimizer(self.model, cfg.trainer, m.dtype,
@@ -186,11 +189,13 @@ class Trainer:
         if cfg.algorithm.kl_coef > 0:
             ref_model = build_gpt_model(self.arch, cfg.parallel.tensor, cfg.parallel.pipeline,
                                         m.dtype, m.transformer_impl, m.seq_length,
-                                        cfg.parallel.sequence_parallel)
+                                        cfg.parallel.sequence_parallel,
+                                        expert=cfg.parallel.expert)
             self._load_initial_weights(ref_model)
             ref_model.requires_grad_(False)
         self.actor = Actor(self.arch, self.model, optimizer, scheduler, cfg.algorithm,
-                           cfg.trainer, cfg.rollout.temperature, ref_model=ref_model)
+                           cfg.trainer, cfg.rollout.temperature, ref_model=ref_model,
+                           routing_replay=replay)
         self.controller = build_controller(cfg.algorithm, self.arch.vocab_size)
         self.drift = DriftTrend()
 
@@ -208,6 +213,13 @@ class Trainer:
         self.engine = build_engine(cfg.rollout, self.hf_dir, self.run_dir) \
             if self.roles.talks_to_engine else None
         self.weight_sync = build_weight_sync(cfg.rollout, self.engine, self.hf_dir, self.run_dir)
+        # The weight check's tolerances, from the dtype the engine says it computes log-probs
+        # in (ranks without an engine learn it from those with one).
+        dtypes: list = [None] * dist.get_world_size()
+        dist.all_gather_object(dtypes, self.engine.logprob_dtype if self.engine else None)
+        w = cfg.rollout.weight_check
+        self.weight_check_limits = tolerances(next((d for d in dtypes if d), m.dtype), m.dtype,
+                                              w.tolerance, w.quantile_tolerance)
         self.logger = MetricsLogger(self.run_dir, cfg.trainer.steps, self.rank0, cfg.logging,
                                     cfg.to_dict(), start_step=self.state.step)
         if resume_from is not None:
@@ -282,7 +294,8 @@ class Trainer:
         return collect_step_groups(
             self.engine, lambda n: [self.train_data[i] for i in self.sampler.next_indices(n)],
             self.sampling_params(step), self.reward, self.roles.shared_engine, d.prompts_per_step,
-            d.dynamic_sampling, d.max_refill_rounds, between_rounds=self._check_inside_step)
+            d.dynamic_sampling, d.max_refill_rounds, between_rounds=self._check_inside_step,
+            greedy_baseline=self.cfg.algorithm.advantage == "remax")
 
     def _check_inside_step(self) -> None:
         """Between refill rounds and before the update: a signal, or a job end that leaves only
@@ -311,24 +324,35 @@ class Trainer:
         stats: dict[str, float] = {}
         gather_params(self.model)  # an overlapped param all-gather still in flight
         if self.roles.feeds_engine:
-            stats = self.weight_sync.sync(self.model[0], self.arch, version)
+            stats = self.weight_sync.sync(self.model[0], self.arch, version,
+                                          relay_only=self.roles.relays_experts)
         dist.barrier()
         return {k: float(v) for k, v in stats.items()}
 
     def check_engine_weights(self, when: str) -> dict[str, float]:
         """The engine's log-probs on a fixed probe against the actor's; raises if they disagree
         (trainer/weight_check.py). Returns its ``weight_check/*`` metrics."""
-        r = self.cfg.rollout
-        if not r.weight_check or len(self.train_data) == 0:
+        w = self.cfg.rollout.weight_check
+        if not w.enabled or len(self.train_data) == 0:
             return {}
         prompts = [self.train_data[i].prompt_ids
-                   for i in range(min(r.weight_check_prompts, len(self.train_data)))]
-        tolerance = r.weight_check_tolerance or probe_tolerance(engine_dtype(r),
-                                                                self.cfg.model.dtype)
+                   for i in range(min(w.prompts, len(self.train_data)))]
         with self._engine_free():
             return check_engine_weights(self.engine, self.actor, prompts,
-                                        probe_sampling(r.temperature, r.weight_check_tokens),
-                                        tolerance, when)
+                                        probe_sampling(self.cfg.rollout.temperature, w.tokens),
+                                        self.weight_check_limits, when, w.quantile)
+
+    def check_rollout_weights(self, samples: list, dp_group, step: int) -> dict[str, float]:
+        """The recompute of this step's rollout tokens against the engine's log-probs, before
+        the update; raises if they disagree (trainer/weight_check.py)."""
+        w = self.cfg.rollout.weight_check
+        if not w.enabled:
+            return {}
+        # Asynchronous rollouts mix weight versions: only the tokens generated on the weights
+        # the trainer holds (synced after the previous step) show whether the engine has them.
+        version = str(step - 1) if self.cfg.rollout.max_staleness > 0 else None
+        return check_rollout_weights(samples, dp_group, self.weight_check_limits, w.quantile,
+                                     version, f"at step {step}", self.actor.device)
 
     def _engine_free(self):
         """No background rollout uses the engine during the body."""
@@ -369,7 +393,7 @@ class Trainer:
                 self.engine, self.train_data, self.sampler, self.sampling_params, self.reward,
                 d.prompts_per_step, d.dynamic_sampling, d.max_refill_rounds,
                 cfg.rollout.max_staleness, self.state.step + 1, t.steps, self.rank0,
-                cfg.rollout.inflight_at_sync)
+                cfg.rollout.inflight_at_sync, cfg.algorithm.advantage == "remax")
         for step in range(self.state.step + 1, t.steps + 1):
             timer = PhaseTimer()
             started = time.perf_counter()
@@ -390,6 +414,7 @@ class Trainer:
                     self.actor.recompute(mine)
                 metrics.update(_reduce_token_metrics(mine, dp_group))
                 metrics.update(drift_metrics(mine, dp_group))
+                metrics.update(self.check_rollout_weights(mine, dp_group, step))
                 metrics.update(self.drift.observe(step, metrics, self.logger.write))
                 with timer("update"):
                     actor_metrics = self.actor.update(mine, step, loss_knobs(self.controller))
@@ -454,7 +479,8 @@ class Trainer:
 
 def train(cfg: Config) -> dict[str, float]:
     """Run (or resume) the RL job ``cfg`` on this rank; returns the last step's metrics."""
-    trainer = Trainer(cfg)
+    with preemption.interruptible():  # a stop request ends start-up wherever it waits
+        trainer = Trainer(cfg)
     try:
         return trainer.run()
     finally:

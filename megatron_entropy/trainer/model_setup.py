@@ -18,7 +18,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_entropy.config import ModelConfig, ParallelConfig, TrainerConfig
 from megatron_entropy.models.arch import ModelArch
-from megatron_entropy.models.builder import DTYPES, build_gpt_model
+from megatron_entropy.models.builder import DTYPES, MoeOptions, build_gpt_model
 
 
 def _finalize_without_rescale(model, num_tokens=None, *args, **kwargs):
@@ -27,17 +27,23 @@ def _finalize_without_rescale(model, num_tokens=None, *args, **kwargs):
 
 
 def build_trainable_model(arch: ModelArch, model_cfg: ModelConfig, parallel: ParallelConfig,
-                          distributed_optimizer: bool = False, overlap: bool = False) -> list:
+                          distributed_optimizer: bool = False, overlap: bool = False,
+                          routing_replay: bool = False) -> list:
     """GPTModel in Megatron's DDP (one chunk: no virtual pipeline), ready for the schedules, as
     the ``model`` and ``parallel`` sections say (dtype, layer spec, seq_length, recompute; TP, PP,
     sequence parallel). ``distributed_optimizer`` lays the grad buffer out for Megatron's
     distributed optimizer (grads reduce-scattered over DP, each rank updating its shard); pass
     the same to `build_optimizer`. ``overlap``: the DP grad reduce runs bucket by bucket during the
     backward, and (distributed optimizer) the param all-gather after an update during the next
-    forward; `gather_params` completes it before anything reads the weights directly."""
+    forward; `gather_params` completes it before anything reads the weights directly.
+    A mixture-of-experts model takes ``parallel.expert`` and the ``model.moe_*`` router losses;
+    ``routing_replay`` builds Megatron's router replay into it (rollout.routing_replay)."""
     model = build_gpt_model(arch, parallel.tensor, parallel.pipeline, model_cfg.dtype,
                             model_cfg.transformer_impl, model_cfg.seq_length,
-                            parallel.sequence_parallel, model_cfg.recompute_activations)
+                            parallel.sequence_parallel, model_cfg.recompute_activations,
+                            expert=parallel.expert, moe=MoeOptions(
+                                model_cfg.moe_aux_loss_coeff, model_cfg.moe_z_loss_coeff,
+                                routing_replay=routing_replay))
     config = model.config
     config.calculate_per_token_loss = True
     config.finalize_model_grads_func = _finalize_without_rescale

@@ -15,6 +15,7 @@ import os
 import re
 import signal
 import subprocess
+import threading
 import time
 from collections import deque
 from contextlib import contextmanager
@@ -38,6 +39,43 @@ def install() -> None:
 
 def requested() -> bool:
     return bool(_received)
+
+
+class StartupInterrupted(Exception):
+    """SIGTERM or SIGINT during start-up: the trainer stops where it is (it has nothing new to
+    checkpoint yet)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"stopped by {signal.Signals(signum).name} during start-up")
+        self.signum = signum
+
+    @property
+    def exit_code(self) -> int:
+        """75 for SIGTERM (resume later, as after a preemption's checkpoint), else 128 + n."""
+        return PREEMPTED_EXIT_CODE if self.signum == signal.SIGTERM else 128 + self.signum
+
+
+@contextmanager
+def interruptible() -> Iterator[None]:
+    """For start-up (the model loads, the rollout servers come up, the first contact):
+    SIGTERM and SIGINT raise ``StartupInterrupted`` at once, whatever the body waits for; a
+    SIGTERM recorded before is raised on entry. SIGUSR1 is still only recorded. Only in the
+    main thread (where Python runs signal handlers); elsewhere the body runs as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    if signal.SIGTERM in _received:
+        raise StartupInterrupted(signal.SIGTERM)
+
+    def stop(signum: int, frame: object) -> None:
+        raise StartupInterrupted(signum)
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 @contextmanager

@@ -32,8 +32,10 @@ class WeightSync(abc.ABC):
         self.engine = engine
         self.bucket_bytes = bucket_bytes
 
-    def sync(self, model, arch, version: int) -> dict[str, float]:
-        return self.sync_stream(model_stage_stream(model, arch), version)
+    def sync(self, model, arch, version: int, relay_only: bool = False) -> dict[str, float]:
+        """This rank's part of syncing ``model``; ``relay_only``: a rank that only takes part in
+        the stream's expert gathers (Roles.relays_experts) and leads nothing."""
+        return self.sync_stream(model_stage_stream(model, arch, relay_only), version)
 
     def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
              ) -> dict[str, float]:

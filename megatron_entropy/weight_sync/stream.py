@@ -55,13 +55,15 @@ class StageStream:
             pass
 
 
-def model_stage_stream(model, arch) -> StageStream:
-    """This rank's stage of a built Megatron model (parallel state initialised)."""
+def model_stage_stream(model, arch, relay_only: bool = False) -> StageStream:
+    """This rank's stage of a built Megatron model (parallel state initialised); a
+    ``relay_only`` rank walks the stream for its collectives and leads nothing."""
     specs, tensors = export_stage_hf_weights(model, arch)
     group = ps.get_pipeline_model_parallel_group()
     return StageStream(stage=ps.get_pipeline_model_parallel_rank(),
                        stages=ps.get_pipeline_model_parallel_world_size(), specs=specs,
-                       tensors=tensors, leader=ps.get_tensor_model_parallel_rank() == 0,
+                       tensors=tensors,
+                       leader=ps.get_tensor_model_parallel_rank() == 0 and not relay_only,
                        group=group, leader_ranks=dist.get_process_group_ranks(group),
                        device=next(model.parameters()).device)
 

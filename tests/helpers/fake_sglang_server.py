@@ -1,6 +1,6 @@
 """A strict stand-in for an SGLang 0.5.x server, for tests on machines where SGLang cannot run.
 
-It serves a Qwen2 checkpoint in fp32 (the forward of transformers' Qwen2ForCausalLM written out
+It serves a Qwen2 (or Qwen3-MoE) checkpoint in fp32 (the forward of transformers' model written out
 over the checkpoint's tensors, ``PlainQwen2``: importing transformers was ~4 of the ~6 CPU seconds
 of every server start, and the suite starts ~30) so that generation, log-probs and weight updates
 can be checked against a transformers reference, and it enforces SGLang's HTTP contract as its
@@ -8,28 +8,35 @@ source states it
 (0.5.2 ... 0.5.23, `sglang/srt/entrypoints/http_server.py`, `managers/io_struct.py`,
 `api/v1/api_types.py`, `sampling/sampling_params.py`):
 - ``/generate``: exactly one of ``text``/``input_ids``; ``sampling_params`` keys outside SGLang's
-  SamplingParams are answered with HTTP 500 (as a real 0.5.15 server does: SamplingParams raises
-  ``TypeError: Unexpected keyword argument``; ``sampling_seed`` exists from 0.5.3 on); values are
-  checked as ``SamplingParams.verify`` does (HTTP 400);
-  top-level keys SGLang does not know are ignored, as its GenerateRequest does. The answer is
-  {text, output_ids, meta_info{id, finish_reason{type, matched|length|message}, prompt_tokens,
-  completion_tokens, cached_tokens, weight_version, e2e_latency, output_token_logprobs
-  [[logprob, id, null], ...]}}; a list for a batch or n > 1. Log-probs are log-softmax(logits /
-  temperature) before top-k/top-p (greedy: temperature 1), SGLang's default.
+  SamplingParams are answered with HTTP 500 and the plain-text body "Internal Server Error" (as
+  a real 0.5.15 server does: SamplingParams raises ``TypeError: Unexpected keyword argument``;
+  ``sampling_seed`` exists from 0.5.3 on); values are checked as ``SamplingParams.verify`` does
+  (HTTP 400); an input id outside the vocabulary crashes the server (the real scheduler dies
+  on it and the whole server exits); top-level keys SGLang does not know are ignored, as its
+  GenerateRequest does. The answer is {text, output_ids, meta_info{id, finish_reason{type,
+  matched|length|message, status_code, err_type}, prompt_tokens, weight_version,
+  total_retractions, input_token_logprobs ([] with logprob_start_len -1), output_token_logprobs
+  [[logprob, id, null], ...], output_token_logprobs_length, completion_tokens, cached_tokens,
+  e2e_latency}} (SGLang's tokenizer manager's fields, in its order); a list for a batch or
+  n > 1. Log-probs are log-softmax(logits / temperature) before top-k/top-p (greedy:
+  temperature 1), SGLang's default.
 - Weight updates: ``/update_weights_from_disk`` {model_path, ...}, ``/init_weights_update_group``
   {master_address, master_port, rank_offset, world_size, group_name, backend} (joins a real
   process group), ``/update_weights_from_distributed`` {names, dtypes, shapes, group_name, ...}
   (receives one ``broadcast(src=0)`` per tensor), ``/destroy_weights_update_group``; a missing
   required field is HTTP 422 as FastAPI answers it; a failed update is HTTP 400 {success: false}.
-- ``/pause_generation`` {mode} (default ``abort``): new requests wait; in-flight ones are held
-  at their next token (``in_place``; ``retract`` also drops their KV cache, recomputed at
-  continue) or answered at once with finish reason ``abort`` and what they had (``abort``).
-  ``/continue_generation``; ``/flush_cache`` is 400 while requests run or wait (also paused
-  ones); ``/abort_request`` {rid, abort_all} (SGLang 0.5.x, the ``rid`` a ``/generate`` body
-  set): a request still waiting is answered at once with no tokens ("Abort in waiting
-  queue"), a running one after one more decode step (SGLang sets ``to_finish``, which wins
-  over EOS), both with finish reason ``abort`` and what they had (ids, log-probs, weight
-  version); an unknown rid is a no-op; the answer is HTTP 200 with an empty body;
+- ``/pause_generation`` {mode} (default ``abort``; another mode is a 400 validation error): new
+  requests wait; in-flight ones are held at their next token (``in_place``; ``retract`` also
+  drops their KV cache, recomputed at continue) or answered at once with finish reason
+  ``abort`` and what they had (``abort``). ``/continue_generation``; ``/flush_cache`` is 400
+  while requests run or wait (also paused ones); ``/abort_request`` {rid, abort_all} (SGLang
+  0.5.x, the ``rid`` a ``/generate`` body set, matched by prefix as SGLang's scheduler does):
+  a request still waiting is answered at once with no tokens, except while the server is
+  paused ``in_place``, when it is not aborted at all and runs whole after continue (as a real
+  0.5.15 server); a running one after one more decode step (SGLang sets ``to_finish``, which
+  wins over EOS); both with finish reason ``abort`` (message "Aborted") and what they had
+  (ids, log-probs, weight version); an unknown rid is a no-op; the answer is HTTP 200 with an
+  empty body;
   ``/health``, ``/health_generate``, ``/get_model_info`` and ``/model_info`` (with the
   weight version; ``/weight_version`` is 404, as on 0.5.15), ``/get_server_info``.
 - After a batched ``/generate`` (several prompts, or n > 1) SIGTERM no longer stops it (the real
@@ -41,7 +48,11 @@ and one warming up, that still make progress). Endpoints under ``/fake/`` set fa
 ``/fake/corrupt_syncs`` {noise}: later weight updates answer success but add Gaussian noise of
 that std to every weight (a silently wrong sync); ``/fake/die_on_next_sync``: the next
 ``/update_weights_from_disk`` kills the process mid-call (as SGLang's scheduler dying on it);
-``/fake/abort_next`` {count}: that many next requests come back aborted after one token
+``/fake/abort_next`` {count}: that many next requests come back aborted after one token;
+``/fake/flush_fails`` {count}: that many next ``/flush_cache`` calls on an idle server
+answer 400 "Flush cache failed." (a real server did once, right after a request returned);
+``/fake/perturb`` {scale, seed}: every tensor of the weights loaded last gets Gaussian noise of
+scale x its own std (a wrong copy of the model; scale 0 restores it)
 (``--sync-noise`` sets the noise from the start); ``GET /fake/state``: requests running and
 waiting, tokens decoded.
 
@@ -76,6 +87,8 @@ SAMPLING_KEYS_0_5_2 = (
     "logit_bias")
 SAMPLING_KEYS_NEW = ("stop_regex", "sampling_seed")  # 0.5.3+
 PAUSE_MODES = ("abort", "retract", "in_place")
+# SGLang's FINISH_ABORT().to_json(): every abort answer (abort request, pause mode abort).
+ABORTED = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
 
 
 class BadRequest(Exception):
@@ -112,9 +125,14 @@ class PlainQwen2:
 
     def __init__(self, folder: str):
         cfg = json.loads((Path(folder) / "config.json").read_text())
-        if cfg.get("model_type") != "qwen2":
-            raise SystemExit(f"the fake SGLang server serves Qwen2 checkpoints, not "
-                             f"{cfg.get('model_type')!r} ({folder}/config.json)")
+        if cfg.get("model_type") not in ("qwen2", "qwen3_moe"):
+            raise SystemExit(f"the fake SGLang server serves Qwen2 and Qwen3-MoE checkpoints, "
+                             f"not {cfg.get('model_type')!r} ({folder}/config.json)")
+        # Qwen3-MoE: QK-norm per head and a top-k routed SwiGLU MoE block in every layer
+        # (Qwen3MoeSparseMoeBlock: softmax in fp32, top-k, optionally renormalised).
+        self.moe = cfg["model_type"] == "qwen3_moe"
+        self.topk = cfg.get("num_experts_per_tok", 0)
+        self.norm_topk = bool(cfg.get("norm_topk_prob", False))
         self.vocab_size = cfg["vocab_size"]
         self.context_len = cfg["max_position_embeddings"]
         self.eos_token_id = cfg.get("eos_token_id")
@@ -138,6 +156,22 @@ class PlainQwen2:
     def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
         return F.linear(x, self.params[name + ".weight"], self.params.get(name + ".bias"))
 
+    def _mlp(self, h: torch.Tensor, pre: str) -> torch.Tensor:
+        return self._linear(F.silu(self._linear(h, pre + "gate_proj"))
+                            * self._linear(h, pre + "up_proj"), pre + "down_proj")
+
+    def _moe(self, h: torch.Tensor, pre: str) -> torch.Tensor:
+        probs = F.softmax(self._linear(h, pre + "gate"), dim=-1, dtype=torch.float)
+        weights, experts = probs.topk(self.topk, dim=-1)
+        if self.norm_topk:
+            weights = weights / weights.sum(-1, keepdim=True)
+        out = torch.zeros_like(h)
+        for j in range(self.topk):
+            for e in experts[..., j].unique().tolist():
+                rows = experts[..., j] == e
+                out[rows] += weights[..., j][rows, None] * self._mlp(h[rows], f"{pre}experts.{e}.")
+        return out
+
     def __call__(self, ids: torch.Tensor, cache: Optional[list]
                  ) -> tuple[torch.Tensor, list]:
         """The last position's logits [V] for ``ids`` [1, T] after ``cache`` (None: none),
@@ -160,6 +194,9 @@ class PlainQwen2:
             h = self._norm(x, pre + "input_layernorm.weight")
             q, k, v = (self._linear(h, pre + f"self_attn.{n}_proj").view(1, t, -1, self.head_dim)
                        .transpose(1, 2) for n in "qkv")
+            if self.moe:
+                q = self._norm(q, pre + "self_attn.q_norm.weight")
+                k = self._norm(k, pre + "self_attn.k_norm.weight")
             q, k = rotary(q), rotary(k)
             if cache[i] is not None:
                 k, v = torch.cat((cache[i][0], k), 2), torch.cat((cache[i][1], v), 2)
@@ -170,8 +207,7 @@ class PlainQwen2:
                                                is_causal=past == 0 and t > 1)
             x = x + self._linear(a.transpose(1, 2).reshape(1, t, -1), pre + "self_attn.o_proj")
             h = self._norm(x, pre + "post_attention_layernorm.weight")
-            x = x + self._linear(F.silu(self._linear(h, pre + "mlp.gate_proj"))
-                                 * self._linear(h, pre + "mlp.up_proj"), pre + "mlp.down_proj")
+            x = x + (self._moe(h, pre + "mlp.") if self.moe else self._mlp(h, pre + "mlp."))
         x = self._norm(x[:, -1], "model.norm.weight")
         return F.linear(x, self.head)[0], cache
 
@@ -181,6 +217,8 @@ class RequestState:
 
     def __init__(self, rid: str) -> None:
         self.rid = rid
+        self.started = False  # left the waiting queue
+        self.retractions = 0
         self.aborted = threading.Event()  # read by the decoding thread
         self.aborted_async = asyncio.Event()  # wakes it while it waits to start
 
@@ -219,6 +257,8 @@ class FakeSGLang:
         self.abort_next = 0
         self.batched = False
         self.requests: dict[str, RequestState] = {}  # by rid, while they wait or run
+        self.unperturbed: Optional[dict[str, torch.Tensor]] = None  # before /fake/perturb
+        self.flush_fails = 0  # idle /flush_cache calls still to answer 400 (/fake/flush_fails)
 
     # --------------------------------------------------------------------------- helpers
 
@@ -289,9 +329,10 @@ class FakeSGLang:
                 raise BadRequest("input_ids: invalid type, expected a list of token ids or a "
                                  "list of such lists")
             bad = [t for t in row if not 0 <= t < self.vocab_size]
-            if bad:
-                raise BadRequest(f"The input_ids {bad[:5]} are out of the vocabulary "
-                                 f"[0, {self.vocab_size}).")
+            if bad:  # SGLang's scheduler crashes on the embedding lookup; the server exits
+                print(f"IndexError: index {bad[0]} is out of bounds for dimension 0 with size "
+                      f"{self.vocab_size}", flush=True)
+                os._exit(1)
             if len(row) >= self.context_len:
                 raise BadRequest(f"The input ({len(row)} tokens) is longer than the model's "
                                  f"context length ({self.context_len} tokens).")
@@ -300,7 +341,7 @@ class FakeSGLang:
     # ------------------------------------------------------------------------ generation
 
     def sample_one(self, prompt: list[int], p: dict, want_logprobs: bool,
-                   state: RequestState) -> dict:
+                   state: RequestState, logprob_start: int = -1) -> dict:
         t0 = time.time()
         generator = None
         if p["sampling_seed"] is not None:
@@ -322,13 +363,14 @@ class FakeSGLang:
         with torch.no_grad():
             for _ in range(max_new):
                 if self.aborts != aborts_before:
-                    finish = {"type": "abort", "message": "Abort in running batch."}
+                    finish = dict(ABORTED)
                     break
                 if not self.decoding.is_set():
                     retract = self.pause_mode == "retract"
                     self.decoding.wait()
                     if retract and out_ids:  # its KV was dropped: recompute it
                         past, inputs = None, torch.tensor([prompt + out_ids])
+                        state.retractions += 1
                 with self.compute:
                     logits, past = self.model(inputs, past)
                 if greedy:
@@ -350,7 +392,7 @@ class FakeSGLang:
                 logprobs.append(float(lp[token]))
                 inputs = torch.tensor([[token]])
                 if abort or state.aborted.is_set():
-                    finish = {"type": "abort", "message": "Abort in running batch."}
+                    finish = dict(ABORTED)
                     break
                 if self.args.token_delay_s:
                     time.sleep(self.args.token_delay_s)
@@ -368,13 +410,26 @@ class FakeSGLang:
         if finish["type"] == "stop" and isinstance(finish["matched"], str) \
                 and not p["no_stop_trim"]:
             text = text[:text.find(finish["matched"])]
-        meta = {"id": state.rid, "finish_reason": finish, "prompt_tokens": len(prompt),
-                "weight_version": self.weight_version, "completion_tokens": len(out_ids),
-                "cached_tokens": 0, "e2e_latency": time.time() - t0}
-        if want_logprobs:
-            meta["input_token_logprobs"] = [[None, prompt[-1], None]]
+        return {"text": text, "output_ids": out_ids, "meta_info": self.meta(
+            state, finish, len(prompt), out_ids, logprobs if want_logprobs else None,
+            logprob_start, prompt, time.time() - t0)}
+
+    def meta(self, state: RequestState, finish: dict, prompt_tokens: int, out_ids: list[int],
+             logprobs: Optional[list[float]], logprob_start: int, prompt: list[int],
+             latency: float) -> dict:
+        """meta_info as SGLang's tokenizer manager builds it, in its order. With
+        logprob_start_len -1 (only the output's) input_token_logprobs is []."""
+        meta = {"id": state.rid, "finish_reason": finish, "prompt_tokens": prompt_tokens,
+                "weight_version": self.weight_version,
+                "total_retractions": state.retractions}
+        if logprobs is not None:
+            meta["input_token_logprobs"] = ([] if logprob_start < 0 else
+                                            [[None, t, None] for t in prompt[logprob_start:]])
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(logprobs, out_ids)]
-        return {"text": text, "output_ids": out_ids, "meta_info": meta}
+            meta["output_token_logprobs_length"] = len(out_ids)
+        meta.update({"completion_tokens": len(out_ids), "cached_tokens": 0,
+                     "e2e_latency": latency})
+        return meta
 
     async def generate(self, request: web.Request) -> web.Response:
         try:
@@ -412,8 +467,8 @@ class FakeSGLang:
         except BadRequest as e:
             return web.json_response({"error": {"message": str(e)}}, status=400)
         except UnknownSamplingKey as e:
-            return web.json_response({"object": "error", "message": str(e), "code": 500},
-                                     status=500)
+            print(f"TypeError: {e}", flush=True)  # the real server logs it; the client sees:
+            return web.Response(text="Internal Server Error", status=500)
         if len(batch) > 1 or p["n"] > 1:
             self.stop_ignoring_sigterm()
         rid = body.get("rid")
@@ -430,13 +485,11 @@ class FakeSGLang:
             finally:
                 self.waiting -= 1
             if state.aborted.is_set():
-                meta = {"id": state.rid, "finish_reason": {"type": "abort",
-                                                           "message": "Abort in waiting queue"},
-                        "weight_version": self.weight_version, "completion_tokens": 0}
-                if rl:
-                    meta["output_token_logprobs"] = []
-                out = {"text": "", "output_ids": [], "meta_info": meta}
+                out = {"text": "", "output_ids": [], "meta_info": self.meta(
+                    state, dict(ABORTED), len(batch[0]), [], [] if rl else None, start,
+                    batch[0], 0.0)}
                 return web.json_response(out if single and p["n"] == 1 else [out])
+            state.started = True
             self.running += 1
             try:
                 if not self.warmed_up:
@@ -447,7 +500,7 @@ class FakeSGLang:
                 for prompt in batch:
                     for _ in range(p["n"]):
                         outs.append(await loop.run_in_executor(None, self.sample_one, prompt, p,
-                                                               rl, state))
+                                                               rl, state, start))
             finally:
                 self.running -= 1
         finally:
@@ -460,11 +513,16 @@ class FakeSGLang:
         bad = missing_fields(body, ())
         if bad is not None:
             return bad
-        if body.get("abort_all"):
-            for state in list(self.requests.values()):
-                state.abort()
-        elif body.get("rid") in self.requests:
-            self.requests[body["rid"]].abort()
+        rid = body.get("rid")
+        for state in list(self.requests.values()):
+            # SGLang matches by prefix (rid "x-1" also aborts "x-10"); a request waiting while
+            # the server is paused in place is not aborted at all (it runs whole after
+            # /continue_generation).
+            if not (body.get("abort_all") or isinstance(rid, str) and state.rid.startswith(rid)):
+                continue
+            if self.pause_mode == "in_place" and not state.started:
+                continue
+            state.abort()
         return web.Response(status=200)
 
     # ---------------------------------------------------------------------- weight updates
@@ -486,12 +544,26 @@ class FakeSGLang:
             if tuple(params[name].shape) != tuple(t.shape):
                 return False, (f"Failed to update weights: {name} has shape "
                                f"{tuple(params[name].shape)}, got {tuple(t.shape)}.")
+        self.unperturbed = None  # /fake/perturb perturbs these from now on
         with self.compute, torch.no_grad():
             for name, t in named:
                 params[name].copy_(t.to(params[name].dtype))
                 if self.sync_noise:  # a silently wrong sync
                     params[name].add_(torch.randn_like(params[name]) * self.sync_noise)
         return True, "Succeeded to update model weights."
+
+    def perturb(self, scale: float, seed: int) -> None:
+        """Every tensor of the weights loaded last plus Gaussian noise of ``scale`` x its own
+        std (0: those weights again): a copy of the model that is wrong everywhere, a little."""
+        if self.unperturbed is None:
+            self.unperturbed = {k: v.clone() for k, v in self.model.params.items()}
+        gen = torch.Generator().manual_seed(seed)
+        with self.compute, torch.no_grad():
+            for name in sorted(self.unperturbed):
+                base = self.unperturbed[name]
+                std = float(base.std()) if base.numel() > 1 else 0.0
+                noise = torch.randn(base.shape, generator=gen) * (scale * std)
+                self.model.params[name].copy_(base + noise)
 
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
         body = await request.json()
@@ -601,11 +673,11 @@ class FakeSGLang:
         bad = missing_fields(body, ())
         if bad is not None:
             return bad
-        if body.get("mode", "abort") not in PAUSE_MODES:
-            return web.json_response({"detail": [{"type": "literal_error",
-                                                  "loc": ["body", "mode"],
-                                                  "msg": f"Input should be {PAUSE_MODES}"}]},
-                                     status=422)
+        if body.get("mode", "abort") not in PAUSE_MODES:  # SGLang answers validation errors 400
+            return web.json_response({"object": "error", "message": "1 validation error: mode: "
+                                      f"Input should be {PAUSE_MODES}",
+                                      "type": "BadRequestError", "param": None, "code": 400},
+                                     status=400)
         self.pause_mode = body.get("mode", "abort")
         self.aborts += self.pause_mode == "abort"
         self.unpaused.clear()
@@ -626,6 +698,10 @@ class FakeSGLang:
                                   "status": "ok"})
 
     async def flush_cache(self, request: web.Request) -> web.Response:
+        self.log_request("/flush_cache", None)
+        if self.flush_fails > 0 and not (self.running or self.waiting):
+            self.flush_fails -= 1  # the real server's race right after a request returned
+            return web.Response(text="Flush cache failed.", status=400)
         if self.running or self.waiting:
             return web.Response(text="Cache not flushed: requests are running or waiting.\n",
                                 status=400)
@@ -658,6 +734,10 @@ class FakeSGLang:
             self.die_on_sync = True
         elif knob == "abort_next":
             self.abort_next = int(body["count"])
+        elif knob == "flush_fails":
+            self.flush_fails = int(body["count"])
+        elif knob == "perturb":
+            self.perturb(float(body["scale"]), int(body.get("seed", 0)))
         else:
             return web.Response(status=404)
         return web.json_response({"ok": True})

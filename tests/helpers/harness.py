@@ -6,7 +6,13 @@ megatron_entropy/testing/ranks.py, which the benchmarks share.
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import threading
+import time
 from pathlib import Path
+from typing import Callable
 
 import psutil
 
@@ -43,3 +49,33 @@ def kill_marked(mark: str) -> None:
                 p.kill()
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             pass
+
+
+def kill_after_first_step(victim: subprocess.Popen, metrics: Path, log: Path,
+                          meanwhile: Callable[[], object], timeout: float = 300) -> int:
+    """Run ``meanwhile()`` (the uninterrupted reference) while a thread SIGKILLs ``victim``'s
+    process group as soon as its ``metrics.jsonl`` has a line; afterwards the victim is gone.
+    Returns the lines the metrics had at the kill; fails, with the victim's ``log``, if it
+    exited or the timeout passed first."""
+    killed: dict = {}
+
+    def kill() -> None:
+        deadline = time.monotonic() + timeout
+        while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 1):
+            if victim.poll() is not None or time.monotonic() > deadline:
+                return
+            time.sleep(0.2)
+        os.killpg(victim.pid, signal.SIGKILL)
+        killed["at"] = len(metrics.read_text().splitlines())
+
+    thread = threading.Thread(target=kill, daemon=True)
+    thread.start()
+    try:
+        meanwhile()
+    finally:
+        thread.join(timeout=timeout)
+        if victim.poll() is None:
+            os.killpg(victim.pid, signal.SIGKILL)
+        victim.wait()
+    assert "at" in killed, log.read_text()[-3000:]
+    return killed["at"]

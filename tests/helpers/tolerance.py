@@ -53,10 +53,15 @@ def transformer_terms(arch, seq: int, log_softmax: bool = False) -> int:
     """Terms summed along the path of one logit through a pre-norm transformer (a ``ModelArch``)
     on ``seq`` tokens: per layer the attention RMSNorm (hidden), QKV (hidden), scores (head_dim),
     softmax and P.V (seq each), the output projection (hidden), the MLP RMSNorm (hidden), fc1
-    (hidden) and fc2 (ffn); then the final norm and the LM head (hidden each), and with
-    ``log_softmax`` the normaliser over the vocabulary (for a log-prob or a loss)."""
+    (hidden) and fc2 (ffn; an MoE layer adds its router and the top-k sum); then the final norm
+    and the LM head (hidden each), and with ``log_softmax`` the normaliser over the vocabulary (for a log-prob or a loss)."""
     h = arch.hidden_size
-    per_layer = 5 * h + arch.head_dim + 2 * seq + arch.ffn_hidden_size
+    ffn = arch.ffn_hidden_size
+    if getattr(arch, "num_experts", 0):
+        # An MoE layer: the router's logits (hidden) and softmax (experts), one expert's fc2
+        # (its FFN) and the weighted sum of the top-k experts' outputs.
+        ffn = h + arch.num_experts + arch.moe_ffn_hidden_size + arch.moe_topk
+    per_layer = 5 * h + arch.head_dim + 2 * seq + ffn
     return arch.num_layers * per_layer + 2 * h + (arch.vocab_size if log_softmax else 0)
 
 

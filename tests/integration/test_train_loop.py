@@ -8,17 +8,14 @@ import math
 import os
 import pickle
 import re
-import signal
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
 
-from harness import metrics_rows, run_distributed, train_from_dict
+from harness import kill_after_first_step, metrics_rows, run_distributed, train_from_dict
 from serving_model import make_tp2_model
 from tolerance import rounding_tol, transformer_terms
 
@@ -407,26 +404,8 @@ def test_killed_run_resumes_bit_identical(tmp_path):
     victim = _cli(cfg_path, "logging.name=victim", overlap, "--nproc", "2",
                   log=tmp_path / "victim.log", **threads)
     metrics = tmp_path / "victim" / "metrics.jsonl"
-    killed: dict = {}
-
-    def kill_after_the_first_step() -> None:
-        deadline = time.monotonic() + 300
-        while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 1):
-            if victim.poll() is not None or time.monotonic() > deadline:
-                return  # said below, with the victim's log
-            time.sleep(0.2)
-        os.killpg(victim.pid, signal.SIGKILL)
-        killed["at"] = len(metrics.read_text().splitlines())
-    killer = threading.Thread(target=kill_after_the_first_step, daemon=True)
-    killer.start()
-    try:
-        run_distributed(train_from_dict, 2, cfg, timeout=300)  # the reference, meanwhile
-    finally:
-        killer.join(timeout=300)
-        if victim.poll() is None:
-            os.killpg(victim.pid, signal.SIGKILL)
-        victim.wait()
-    assert "at" in killed, (tmp_path / "victim.log").read_text()[-3000:]
+    kill_after_first_step(victim, metrics, tmp_path / "victim.log",
+                          lambda: run_distributed(train_from_dict, 2, cfg, timeout=300))
     killed_at = len(metrics.read_text().splitlines())
     resumed = _cli(cfg_path, "logging.name=victim", overlap, "--nproc", "2",
                    log=tmp_path / "resumed.log", **threads)

@@ -8,8 +8,9 @@ import math
 import numpy as np
 import pytest
 
-from megatron_entropy.analysis import (ceiling_interval, fit_and_predict, fit_entropy_law,
-                                       law_points, law_warning, plot_run, read_metrics)
+from megatron_entropy.analysis.entropy_law import (ceiling_interval, fit_and_predict, fit_entropy_law,
+                                                   law_warning)
+from megatron_entropy.analysis.plots import law_points, plot_run, read_metrics
 from megatron_entropy.cli import main
 
 

@@ -62,9 +62,9 @@ def test_each_mode_is_scored_and_detected():
 def test_mode_shares_are_logged_per_step():
     texts = ["\\boxed{38}", "13+7=20\n20+18=\\boxed{38}", "\\boxed{48}", "x"]
     groups = [GroupStats("hinted_3terms", [1.0, 1.0, 0.0, 0.0], 30, [4, 12, 4, 1], [False] * 4,
-                         tuple(solution_mode(t) for t in texts)),
+                         modes=tuple(solution_mode(t) for t in texts)),
               GroupStats("hinted_4terms", [0.0, 1.0], 30, [4, 4], [False] * 2,
-                         ("direct", "direct"))]
+                         modes=("direct", "direct"))]
     m = rollout_metrics(groups, prefix="val/")
     assert m["val/modes/direct_frac"] == pytest.approx(4 / 6)
     assert m["val/modes/direct_acc"] == pytest.approx(2 / 4)

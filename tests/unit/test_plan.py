@@ -98,7 +98,8 @@ def test_plan_reads_the_models_config_json(capsys, tmp_path):
 
 
 @pytest.mark.parametrize("family,tied", [("qwen2", False), ("qwen2", True), ("qwen3", False),
-                                         ("llama", True), ("mistral", False)])
+                                         ("llama", True), ("mistral", False),
+                                         ("qwen3_moe", False)])
 def test_parameter_count_equals_transformers(family, tied):
     import transformers
 
@@ -123,26 +124,30 @@ def test_kv_cache_bytes_equal_transformers_cache():
     assert cached == seq * kv_bytes_per_token(arch_from_hf_config(hf), 4)
 
 
-def _allocated(arch, tensor, pipeline):
-    """Parameters and fp32 training state (weights, DDP grad buffer, Adam) on this rank, and
+def _allocated(arch, tensor, pipeline, expert=1):
+    """Parameters and fp32 training state (weights, DDP grad buffers, Adam) on this rank, and
     the weight decays of the optimizer's parameter groups, built with the trainer section's
-    defaults."""
-    init_megatron(tensor, pipeline)
+    defaults (a mixture of experts: the dense and the expert-parallel buffers and optimizers)."""
+    init_megatron(tensor, pipeline, expert=expert)
     from megatron_entropy.config import ModelConfig, ParallelConfig, TrainerConfig
     from megatron_entropy.trainer.model_setup import build_optimizer, build_trainable_model
 
     chunks = build_trainable_model(arch, ModelConfig(dtype="fp32", seq_length=64),
-                                   ParallelConfig(tensor=tensor, pipeline=pipeline))
+                                   ParallelConfig(tensor=tensor, pipeline=pipeline,
+                                                  expert=expert))
     optimizer, _ = build_optimizer(chunks, TrainerConfig(), dtype="fp32")
     model = chunks[0]
     for p in model.parameters():
         p.main_grad.normal_()
     optimizer.step()  # Adam's moments exist after the first step
-    adam = sum(t.numel() * t.element_size() for state in optimizer.optimizer.state.values()
+    adam = sum(t.numel() * t.element_size()
+               for opt in getattr(optimizer, "chained_optimizers", [optimizer])
+               for state in opt.optimizer.state.values()
                for t in state.values() if torch.is_tensor(t) and t.dim() > 0)
+    buffers = list(model.buffers) + list(getattr(model, "expert_parallel_buffers", []))
     return (sum(p.numel() for p in model.parameters()),
             sum(p.numel() * p.element_size() for p in model.parameters()),
-            sum(b.grad_data.numel() * b.grad_data.element_size() for b in model.buffers), adam,
+            sum(b.grad_data.numel() * b.grad_data.element_size() for b in buffers), adam,
             sorted({g["weight_decay"] for g in optimizer.param_groups}))
 
 
@@ -166,3 +171,36 @@ def test_fullest_gpu_state_equals_megatrons(family, tied, tensor, pipeline, tmp_
     assert items["weights (fp32)"] == weights
     assert items["grad buffer (fp32)"] == grads
     assert items["Adam moments (fp32)"] == adam
+
+
+def test_moe_stage_state_at_ep2_pp2_equals_megatrons(tmp_path):
+    """Each GPU holds its EP rank's experts of its stage's layers and the router: parameters,
+    weights, both grad buffers and Adam's moments as Megatron allocates them."""
+    arch = arch_from_hf_config(tiny_hf_config("qwen3_moe"))
+    ranks = run_distributed(_allocated, 4, arch, 1, 2, 2, timeout=200)
+    params, weights, grads, adam, _ = max(ranks)
+    assert params == stage_params(arch, 1, 2, 2) < stage_params(arch, 1, 2, 1)
+    cfg_dir = write_config("qwen3_moe", tmp_path / "m")
+    cfg = load_config(overrides=[f"model.hf_path={cfg_dir}", "model.dtype=fp32",
+                                 "parallel.pipeline=2", "parallel.expert=2",
+                                 "trainer.distributed_optimizer=false", "cluster.gpus_per_node=4"])
+    items = dict(make_plan(cfg, arch, nodes=1).trainer)
+    assert items["weights (fp32)"] == weights
+    assert items["grad buffer (fp32)"] == grads
+    assert items["Adam moments (fp32)"] == adam
+
+
+def test_qwen3_moe_recipe_fits_and_the_built_in_models_have_their_published_sizes(capsys):
+    recipe = REPO / "examples" / "qwen3-30b-a3b-kl_cov.yaml"
+    code, out = run_plan(capsys, str(recipe), "--nodes", documented_nodes(recipe))
+    assert code == 0, out
+    assert "32 GPUs = TP 1 x PP 1 x DP 32 (EP 8" in out and "MoE all-to-all" in out
+    # Qwen's model cards: 30.5B total / 3.3B active, 235B / 22B.
+    assert "30.53B params (3.35B active: 128 experts, top-8)" in out
+    code, out = run_plan(capsys, str(recipe), "--nodes", "40",
+                         "model.hf_path=models/Qwen3-235B-A22B", "parallel.pipeline=2",
+                         "parallel.expert=64", "cluster.server_nodes=8", "cluster.server_gpus=8",
+                         "trainer.micro_batch_tokens=10240")
+    assert code == 0 and "235.09B params (22.19B active" in out, out
+    code, out = run_plan(capsys, str(recipe), "--nodes", "8", "parallel.expert=3")
+    assert code == 1 and "parallel.expert=3 does not divide the model's 128 experts" in out

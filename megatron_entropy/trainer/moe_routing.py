@@ -1,0 +1,190 @@
+"""The routing of a mixture-of-experts policy during RL: what the recompute chose, replaying it in
+the updates (R2), and the router's metrics.
+
+Each forward of a micro-batch runs every router of this pipeline stage once; a forward hook on
+each router reads its routing map [tokens, experts] (tokens in Megatron's [S, B] order).
+
+* The recompute records, for every sample, the top-k experts of each of its tokens in each local
+  MoE layer (``Sample.routing``: [layers, length, k], sorted).
+* With replay (``rollout.routing_replay: recompute``) every update forward hands each router the
+  recorded experts through Megatron-Core's ``RouterReplay`` (REPLAY_FORWARD): the update's probs
+  are the current router's scores at those experts, so gradients still reach the router.
+* Each update forward compares its routing with the recorded one: ``moe/routing_mismatch`` is the
+  fraction of (token, layer) pairs whose expert sets differ (0 by construction with replay).
+* Expert load: tokens routed to each expert over the step's update forwards (real tokens, summed
+  over DP), per layer; the router's losses as Megatron's tracker holds them.
+* The load-balancing loss's gradient scale: with ``calculate_per_token_loss`` Megatron scales a
+  micro-batch's aux-loss gradient by its token count and expects ``finalize_model_grads`` to divide
+  by the step's; this trainer's losses arrive normalised (trainer/model_setup.py), so for the
+  schedule's duration the scale is divided by the step's routed tokens over DP: the aux loss
+  then enters as its token-weighted mean over micro-batches and DP ranks, times its coefficient.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.transformer.moe import moe_utils
+from megatron.core.transformer.moe.router import MoEAuxLossAutoScaler, TopKRouter
+from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+from megatron_entropy.models.sharding import unwrap_model
+from megatron_entropy.trainer.batch import MicroBatch, Sample
+
+# Megatron's tracker names -> metric keys.
+_TRACKED_LOSSES = {"load_balancing_loss": "moe/aux_loss", "z_loss": "moe/z_loss"}
+
+
+class MoeRouting:
+    """Routing records, replay and metrics of one MoE model (the trainable policy)."""
+
+    def __init__(self, model_chunks, replay: bool) -> None:
+        module = unwrap_model(model_chunks)
+        self.routers = [m for m in module.modules() if isinstance(m, TopKRouter)]
+        if replay and any(r.router_replay is None for r in self.routers):
+            raise ValueError("routing replay needs a model built with it (MoeOptions."
+                             "routing_replay)")
+        self.replay = replay
+        self.topk = module.config.moe_router_topk
+        self.num_experts = module.config.num_moe_experts
+        self.layer_numbers = [r.layer_number for r in self.routers]  # global, from 1
+        self.num_layers = module.config.num_layers
+        # The router losses this model adds (Megatron tracks each one it applies).
+        self.losses = [n for n, on in (("load_balancing_loss", module.config.moe_aux_loss_coeff),
+                                       ("z_loss", module.config.moe_z_loss_coeff)) if on]
+        self._maps: Optional[list[torch.Tensor]] = None
+        for router in self.routers:
+            router.register_forward_hook(self._capture)
+        self._reset()
+
+    def _reset(self) -> None:
+        self.load = torch.zeros(len(self.routers), self.num_experts, dtype=torch.float64)
+        self.mismatch = torch.zeros(2, dtype=torch.float64)  # differing pairs, compared pairs
+        self.forwards = 0
+
+    def _capture(self, module, args, output) -> None:
+        if self._maps is not None:
+            self._maps.append(output[1].detach())
+
+    def _top_experts(self, routing_map: torch.Tensor) -> torch.Tensor:
+        """[tokens, k] sorted expert ids of a routing map without dropped tokens."""
+        return routing_map.nonzero()[:, 1].view(routing_map.shape[0], self.topk)
+
+    @contextlib.contextmanager
+    def _forward(self) -> Iterator[list[torch.Tensor]]:
+        self._maps = []
+        try:
+            yield self._maps
+        finally:
+            self._maps = None
+
+    @contextlib.contextmanager
+    def record(self, mb: MicroBatch, samples: Sequence[Sample]) -> Iterator[None]:
+        """Around the recompute's forward of ``mb``: each sample's routing is stored."""
+        with self._forward() as maps:
+            yield
+        S, B = mb.tokens.shape[1], mb.tokens.shape[0]
+        per_layer = [self._top_experts(m).view(S, B, self.topk) for m in maps]
+        for b, sid in enumerate(mb.sample_ids):
+            n = samples[sid].length
+            samples[sid].routing = torch.stack([t[:n, b] for t in per_layer]).to(
+                torch.int16).cpu()
+
+    @contextlib.contextmanager
+    def update(self, mb: MicroBatch, samples: Sequence[Sample]) -> Iterator[None]:
+        """Around an update forward of ``mb``: replay the recorded routing (if on), then count
+        the mismatch against it and the expert load."""
+        recorded = [samples[sid].routing for sid in mb.sample_ids]
+        if any(r is None for r in recorded):
+            raise RuntimeError("an MoE update needs the recompute's routing of every sample "
+                               "(Actor.recompute records it)")
+        S, B = mb.tokens.shape[1], mb.tokens.shape[0]
+        lengths = [samples[sid].length for sid in mb.sample_ids]
+        # [layers, S, B, k]; padding positions route to the first k experts (right padding:
+        # no real token attends to them).
+        target = torch.arange(self.topk).expand(len(self.routers), S, B, self.topk).clone()
+        for b, (r, n) in enumerate(zip(recorded, lengths)):
+            target[:, :n, b] = r.long()
+        real = torch.zeros(S, B, dtype=torch.bool)
+        for b, n in enumerate(lengths):
+            real[:n, b] = True
+        if self.replay:
+            for router, t in zip(self.routers, target):
+                router.router_replay.set_target_indices(t.reshape(S * B, self.topk).to(
+                    router.weight.device))
+                router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+        try:
+            with self._forward() as maps:
+                yield
+        finally:
+            if self.replay:
+                for router in self.routers:
+                    router.router_replay.clear_router_replay_action()
+                    router.router_replay.clear_indices()
+        self.forwards += 1
+        flat_real = real.reshape(-1)
+        for layer, m in enumerate(maps):
+            got = self._top_experts(m).cpu().view(S, B, self.topk)
+            differs = (got != target[layer]).any(-1)
+            self.mismatch += torch.tensor([float(differs[real].sum()), float(real.sum())],
+                                          dtype=torch.float64)
+            self.load[layer] += m.cpu()[flat_real].sum(0).double()
+
+    @contextlib.contextmanager
+    def aux_loss_scale(self, micro_batches: Sequence[MicroBatch]) -> Iterator[None]:
+        """For one optimizer step's schedule: the aux-loss gradient scale (module docstring)."""
+        tokens = torch.tensor([float(sum(mb.tokens.numel() for mb in micro_batches))],
+                              dtype=torch.float64)
+        dist.all_reduce(tokens, group=ps.get_data_parallel_group())
+        original = MoEAuxLossAutoScaler.set_loss_scale
+        divisor = max(float(tokens), 1.0)
+        MoEAuxLossAutoScaler.set_loss_scale = staticmethod(
+            lambda scale: original(scale / divisor))
+        try:
+            yield
+        finally:
+            MoEAuxLossAutoScaler.set_loss_scale = staticmethod(original)
+
+    def metrics(self) -> dict[str, float]:
+        """The step's routing metrics on every rank: pairs, losses and loads summed over DP and
+        then over the PP stages (each holds its own layers); resets the counts and Megatron's
+        loss tracker."""
+        dp, pp = ps.get_data_parallel_group(), ps.get_pipeline_model_parallel_group()
+        tracker = moe_utils.get_moe_layer_wise_logging_tracker()
+        losses = [tracker[n]["values"].detach().double().sum().cpu() if n in tracker
+                  else torch.zeros((), dtype=torch.float64) for n in self.losses]
+        per_dp = torch.stack([*self.mismatch, torch.tensor(float(self.forwards),
+                                                           dtype=torch.float64), *losses])
+        load = torch.zeros(self.num_layers, self.num_experts, dtype=torch.float64)
+        for i, n in enumerate(self.layer_numbers):
+            load[n - 1] = self.load[i]
+        dist.all_reduce(per_dp, group=dp)
+        dist.all_reduce(load, group=dp)
+        forwards = float(per_dp[2])  # the same on every stage
+        per_pp = torch.cat([per_dp[:2], per_dp[3:], torch.tensor(
+            [float(len(self.routers))], dtype=torch.float64)])
+        dist.all_reduce(per_pp, group=pp)
+        dist.all_reduce(load, group=pp)
+        moe_utils.clear_aux_losses_tracker()
+        self._reset()
+        differ, pairs, layers = float(per_pp[0]), float(per_pp[1]), float(per_pp[-1])
+        out: dict[str, float] = {}
+        if pairs:
+            out["moe/routing_mismatch"] = differ / pairs
+        for name, total in zip(self.losses, per_pp[2:-1]):
+            if forwards:
+                out[_TRACKED_LOSSES[name]] = float(total) / (forwards * layers)
+        imbalance = 0.0
+        for n, row in enumerate(load):
+            if row.sum() > 0:
+                mean = float(row.mean())
+                out[f"moe/layer{n}/tokens_per_expert_max"] = float(row.max())
+                out[f"moe/layer{n}/tokens_per_expert_mean"] = mean
+                imbalance = max(imbalance, float(row.max()) / mean)
+        if imbalance:
+            out["moe/load_imbalance"] = imbalance
+        return out

@@ -1,0 +1,165 @@
+"""RL updates of the tiny Qwen3-MoE: expert parallelism changes nothing but rounding (EP=2 equals
+EP=1 on the same data and DP split), the router's metrics are logged, and routing replay (R2)
+makes every update route as the recompute did."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from harness import init_megatron, run_distributed
+from metrics_table import undocumented_metrics
+from tiny_models import random_samples, save_tiny_hf_model
+from tolerance import grad_terms, rounding_tol, transformer_terms, update_tol
+
+from megatron_entropy.models.arch import load_arch
+
+UPDATES = 4  # ppo_epochs x mini_batches_per_step
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    return save_tiny_hf_model("qwen3_moe", tmp_path_factory.mktemp("moe_train"))
+
+
+def _moe_update_worker(hf_dir, expert: int, replay: bool = False, aux: float = 1e-2,
+                       lr: float = 1e-2):
+    """One RL step (2 epochs x 2 mini-batches, KL-Cov) of the tiny MoE from its HF weights at
+    EP=``expert`` on ``random_samples(0)`` split over the DP ranks; returns this rank's weights
+    after (global names: its experts), the metrics and the weights before."""
+    from megatron_entropy.config import (AlgorithmConfig, ModelConfig, ParallelConfig,
+                                         TrainerConfig)
+    from megatron_entropy.models.bridge import load_hf_weights
+    from megatron_entropy.models.sharding import full_state_dict
+    from megatron_entropy.trainer.actor import Actor
+    from megatron_entropy.trainer.model_setup import build_optimizer, build_trainable_model
+    from megatron_entropy.trainer.rollouts import dp_share
+
+    init_megatron(expert=expert)
+    arch = load_arch(hf_dir)
+    chunks = build_trainable_model(
+        arch, ModelConfig(dtype="fp32", transformer_impl="local", seq_length=64,
+                          moe_aux_loss_coeff=aux),
+        ParallelConfig(expert=expert), routing_replay=replay)
+    load_hf_weights(chunks[0], hf_dir, arch)
+    initial = full_state_dict(chunks[0])
+    # adam_eps = 1: updates proportional to the gradients (see test_actor.py).
+    trainer = TrainerConfig(lr=lr, steps=1, grad_clip=0.0, adam_eps=1.0, weight_decay=0.0,
+                            micro_batch_tokens=48, mini_batches_per_step=2, ppo_epochs=2,
+                            seed=5)
+    optimizer, scheduler = build_optimizer(chunks, trainer)
+    algorithm = AlgorithmConfig(loss="kl_cov", kl_cov_ratio=0.1, kl_cov_coef=1.0)
+    actor = Actor(arch, chunks, optimizer, scheduler, algorithm, trainer, 1.0,
+                  routing_replay=replay)
+    mine = dp_share(random_samples(0))
+    actor.recompute(mine)
+    metrics = actor.update(mine, step=1)
+    metrics["max_abs_logp"] = float(torch.cat([s.old_logprobs for s in mine]).abs().max())
+    return full_state_dict(chunks[0]), metrics, initial
+
+
+def _whole(results) -> tuple[dict, dict]:
+    """Weights after and before over all ranks (each EP rank adds its experts)."""
+    after, before = {}, {}
+    for w, _, w0 in results:
+        after.update(w)
+        before.update(w0)
+    return after, before
+
+
+def _paths(hf_dir) -> tuple[int, int]:
+    samples = random_samples(0)
+    logp_path = transformer_terms(load_arch(hf_dir), max(s.length for s in samples),
+                                  log_softmax=True)
+    return logp_path, grad_terms(logp_path, sum(len(s.response_ids) for s in samples))
+
+
+def test_ep2_equals_ep1_losses_metrics_and_weights(moe_dir):
+    ep1 = run_distributed(_moe_update_worker, 2, moe_dir, 1)
+    ep2 = run_distributed(_moe_update_worker, 2, moe_dir, 2)
+    (w1, w0), (w2, _) = _whole(ep1), _whole(ep2)
+    m1, m2 = ep1[0][1], ep2[0][1]
+    logp_path, path = _paths(moe_dir)
+    assert w1.keys() == w2.keys() and sum(".local_experts." in n for n in w1) == 2 * 2 * 4
+    for name in w1:
+        torch.testing.assert_close(w2[name], w1[name], rtol=0, msg=name,
+                                   atol=update_tol(w1[name], w0[name], UPDATES, path))
+    # Routing is discrete: the same tokens go to the same experts (no near-tie in this data).
+    for key in m1:
+        if key.startswith("moe/layer"):
+            assert m2[key] == m1[key], key
+    assert m1["moe/routing_mismatch"] == m2["moe/routing_mismatch"]
+    # Losses and the gradient norm: the same math up to rounding along their paths.
+    logp_tol = rounding_tol(m1["max_abs_logp"], logp_path)
+    for key in ("pg_loss", "ppo_kl", "entropy"):
+        assert m2[key] == pytest.approx(m1[key], abs=4 * logp_tol), key
+    assert m2["moe/aux_loss"] == pytest.approx(m1["moe/aux_loss"],
+                                               abs=rounding_tol(m1["moe/aux_loss"], path))
+    assert m2["grad_norm"] == pytest.approx(m1["grad_norm"],
+                                            abs=rounding_tol(m1["grad_norm"], path))
+    # Every expert was trained (its weights moved) and the load counts every routed token.
+    samples = random_samples(0)
+    tokens = UPDATES // 2 * sum(s.length for s in samples)  # each epoch sees every token
+    for layer in (0, 1):
+        assert m1[f"moe/layer{layer}/tokens_per_expert_mean"] * 4 == pytest.approx(2 * tokens)
+        assert m1[f"moe/layer{layer}/tokens_per_expert_max"] >= \
+            m1[f"moe/layer{layer}/tokens_per_expert_mean"]
+    for name in w1:
+        if ".local_experts." in name:
+            assert not torch.equal(w1[name], w0[name]), name
+    assert not undocumented_metrics(k for k in m1 if k.startswith("moe/"))
+
+
+def test_aux_loss_coefficient_acts_on_the_update(moe_dir):
+    with_aux = _whole(run_distributed(_moe_update_worker, 1, moe_dir, 1, aux=1.0))[0]
+    without = run_distributed(_moe_update_worker, 1, moe_dir, 1, aux=0.0)
+    assert "moe/aux_loss" not in without[0][1]
+    routers = [n for n in with_aux if n.endswith("mlp.router.weight")]
+    assert routers and all(not torch.equal(with_aux[n], without[0][0][n]) for n in routers)
+
+
+def test_routing_replay_routes_every_update_as_the_recompute(moe_dir):
+    """Without replay the updated router sends some tokens elsewhere in the later updates; with
+    replay (R2) the mismatch is zero by construction, and it changes the update."""
+    ((free, m_free, _),) = run_distributed(_moe_update_worker, 1, moe_dir, 1, lr=0.1)
+    ((replayed, m_replay, _),) = run_distributed(_moe_update_worker, 1, moe_dir, 1, replay=True,
+                                                 lr=0.1)
+    assert m_free["moe/routing_mismatch"] > 0
+    assert m_replay["moe/routing_mismatch"] == 0.0
+    assert any(not torch.equal(free[n], replayed[n]) for n in free)
+
+
+def _sync_worker(hf_dir, expert: int):
+    """Worker: the model at EP=``expert`` from HF weights, synced in place into an in-process
+    engine whose weights were zeroed; returns the engine's state dict and weight version."""
+    from megatron_entropy.models.bridge import load_hf_weights
+    from megatron_entropy.models.builder import build_gpt_model
+    from megatron_entropy.rollout.inprocess import InProcessEngine
+    from megatron_entropy.weight_sync import InPlaceSync
+
+    init_megatron(expert=expert)
+    arch = load_arch(hf_dir)
+    model = build_gpt_model(arch, dtype="fp32", transformer_impl="local", seq_length=64,
+                            expert=expert)
+    load_hf_weights(model, hf_dir, arch)
+    engine = InProcessEngine(hf_dir)
+    with torch.no_grad():
+        for p in engine.model.parameters():
+            p.zero_()
+    InPlaceSync(engine, 64 * 1024).sync(model, arch, version=3)
+    return {k: v.clone() for k, v in engine.model.state_dict().items()}, engine.weight_version
+
+
+def test_ep2_weight_sync_fills_the_in_process_engine_bit_for_bit(moe_dir):
+    """Every EP rank gathers all experts of each layer (small buckets: many relays), and the
+    engine's fused expert tensors get each expert's slices: transformers' own weights exactly."""
+    import transformers
+
+    from megatron_entropy.testing.toy_models import save_tokenizer
+
+    save_tokenizer(moe_dir)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32)
+    for state, version in run_distributed(_sync_worker, 2, moe_dir, 2):
+        assert version == 3 and state.keys() == ref.state_dict().keys()
+        for name, t in ref.state_dict().items():
+            assert torch.equal(state[name], t), name
