@@ -322,10 +322,14 @@ class RewardConfig(Settings):
                                     "path/to/file.py:function")
     workers: int = _f(1, ge=0, help="processes that score in parallel; 0 or 1 = in the process "
                                     "that generated the responses")
-    timeout_s: float = _f(60.0, gt=0, help="limit of one call (one response; batched: one "
+    timeout_s: float = _f(10.0, gt=0, help="limit of one call (one response; batched: one "
                                            "list); an overrun, like an exception, gives "
-                                           "failure_value")
+                                           "failure_value. A rule-based check takes "
+                                           "milliseconds; raise it for a slow or batched one")
     failure_value: float = _f(0.0, help="the reward of a response whose call failed")
+    max_consecutive_failures: int = _f(
+        256, ge=0, help="stop the run when this many responses in a row got failure_value (a "
+                         "reward that always fails trains on nothing); 0 = never stop")
 
 
 @dataclass
@@ -353,7 +357,9 @@ class TrainerConfig(Settings):
     seed: int = 42
     save_interval: int = _f(0, ge=0, help="steps between checkpoints; 0 = only at the end")
     keep_last: int = _f(2, ge=1)
-    resume: str = _f("auto", help="'auto' (latest in the run dir), 'none', or a checkpoint folder")
+    resume: str = _f("auto", aliases={"None": "none", "NONE": "none", "Auto": "auto"},
+                     help="'auto' (latest in the run dir), 'none', or a checkpoint: its folder, "
+                          "a checkpoints/ folder (its latest) or a run folder")
     val_interval: int = _f(0, ge=0, help="steps between validations; 0 = never")
     val_before_train: bool = False
     exit_duration_minutes: float = _f(0.0, ge=0, help=(

@@ -39,6 +39,7 @@ from megatron_entropy.config import Config, ConfigError, load_config
 from megatron_entropy.runtime.launch_env import (ParallelLayoutError, check_layout,
                                                  expand_nodelist, healthy, read_urls_file,
                                                  server_environment)
+from megatron_entropy.runtime.files import write_text_atomic
 from megatron_entropy.runtime.processes import die_with_parent
 
 
@@ -194,20 +195,13 @@ def write_url(urls_dir: os.PathLike, index: int, url: str) -> Path:
     """Publish one server's URL atomically (readers never see half a line)."""
     d = Path(urls_dir)
     d.mkdir(parents=True, exist_ok=True)
-    tmp = d / f".{index}.tmp"
-    tmp.write_text(url + "\n")
-    final = d / str(index)
-    os.replace(tmp, final)
-    return final
+    return write_text_atomic(d / str(index), url + "\n")
 
 
 def write_urls_file(path: os.PathLike, urls: Sequence[str]) -> Path:
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(f".{p.name}.tmp")
-    tmp.write_text("".join(u + "\n" for u in urls))
-    os.replace(tmp, p)
-    return p
+    return write_text_atomic(p, "".join(u + "\n" for u in urls))
 
 
 def all_healthy(urls: Sequence[str], timeout: float = 5.0) -> bool:

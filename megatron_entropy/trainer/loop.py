@@ -37,8 +37,7 @@ from megatron_entropy.runtime.seeds import rollout_step_seed, validation_seed
 from megatron_entropy.trainer import preemption
 from megatron_entropy.trainer.actor import Actor
 from megatron_entropy.trainer.async_rollouts import AsyncRollouts
-from megatron_entropy.trainer.checkpoint import (CheckpointError, CheckpointManager,
-                                                 verify_checkpoint)
+from megatron_entropy.trainer.checkpoint import CheckpointManager, resume_checkpoint
 from megatron_entropy.trainer.drift import DriftTrend, drift_metrics
 from megatron_entropy.trainer.entropy_control import (build_controller, controller_state,
                                                       loss_knobs, restore_controller,
@@ -69,9 +68,9 @@ class RunState:
 
 
 class _SignalFlag:
-    """SIGUSR1/SIGTERM ask for a checkpoint, then exit 75. The handler (trainer/preemption.py)
-    is installed again here for callers of train() that did not install it first thing; a
-    request it recorded during start-up is kept."""
+    """SIGUSR1/SIGTERM/SIGINT ask for a checkpoint, then exit 75. The handler
+    (trainer/preemption.py) is installed again here for callers of train() that did not install
+    it first thing; a request it recorded during start-up is kept."""
 
     def __init__(self) -> None:
         preemption.install()
@@ -145,6 +144,7 @@ class Trainer:
                          cfg.parallel.timeout_minutes, socket_ifname=cfg.parallel.socket_ifname,
                          expert=cfg.parallel.expert)
         set_seed(cfg.trainer.seed)
+        self.signals = _SignalFlag()
         self.ps = ps
         self.roles = Roles.here(shared_engine=engine_is_shared(cfg.rollout.engine))
         self.reward = RewardScorer(cfg.reward)
@@ -171,9 +171,10 @@ class Trainer:
         self.val_data = load_prompt_dataset(cfg.data, self.tokenizer,
                                             cfg.rollout.max_prompt_tokens, "val")
         self.sampler = PromptSampler(len(self.train_data), cfg.data.shuffle, cfg.data.seed)
+        self._stop_if_asked()
 
         self.ckpt = CheckpointManager(self.run_dir, cfg.trainer.keep_last)
-        resume_from = self._resume_path()
+        resume_from = resume_checkpoint(cfg.trainer.resume, self.ckpt)
         sharded_optimizer = cfg.trainer.uses_distributed_optimizer(
             ps.get_data_parallel_world_size())
         replay = cfg.rollout.routing_replay == "recompute" and self.arch.is_moe
@@ -208,6 +209,7 @@ class Trainer:
             restore_controller(self.controller, saved)
             self.drift.restore(saved)
 
+        self._stop_if_asked()
         self.async_rollouts: Optional[AsyncRollouts] = None  # made by run() if max_staleness > 0
         # Rollout engine: per DP leader (in-process) or one set of servers for the job.
         self.engine = build_engine(cfg.rollout, self.hf_dir, self.run_dir) \
@@ -224,9 +226,11 @@ class Trainer:
                                     cfg.to_dict(), start_step=self.state.step)
         if resume_from is not None:
             self.logger.write(f"resumed from {resume_from} at step {self.state.step}")
+        asked = (f"trainer.val_interval={cfg.trainer.val_interval}" if cfg.trainer.val_interval
+                 else "trainer.val_before_train=true" if cfg.trainer.val_before_train else "")
         notes, self.data_metrics = data_notes(self.train_data, self.val_data,
                                               cfg.data.prompts_per_step,
-                                              cfg.rollout.max_prompt_tokens)
+                                              cfg.rollout.max_prompt_tokens, asked)
         for note in notes:
             self.logger.write(f"warning: {note}")
         # The engine loaded hf_path's weights; anything else (a checkpoint, a converted
@@ -234,6 +238,7 @@ class Trainer:
         if resume_from is not None or m.megatron_ckpt:
             self.sync_weights(version=self.state.step)
         try:
+            self._stop_if_asked()
             first = self.check_engine_weights("at the first contact")
         except BaseException:
             if self.engine is not None:  # stop what it launched: no one else will
@@ -242,7 +247,6 @@ class Trainer:
         if first:
             self.logger.write(f"weight check at the first contact: mean |engine - trainer| "
                               f"{first['weight_check/drift_mean']:.2e} nats")
-        self.signals = _SignalFlag()
         self.clock = preemption.job_clock(cfg.trainer.exit_duration_minutes,
                                           cfg.trainer.exit_margin_s, started, self.rank0)
         self.saved_step = self.state.step if resume_from is not None else None
@@ -251,18 +255,16 @@ class Trainer:
 
     # ------------------------------------------------------------------ setup helpers
 
-    def _resume_path(self) -> Optional[Path]:
-        resume = self.cfg.trainer.resume
-        if resume == "none":
-            return None
-        if resume == "auto":
-            return self.ckpt.latest()
-        path = Path(resume)
-        try:
-            verify_checkpoint(path)
-        except CheckpointError as e:
-            raise CheckpointError(f"trainer.resume={resume!r}: {e}") from None
-        return path
+    def _stop_if_asked(self) -> None:
+        """During start-up, between its long parts (every rank at the same points): a stop
+        request (a signal, Ctrl-C) ends the start now, with exit 75; there is nothing to
+        checkpoint yet."""
+        reason = self.signals.any_rank()
+        if reason:
+            if dist.get_rank() == 0:
+                print(f"{reason} during start-up: nothing to checkpoint; exiting with "
+                      f"{PREEMPTED_EXIT_CODE} to be resumed", flush=True)
+            raise Preempted()
 
     def _load_initial_weights(self, model) -> None:
         if self.cfg.model.megatron_ckpt:
@@ -451,8 +453,15 @@ class Trainer:
             preempt = self.signals.any_rank(self.clock.stop_before_next_step())
             last = step == t.steps
             if preempt or last or (t.save_interval and step % t.save_interval == 0):
-                with timer("checkpoint"):
-                    self.save(step)
+                try:
+                    with timer("checkpoint"):
+                        self.save(step)
+                except BaseException:
+                    # The step is complete: its metrics are kept (the failed save removed its
+                    # partial files, which may have been what filled the disk).
+                    with contextlib.suppress(OSError):
+                        self.logger.log(step, metrics)
+                    raise
                 metrics["time/checkpoint"] = timer.seconds["checkpoint"]
                 self.clock.checkpoint_took(metrics["time/checkpoint"])
             self.logger.log(step, metrics)

@@ -1,12 +1,15 @@
-"""SIGUSR1 / SIGTERM: a request to checkpoint and exit 75 (to be requeued); and the job's clock,
-which asks the same before the job's end time would cut a step or a checkpoint short.
+"""SIGUSR1 / SIGTERM / SIGINT (Ctrl-C): a request to checkpoint and exit 75 (to be requeued or
+resumed); and the job's clock, which asks the same before the job's end time would cut a step or a
+checkpoint short. A second Ctrl-C stops the process at once by SIGINT's default action.
 
 The handler only records the request, so it is installed first thing in ``megatron-entropy train``
 (this module imports nothing heavy), before torch, Megatron, the model and the rollout engine load
 for minutes: a signal that comes during start-up (Slurm's time-limit warning, a preemption) is kept
 until the loop looks at it, instead of killing the rank by the signal's default action. A request
 lasts as long as the process (the trainer exits on it). The loop looks between rollout refill
-rounds, before the update and at the end of each step.
+rounds, before the update and at the end of each step. The local launcher starts its ranks with
+these signals blocked (runtime/processes.py: start_held); ``install`` unblocks them, so one sent
+before it is delivered to the handler then, not lost nor fatal.
 """
 
 from __future__ import annotations
@@ -22,19 +25,47 @@ from contextlib import contextmanager
 from multiprocessing import resource_tracker
 from typing import Iterator, Mapping, Optional
 
+from megatron_entropy.runtime.processes import HELD_SIGNALS
+
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: checkpointed on a signal, resume later
-SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+SIGNALS = HELD_SIGNALS  # SIGUSR1, SIGTERM, SIGINT
 _received: list[int] = []
+CTRL_C_NOTE = (b"Ctrl-C: stopping after this step (during start-up: after this part of it) "
+               b"with a checkpoint and exit 75 (run the same command to resume); Ctrl-C again "
+               b"stops now without one\n")
 
 
 def _record(signum: int, frame: object) -> None:
+    if signum == signal.SIGINT:
+        if signal.SIGINT in _received:  # the second Ctrl-C: stop now, as SIGINT does
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
+            return
+        if os.environ.get("RANK", "0") == "0":
+            os.write(2, CTRL_C_NOTE)  # not print(): the handler may interrupt a print
     _received.append(signum)
 
 
 def install() -> None:
-    """Record SIGUSR1/SIGTERM from now on; a request recorded before is kept."""
+    """Record SIGUSR1/SIGTERM/SIGINT from now on, and unblock them (a launcher may have started
+    this process with them blocked); a request recorded or pending before is kept."""
     for sig in SIGNALS:
         signal.signal(sig, _record)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
+
+
+@contextmanager
+def installed() -> Iterator[None]:
+    """``install()`` for the body; the earlier handlers come back after it (for callers that go
+    on after a run: a test, a program that calls the CLI's main)."""
+    previous = {sig: signal.getsignal(sig) for sig in SIGNALS}
+    install()
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            if handler is not None:  # None: set outside Python, cannot be put back
+                signal.signal(sig, handler)
 
 
 def requested() -> bool:
@@ -80,7 +111,7 @@ def interruptible() -> Iterator[None]:
 
 @contextmanager
 def held() -> Iterator[None]:
-    """Block SIGUSR1/SIGTERM in this thread while the body runs (one that comes meanwhile is
+    """Block SIGUSR1/SIGTERM/SIGINT in this thread while the body runs (one that comes meanwhile is
     still recorded: by another thread at once, or when the block ends). The processes the body
     starts inherit the block and keep it: dist_checkpointing's writer processes and the Manager
     it keeps for the rest of the run. Slurm delivers a signal to a task's whole process tree

@@ -310,10 +310,10 @@ def _cli(config: Path, *overrides: str, log: Path, **env: str) -> subprocess.Pop
 
 def test_cli_first_screen_shows_the_run_not_megatrons_start_up_notes(model_dir, tmp_path):
     """One process, 2 steps with a validation before them: the progress bar ends at 2/2, and
-    none of megatron-core's known-harmless notes (cli.HARMLESS_*) reach the console."""
+    none of megatron-core's known-harmless notes (runtime/harmless.py) reach the console."""
     import yaml
 
-    from megatron_entropy.cli import HARMLESS_LOG_LINES, HARMLESS_WARNINGS
+    from megatron_entropy.runtime.harmless import HARMLESS_LOG_LINES, HARMLESS_WARNINGS
 
     cfg = _config(model_dir, tmp_path, "screen", parallel={"tensor": 1},
                   trainer={"steps": 2, "val_before_train": True, "val_interval": 2,
@@ -334,6 +334,11 @@ def test_cli_first_screen_shows_the_run_not_megatrons_start_up_notes(model_dir, 
         assert not re.search(message, screen), message
     for line in HARMLESS_LOG_LINES:
         assert line not in screen
+    # It ends saying where the run's checkpoint and metrics are.
+    run_dir = Path(cfg["logging"]["runs_dir"]) / "screen"
+    assert screen.strip().splitlines()[-1] == (
+        f"finished: 2 steps; last checkpoint {run_dir / 'checkpoints' / 'step_00000002'}; "
+        f"metrics {run_dir / 'metrics.jsonl'} (megatron-entropy plot {run_dir})")
 
 
 STABLE = ("time/", "perf/", "weight_sync/seconds", "weight_check/seconds",
