@@ -33,8 +33,8 @@ from megatron_entropy.data.dataset import load_tokenizer
 from megatron_entropy.data.hinted import (direct_solution, hinted_splits, hinted_worked_solution,
                                           mode_accuracy, solution_mode)
 from megatron_entropy.rewards import math_rewards
-from pretrain_quickstart_model import tokenizer_and_model, train_on_examples, save
-from pretrain_study_model import Worked, sample_responses, token_entropies
+from pretrain_quickstart_model import save, train_on_examples
+from pretrain_study_model import Worked, prepare, sample_responses, token_entropies
 
 
 def start_report(out_dir: Path, problems, tokenizer, n: int, max_new_tokens: int) -> dict:
@@ -112,11 +112,7 @@ def main() -> None:
     train = [Worked(p, direct_solution(p) if rng.random() < args.direct_prob
                     else hinted_worked_solution(p, rng)) for p in splits["train"]]
 
-    tokenizer, model, pad_id, examples = tokenizer_and_model(train, args)
-    n_params = sum(p.numel() for p in model.parameters())
-    max_new = max(len(r) for _, r in examples) + 8
-    print(f"tokenizer: {len(tokenizer)} tokens; model: {n_params / 1e6:.2f}M parameters; "
-          f"{len(examples)} training problems; responses up to {max_new - 8} tokens", flush=True)
+    tokenizer, model, pad_id, examples, n_params, max_new = prepare(train, args)
 
     history = []
 
