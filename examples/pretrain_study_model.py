@@ -131,6 +131,17 @@ def start_report(out_dir: Path, problems, tokenizer, n: int, max_new_tokens: int
     }
 
 
+def prepare(train, args):
+    """The tokenizer, model, pad id and encoded examples (``tokenizer_and_model``), the model's
+    parameter count and the generation cap (the longest training response + 8), printed."""
+    tokenizer, model, pad_id, examples = tokenizer_and_model(train, args)
+    n_params = sum(p.numel() for p in model.parameters())
+    max_new = max(len(r) for _, r in examples) + 8
+    print(f"tokenizer: {len(tokenizer)} tokens; model: {n_params / 1e6:.2f}M parameters; "
+          f"{len(examples)} training problems; responses up to {max_new - 8} tokens", flush=True)
+    return tokenizer, model, pad_id, examples, n_params, max_new
+
+
 def held_out_digest(problems) -> str:
     """sha256 of the held-out questions, one a line: tests check that the RL validation set of
     the default data.sums config is among them."""
@@ -191,11 +202,7 @@ def main() -> None:
                                             exclude=frozenset(p.question for p in held_out),
                                             subtract_prob=args.subtract_prob)]
 
-    tokenizer, model, pad_id, examples = tokenizer_and_model(train, args)
-    n_params = sum(p.numel() for p in model.parameters())
-    max_new = max(len(r) for _, r in examples) + 8
-    print(f"tokenizer: {len(tokenizer)} tokens; model: {n_params / 1e6:.2f}M parameters; "
-          f"{len(examples)} training problems; responses up to {max_new - 8} tokens", flush=True)
+    tokenizer, model, pad_id, examples, n_params, max_new = prepare(train, args)
 
     history = []
 

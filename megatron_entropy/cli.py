@@ -282,6 +282,7 @@ def _commands() -> Mapping[str, Command]:
         "plot": "megatron_entropy.analysis.commands:PLOT",
         "fit": "megatron_entropy.analysis.commands:FIT",
         "study": "megatron_entropy.analysis.commands:STUDY",
+        "eval": "megatron_entropy.evaluation.command:EVAL",
         "config-reference": "megatron_entropy.config.reference:CONFIG_REFERENCE",
     })
 

@@ -42,6 +42,7 @@ from megatron_entropy.trainer.checkpoint import CheckpointManager
 
 RUN_STATE_FILE = "study_run.json"
 RUN_LOG_FILE = "train.log"
+RUN_EVAL_FILE = "eval.json"  # megatron-entropy eval of the run's last checkpoint
 
 
 class StudyError(RuntimeError):

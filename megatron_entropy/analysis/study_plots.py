@@ -13,8 +13,8 @@ from matplotlib.figure import Figure
 
 from megatron_entropy.analysis.plots import series
 from megatron_entropy.analysis.study import StudyPlan
-from megatron_entropy.analysis.study_report import (COV, DELTA, ENTROPY, VAL, RunResult,
-                                                    delta_vs_cov)
+from megatron_entropy.analysis.study_report import (COV, DELTA, DIRECT_SHARE, ENTROPY, VAL,
+                                                    RunResult, delta_vs_cov)
 
 
 def _aligned(records: Sequence[Sequence[dict]], key: str
@@ -83,6 +83,22 @@ def plot_study(plan: StudyPlan, results: Sequence[RunResult], summary: dict, out
     arm_bands(ENTROPY, "entropy", "entropy (nats / token)",
               "policy entropy, mean of per-sequence means; band: min-max over seeds")
     arm_bands(VAL, "val_accuracy", "validation accuracy", "validation accuracy", marker=True)
+    arm_bands(DIRECT_SHARE, "mode_share", "share of direct answers",
+              "share of the direct mode among the sampled responses; band: min-max over seeds")
+    # pass@k of each arm on the test split (eval of each run's last checkpoint), mean of seeds.
+    fig, ax = _subplots(figsize=(7, 4.2))
+    tested = {a: arm["test"] for a, arm in arms.items() if arm.get("test")}
+    for i, (a, test) in enumerate(tested.items()):
+        ks = sorted(int(key.split("@")[1]) for key in test if key.startswith("pass@")
+                    and key != "pass@1_greedy")
+        ax.plot(ks, [test[f"pass@{k}"]["mean"] for k in ks], marker="o", color=colors(i),
+                label=a)
+    if tested:
+        ax.set_xscale("log", base=2)
+        _finish(ax, "test pass@k", "pass@k on the test split (unbiased estimator), mean over "
+                                   "seeds")
+        ax.set_xlabel("k")
+    save(fig, "pass_at_k", bool(tested))
 
     # The law per arm: all seeds' points, the fit, its ceiling and interval.
     fig, ax = _subplots(figsize=(7, 4.8))

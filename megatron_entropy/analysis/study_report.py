@@ -32,16 +32,19 @@ from megatron_entropy.analysis.entropy_law import (ceiling_interval, fit_and_pre
 from megatron_entropy.analysis.plots import paired_series, read_metrics, series
 from megatron_entropy.analysis.study import (StudyPlan, StudyRun, config_value, read_run_state,
                                              run_wall_seconds)
+from megatron_entropy.analysis.study_eval import (arm_test, render_test_section,
+                                                  run_test_numbers, eval_targets)
 
 ENTROPY = "entropy/seq_mean"
 VAL = "val/acc/mean"
 TRAIN_ACC = "acc/mean"
+DIRECT_SHARE = "modes/direct_frac"  # tasks with solution modes (data/hinted.py)
 REWARD = "reward/mean"
 LENGTH = "response/length_mean"
 DELTA = "entropy/delta"
 COV = "cov/step"
 COV_LOSSES = ("clip_cov", "kl_cov")
-MIN_SEEDS = 3  # the issue's targets compare means over at least 3 seeds
+MIN_SEEDS = 3  # the targets compare means over at least 3 seeds
 
 
 @dataclass
@@ -98,6 +101,7 @@ def run_numbers(result: RunResult, window: int, early_fraction: float, perf: str
         out[f"{name}_start"] = _window(rec, key, window, last=False)
         out[f"{name}_end"] = _window(rec, key, window, last=True)
     out["val_start"], out["val_end"] = _first_last(rec, VAL)
+    out["test"] = run_test_numbers(result.run.run_dir)
     steps, h, r = paired_series(rec, ENTROPY, perf)
     out["law_r2"] = None if _law_undetermined(h, r) else fit_entropy_law(h, r).r2
     cut = early_fraction * result.steps
@@ -200,6 +204,7 @@ def summarize(plan: StudyPlan, results: Sequence[RunResult]) -> dict:
             "early_abs_final_error": spread([abs(e) for e in early]),
             "early_final_errors": early,
             "delta_vs_cov": delta_vs_cov(members),
+            "test": arm_test([n["test"] for n in nums], spread),
         }
     sweeps = {}
     sweep_seeds = plan.seeds[:st.sweep_seeds]
@@ -255,7 +260,9 @@ def _fmt(v: Optional[float], digits: int = 3) -> str:
 
 
 def targets(summary: dict, plan: StudyPlan) -> list[dict]:
-    """Each target of issue 11: what it asks, the measured value, hit / missed / not judged."""
+    """Each target of the study (the baseline's collapse, length, law fit, early prediction and
+    dH-vs-Cov correlation; each Cov arm's entropy and accuracy against the baseline; the threshold
+    sweep's order; the time budget): what it asks, the measured value, hit / missed / not judged."""
     st, arms = plan.study, summary["arms"]
     base_name = st.baseline
     base = arms.get(base_name)
@@ -316,6 +323,7 @@ def targets(summary: dict, plan: StudyPlan) -> list[dict]:
                 f"{b['mean']:.3f} (sd {b['std']:.3f}, {b['min']:.3f}-{b['max']:.3f})")
             add(f"{name}: {what} {base_name}'s, mean over >= {MIN_SEEDS} seeds", measured,
                 None if few else ok, few)
+    eval_targets(arms, base_name, add, MIN_SEEDS)
     sweep = summary["sweeps"].get("threshold_sweep")
     if sweep:
         ends = [(v, _mean(d["entropy_end"])) for v, d in sweep["values"].items()]
@@ -375,6 +383,7 @@ def render_report(summary: dict, figures: dict[str, Path]) -> str:
                  "n/a" if fit is None else f"{fit['r2']:.3f}", ceiling,
                  _spread_cell(arm["early_abs_final_error"]), _fmt(corr)]
         lines.append("| " + " | ".join(cells) + " |")
+    lines += render_test_section(arms)
     for part, title in (("entropy_bonus", "Entropy bonus"), ("threshold_sweep",
                                                               "Threshold sweep")):
         sweep = summary["sweeps"].get(part)
@@ -403,6 +412,8 @@ def render_report(summary: dict, figures: dict[str, Path]) -> str:
 FIGURE_TITLES = {
     "entropy": "Entropy against step per loss (paper Figs. 1, 8)",
     "val_accuracy": "Validation accuracy against step per loss",
+    "mode_share": "Share of the direct mode against step per loss",
+    "pass_at_k": "Test pass@k at the end per loss",
     "entropy_law": "Performance against entropy with the fitted law (Figs. 1, 2)",
     "early_prediction": "Early prediction: the law fitted on the first steps predicts the rest "
                         "(Fig. 3)",

@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from megatron_entropy.analysis.plots import read_metrics, series
-from megatron_entropy.analysis.study import (RUN_LOG_FILE, StudyError, StudyPlan, StudyRun,
-                                             check_same_run, checkpoint_step, last_step,
-                                             read_run_state, run_wall_seconds, settings_of,
-                                             write_run_state)
+from megatron_entropy.analysis.study import (RUN_EVAL_FILE, RUN_LOG_FILE, StudyError,
+                                             StudyPlan, StudyRun, check_same_run,
+                                             checkpoint_step, last_step, read_run_state,
+                                             run_wall_seconds, settings_of, write_run_state)
 from megatron_entropy.analysis.study_plots import plot_study
 from megatron_entropy.analysis.study_report import load_results, render_report, summarize
 from megatron_entropy.runtime import run_lock
@@ -63,25 +63,51 @@ def _summary_line(run: StudyRun) -> str:
     return f" ({', '.join(parts)})" if parts else ""
 
 
-def _train(run: StudyRun, config_path: str, lock_fd: Optional[int], interrupt: _Interrupt
-           ) -> tuple[int, float]:
-    cmd = [sys.executable, "-m", "megatron_entropy.cli", "train", config_path, *run.overrides]
-    start = time.perf_counter()
+def _child(run: StudyRun, cmd: list[str], interrupt: _Interrupt, pass_fds: tuple = ()) -> int:
+    """Run ``cmd`` with its output appended to the run's log; its exit code. SIGTERM when the
+    study dies: a train run checkpoints at the end of its step and exits."""
     with open(run.run_dir / RUN_LOG_FILE, "a") as log:
         log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(cmd)}\n")
         log.flush()
-        # The lock's descriptor goes with the run: the lock is free only when both have ended.
-        # SIGTERM when the study dies: the run checkpoints at the end of its step and exits.
-        child = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                 pass_fds=() if lock_fd is None else (lock_fd,),
+        child = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, pass_fds=pass_fds,
                                  preexec_fn=functools.partial(die_with_parent, signal.SIGTERM,
                                                               os.getpid()))
         interrupt.child = child
         try:
-            code = child.wait()
+            return child.wait()
         finally:
             interrupt.child = None
+
+
+def _train(run: StudyRun, config_path: str, lock_fd: Optional[int], interrupt: _Interrupt
+           ) -> tuple[int, float]:
+    cmd = [sys.executable, "-m", "megatron_entropy.cli", "train", config_path, *run.overrides]
+    start = time.perf_counter()
+    # The lock's descriptor goes with the run: the lock is free only when both have ended.
+    code = _child(run, cmd, interrupt, pass_fds=() if lock_fd is None else (lock_fd,))
     return code, time.perf_counter() - start
+
+
+def _eval(run: StudyRun, config_path: str, interrupt: _Interrupt) -> None:
+    """``megatron-entropy eval`` of the run's last checkpoint into its folder (its log goes to
+    the run's log); a failed eval stops the study."""
+    out = run.run_dir / RUN_EVAL_FILE
+    cmd = [sys.executable, "-m", "megatron_entropy.cli", "eval", config_path, *run.overrides,
+           "--checkpoint", str(run.run_dir), "--out", str(out)]
+    code = _child(run, cmd, interrupt)
+    if code != 0 and not interrupt.raised:
+        raise StudyError(f"eval of run {run.name} failed (exit code {code}); its log: "
+                         f"{run.run_dir / RUN_LOG_FILE}\n{_tail(run.run_dir / RUN_LOG_FILE)}")
+
+
+def _eval_if_wanted(plan: StudyPlan, run: StudyRun, interrupt: _Interrupt,
+                    echo: Callable[[str], None], head: str) -> None:
+    if plan.study.eval_runs and not (run.run_dir / RUN_EVAL_FILE).is_file():
+        start = time.perf_counter()
+        _eval(run, plan.config_path, interrupt)
+        if not interrupt.raised:
+            echo(f"{head}: eval in {time.perf_counter() - start:.0f} s "
+                 f"({run.run_dir / RUN_EVAL_FILE})")
 
 
 def execute(plan: StudyPlan, echo: Callable[[str], None] = print) -> int:
@@ -101,6 +127,9 @@ def execute(plan: StudyPlan, echo: Callable[[str], None] = print) -> int:
                 if state.get("finished"):
                     echo(f"{head}: finished earlier ({run_wall_seconds(state):.0f} s), "
                          "not re-run")
+                    _eval_if_wanted(plan, run, interrupt, echo, head)
+                    if interrupt.raised:
+                        return PREEMPTED_EXIT_CODE
                     continue
             run.run_dir.mkdir(parents=True, exist_ok=True)
             state = state or {"name": run.name, "fingerprint": run.fingerprint,
@@ -131,6 +160,9 @@ def execute(plan: StudyPlan, echo: Callable[[str], None] = print) -> int:
                     f"{last_step(run.run_dir)} of {steps}); its log: "
                     f"{run.run_dir / RUN_LOG_FILE}\n{_tail(run.run_dir / RUN_LOG_FILE)}")
             echo(f"{head}: done in {wall:.0f} s{_summary_line(run)}")
+            _eval_if_wanted(plan, run, interrupt, echo, head)
+            if interrupt.raised:
+                return PREEMPTED_EXIT_CODE
         report = write_report(plan)
         echo(f"report: {report}")
         return 0

@@ -71,6 +71,9 @@ class StudyConfig(Settings):
     time_budget_minutes: float = _f(90.0, gt=0, help="target wall time of the whole study")
     quick: list[str] = _f(default_factory=list, help="overrides applied with --quick (toy "
                                                      "length: steps, batch, validation set)")
+    eval_runs: bool = _f(False, help="after each run, megatron-entropy eval on its last "
+                                      "checkpoint (the eval section) into runs/NAME/"
+                                      "eval.json; the report's final numbers")
 
     def validate(self) -> None:
         super().validate()

@@ -13,15 +13,18 @@ from megatron_entropy.analysis.study_settings import (EntropyBonusSweep, StudyCo
 from megatron_entropy.config.loading import load_config, parse_overrides
 from megatron_entropy.config.schema import (AlgorithmConfig, AnalysisConfig, ArithmeticConfig,
                                             ClusterConfig, Config, DataConfig,
-                                            EntropyControlConfig, LoggingConfig, ModelConfig,
+                                            EntropyControlConfig, HintedConfig, LoggingConfig,
+                                            ModelConfig,
                                             ParallelConfig, RewardConfig, RolloutConfig,
                                             ServerConfig, SumsConfig, TrainerConfig,
                                             WeightCheckConfig)
 from megatron_entropy.config.validation import validate
+from megatron_entropy.evaluation.settings import EvalConfig
 from megatron_entropy.settings import ConfigError
 
 __all__ = ["AlgorithmConfig", "AnalysisConfig", "ArithmeticConfig", "ClusterConfig", "Config",
-           "ConfigError", "DataConfig", "EntropyBonusSweep", "EntropyControlConfig",
+           "ConfigError", "DataConfig", "EntropyBonusSweep", "EntropyControlConfig", "EvalConfig",
+           "HintedConfig",
            "LoggingConfig", "ModelConfig", "ParallelConfig", "RewardConfig", "RolloutConfig",
            "ServerConfig", "StudyConfig", "StudyLoss", "SumsConfig", "ThresholdSweep",
            "TrainerConfig", "WeightCheckConfig", "load_config", "parse_overrides", "validate"]

@@ -21,6 +21,7 @@ from megatron_entropy.algorithms.settings import (AdvantageName, PolicyLossSetti
                                                   TokenRuleSettings, check_token_rules)
 from megatron_entropy.analysis.study_settings import StudyConfig
 from megatron_entropy.runtime.dtypes import DTYPE_ALIASES, DtypeName
+from megatron_entropy.evaluation.settings import EvalConfig
 from megatron_entropy.settings import SettingError, Settings
 from megatron_entropy.settings import setting as _f  # a field with bounds and help
 
@@ -241,6 +242,12 @@ class ArithmeticConfig(Settings):
             raise SettingError("min_ops", f"{self.min_ops} must be <= max_ops ({self.max_ops})")
 
 
+def _check_terms(task: Settings) -> None:
+    if task.min_terms > task.max_terms:
+        raise SettingError("min_terms", f"{task.min_terms} must be <= max_terms "
+                                        f"({task.max_terms})")
+
+
 @dataclass
 class SumsConfig(Settings):
     """The study task: sums of several numbers, whose worked solutions may add the terms in any
@@ -257,16 +264,37 @@ class SumsConfig(Settings):
 
     def validate(self) -> None:
         super().validate()
-        if self.min_terms > self.max_terms:
-            raise SettingError("min_terms", f"{self.min_terms} must be <= max_terms "
-                                            f"({self.max_terms})")
+        _check_terms(self)
+
+
+@dataclass
+class HintedConfig(Settings):
+    """The two-mode study task: sums with a guess of the total, solved by taking the guess
+    (right with probability guess_right) or by working the sum out
+    (megatron_entropy/data/hinted.py)."""
+
+    num_train: int = _f(20000, ge=1)
+    num_val: int = _f(256, ge=1)
+    num_test: int = _f(512, ge=0, help="problems of the test split (megatron-entropy eval); "
+                                       "disjoint from train and validation")
+    min_terms: int = _f(3, ge=2)
+    max_terms: int = _f(4, ge=2)
+    max_operand: int = _f(20, ge=1)
+    guess_right: float = _f(0.6, ge=0, le=1, help="chance that the guess is the total; a "
+                                                  "wrong one is off by 10")
+    seed: int = 0
+
+    def validate(self) -> None:
+        super().validate()
+        _check_terms(self)
 
 
 @dataclass
 class DataConfig(Settings):
     train_files: list[str] = _f(default_factory=list, help="jsonl/parquet; empty = synthetic task")
-    task: Literal["arithmetic", "sums"] = _f(
-        "arithmetic", help="the synthetic task without train_files: data.arithmetic or data.sums")
+    task: Literal["arithmetic", "sums", "hinted"] = _f(
+        "arithmetic", help="the synthetic task without train_files: data.arithmetic, data.sums "
+                           "or data.hinted")
     val_files: list[str] = _f(default_factory=list)
     prompt_key: str = "prompt"
     answer_key: str = "answer"
@@ -283,6 +311,7 @@ class DataConfig(Settings):
     max_refill_rounds: int = _f(3, ge=0)
     arithmetic: ArithmeticConfig = _f(default_factory=ArithmeticConfig)
     sums: SumsConfig = _f(default_factory=SumsConfig)
+    hinted: HintedConfig = _f(default_factory=HintedConfig)
 
 
 @dataclass
@@ -405,6 +434,7 @@ class Config(Settings):
     cluster: ClusterConfig = _f(default_factory=ClusterConfig)
     analysis: AnalysisConfig = _f(default_factory=AnalysisConfig)
     study: StudyConfig = _f(default_factory=StudyConfig)
+    eval: EvalConfig = _f(default_factory=EvalConfig)
 
     @property
     def run_dir(self) -> Path:

@@ -18,8 +18,9 @@ from typing import Any, Iterator, Literal, Sequence, Union
 import pyarrow.parquet as pq
 from transformers import AutoTokenizer
 
-from megatron_entropy.config import ArithmeticConfig, DataConfig, SumsConfig
+from megatron_entropy.config import ArithmeticConfig, DataConfig, HintedConfig, SumsConfig
 from megatron_entropy.data.arithmetic import train_val_problems
+from megatron_entropy.data.hinted import hinted_splits
 from megatron_entropy.data.sums import train_val_sum_problems
 from megatron_entropy.models.tokenizer_files import tokenizer_problem
 
@@ -168,6 +169,14 @@ def sums_rows(cfg: SumsConfig, split: Literal["train", "val"]) -> list[PromptRow
                       where=f"sums {split} problem {i}") for i, p in enumerate(problems)]
 
 
+def hinted_rows(cfg: HintedConfig, split: Literal["train", "val", "test"]) -> list[PromptRow]:
+    problems = hinted_splits(cfg.num_train if split == "train" else 0, cfg.num_val,
+                             cfg.num_test if split == "test" else 0, cfg.min_terms,
+                             cfg.max_terms, cfg.max_operand, cfg.guess_right, cfg.seed)[split]
+    return [PromptRow(prompt=p.question, answer=p.answer, source=p.source,
+                      where=f"hinted {split} problem {i}") for i, p in enumerate(problems)]
+
+
 # ------------------------------------------------------------------------------------- rendering
 
 
@@ -268,12 +277,18 @@ def load_tokenizer(hf_dir: Union[str, Path]) -> Any:
 
 
 def load_prompt_dataset(data: DataConfig, tokenizer: Any, max_prompt_tokens: int,
-                        split: Literal["train", "val"]) -> PromptDataset:
-    """The train or validation prompts of a run. No ``data.train_files`` means the synthetic
-    task ``data.task`` (both splits); real training files without ``data.val_files`` mean no
-    validation set (an empty dataset)."""
+                        split: Literal["train", "val", "test"]) -> PromptDataset:
+    """The train, validation or test prompts of a run. No ``data.train_files`` means the
+    synthetic task ``data.task`` (train and validation; test: data.task hinted only); real
+    training files without ``data.val_files`` mean no validation set (an empty dataset)."""
+    if split == "test" and (data.train_files or data.task != "hinted"):
+        what = "data.train_files" if data.train_files else f"data.task={data.task!r}"
+        raise DatasetError(f"{what} has no test split: give test files (eval.files) or "
+                           "eval.split=val")
     files = data.train_files if split == "train" else data.val_files
-    if files:
+    if split == "test":
+        rows = hinted_rows(data.hinted, "test")
+    elif files:
         rows: list[PromptRow] = []
         for f in files:
             try:
@@ -286,6 +301,8 @@ def load_prompt_dataset(data: DataConfig, tokenizer: Any, max_prompt_tokens: int
         return PromptDataset([])
     elif data.task == "sums":
         rows = sums_rows(data.sums, split)
+    elif data.task == "hinted":
+        rows = hinted_rows(data.hinted, split)
     else:
         rows = arithmetic_rows(data.arithmetic, split)
     return PromptDataset.from_rows(rows, tokenizer, max_prompt_tokens=max_prompt_tokens,

@@ -21,8 +21,11 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import Callable, TypeVar
 
 from megatron_entropy.runtime.seeds import task_split_seeds
+
+T = TypeVar("T")
 
 
 def _signed(x: int) -> str:
@@ -84,26 +87,39 @@ def generate_sum_problems(num: int, min_terms: int, max_terms: int, max_operand:
     """``num`` distinct problems from a generator seeded by ``seed``, each term after the first
     subtracted with probability ``subtract_prob``; questions in ``exclude`` are skipped (so that a
     validation set stays out of the training set)."""
+    check_sizes(min_terms, max_terms, max_operand)
+    if not 0.0 <= subtract_prob <= 1.0:
+        raise ValueError(f"subtract_prob must be in [0, 1], got {subtract_prob}")
+    rng = random.Random(seed)
+    return draw_distinct(num, lambda: make_problem(rng, min_terms, max_terms, max_operand,
+                                                   subtract_prob),
+                         lambda p: p.question, exclude, f"max_terms={max_terms}, "
+                                                        f"max_operand={max_operand}")
+
+
+def check_sizes(min_terms: int, max_terms: int, max_operand: int) -> None:
     if not 2 <= min_terms <= max_terms:
         raise ValueError(f"need 2 <= min_terms <= max_terms, got min_terms={min_terms}, "
                          f"max_terms={max_terms}")
     if max_operand < 1:
         raise ValueError(f"max_operand must be >= 1, got {max_operand}")
-    if not 0.0 <= subtract_prob <= 1.0:
-        raise ValueError(f"subtract_prob must be in [0, 1], got {subtract_prob}")
-    rng = random.Random(seed)
-    out: list[SumProblem] = []
+
+
+def draw_distinct(num: int, draw: Callable[[], T], key: Callable[[T], str],
+                  exclude: frozenset[str], sizes: str) -> list[T]:
+    """``num`` draws whose keys are distinct and not in ``exclude``; ValueError (naming
+    ``sizes``) when the space looks too small for that."""
+    out: list[T] = []
     seen = set(exclude)
     attempts = 0
     while len(out) < num:
         attempts += 1
         if attempts > 100 * num + 1000:
             raise ValueError(f"cannot draw {num} distinct problems outside the {len(exclude)} "
-                             f"excluded ones with max_terms={max_terms}, "
-                             f"max_operand={max_operand}")
-        p = make_problem(rng, min_terms, max_terms, max_operand, subtract_prob)
-        if p.question not in seen:
-            seen.add(p.question)
+                             f"excluded ones with {sizes}")
+        p = draw()
+        if key(p) not in seen:
+            seen.add(key(p))
             out.append(p)
     return out
 

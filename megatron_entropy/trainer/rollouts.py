@@ -27,6 +27,7 @@ from megatron.core import parallel_state as ps
 
 from megatron_entropy.algorithms.advantages import compute_advantages
 from megatron_entropy.data import GroupFilter, PromptItem
+from megatron_entropy.data.hinted import MODES, response_mode
 from megatron_entropy.rollout.base import Completion, RolloutEngine, SamplingParams
 from megatron_entropy.rollout.server.partial import version_runs
 from megatron_entropy.runtime.roles import Roles
@@ -54,12 +55,16 @@ class GroupStats:
     response_tokens: list[int]
     truncated: list[bool]
     baseline: Optional[float] = None
+    # Each response's solution mode, for tasks whose responses have modes (data/hinted.py).
+    modes: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, group: Group) -> "GroupStats":
+        modes = [response_mode(group.item.source, c.text) for c in group.completions]
         return cls(group.item.source, list(group.rewards), len(group.item.prompt_ids),
                    [len(c.token_ids) for c in group.completions],
-                   [c.finish_reason == "length" for c in group.completions], group.baseline)
+                   [c.finish_reason == "length" for c in group.completions], group.baseline,
+                   tuple(m for m in modes if m is not None))
 
 
 @dataclass
@@ -350,4 +355,20 @@ def rollout_metrics(groups: Sequence[GroupStats], prefix: str = "") -> dict[str,
     out[f"{prefix}response/length_mean"] = sum(lengths) / len(lengths)
     out[f"{prefix}response/length_max"] = float(max(lengths))
     out[f"{prefix}response/truncated_frac"] = sum(truncated) / len(truncated)
+    out.update(mode_metrics(groups, prefix))
+    return out
+
+
+def mode_metrics(groups: Sequence[GroupStats], prefix: str = "") -> dict[str, float]:
+    """Share of each solution mode among the responses that have one, and its accuracy (only
+    where some response is in it)."""
+    pairs = [(m, r) for g in groups for m, r in zip(g.modes, g.rewards)]
+    out: dict[str, float] = {}
+    if not pairs:
+        return out
+    for mode in MODES:
+        rs = [r for m, r in pairs if m == mode]
+        out[f"{prefix}modes/{mode}_frac"] = len(rs) / len(pairs)
+        if rs:
+            out[f"{prefix}modes/{mode}_acc"] = sum(r > 0 for r in rs) / len(rs)
     return out

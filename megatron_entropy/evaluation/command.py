@@ -1,0 +1,213 @@
+"""``megatron-entropy eval CONFIG --checkpoint PATH``: a checkpoint on a held-out split.
+
+PATH is an HF model folder, a dist checkpoint (a step folder, or a run's ``checkpoints/`` folder
+whose ``latest`` is used, or the run folder itself), converted to HF in a temporary folder first.
+The problems are the ``eval.split`` of the config's data (the hinted task has a test split that
+no training run, tuning or early stopping reads; other data: ``eval.files``). The engine is
+``rollout.engine`` (in-process, or a vLLM / SGLang server it starts); rewards are ``reward``'s.
+
+Per problem: one greedy answer (``eval.greedy``) and ``eval.n_samples`` samples at
+``eval.temperature`` / ``eval.top_p``; from them pass@1 greedy, pass@k (the unbiased estimator,
+k = 1, 2, 4, ... n), avg@k and maj@k (the majority of the boxed answers of the first k samples),
+overall and per data source, and for tasks with solution modes (data/hinted.py) each mode's
+share and accuracy. The JSON result goes to ``--out``; a one-screen table to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Optional
+
+from megatron_entropy.config import Config, load_config
+from megatron_entropy.evaluation.passk import (avg_at_k, ks_up_to, maj_at_k, majority_answer,
+                                               pass_at_k)
+
+
+def add_eval_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", help="the run's YAML config (its data, rollout, reward and eval "
+                                  "sections)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides: eval.n_samples=64 ...")
+    p.add_argument("--checkpoint", required=True, type=Path,
+                   help="HF model folder, dist checkpoint, a run's checkpoints/ or run folder")
+    p.add_argument("--out", type=Path, default=None,
+                   help="JSON result (default: eval_<split>.json beside the checkpoint)")
+
+
+def model_folder(path: Path, scratch: Path) -> tuple[Path, Optional[Path]]:
+    """(HF folder to serve, the dist checkpoint it was converted from or None)."""
+    if (path / "config.json").is_file():
+        return path, None
+    from megatron_entropy.models.megatron_checkpoint import (convert_checkpoint_to_hf,
+                                                             resolve_checkpoint_dir)
+
+    if (path / "checkpoints").is_dir():
+        path = path / "checkpoints"
+    if not path.exists():
+        raise FileNotFoundError(f"--checkpoint: {path} does not exist")
+    ckpt = resolve_checkpoint_dir(path)
+    convert_checkpoint_to_hf(ckpt, scratch / "hf")
+    return scratch / "hf", ckpt
+
+
+def _source_metrics(problems: list[dict], ks: list[int]) -> dict[str, float]:
+    out: dict[str, float] = {"problems": float(len(problems))}
+    if "greedy" in problems[0]:
+        out["pass@1_greedy"] = sum(p["greedy"] for p in problems) / len(problems)
+    for k in ks:
+        out[f"pass@{k}"] = sum(p["pass"][k] for p in problems) / len(problems)
+    for k in ks:
+        out[f"avg@{k}"] = sum(p["avg"][k] for p in problems) / len(problems)
+    for k in ks:
+        out[f"maj@{k}"] = sum(p["maj"][k] for p in problems) / len(problems)
+    return out
+
+
+def score_problems(answers: list[str], sources: list[str], sampled: list[list[str]],
+                   greedy: Optional[list[str]], scorer, ks: list[int]) -> list[dict]:
+    """Per problem: its greedy reward, pass@k, avg@k, maj@k and its samples' rewards."""
+    from megatron_entropy.rewards import last_boxed
+
+    n = len(sampled[0])
+    flat = [t for texts in sampled for t in texts]
+    rewards = scorer(flat, [a for a in answers for _ in range(n)],
+                     [s for s in sources for _ in range(n)])
+    greedy_rewards = scorer(greedy, answers, sources) if greedy is not None else None
+    extracted = [[last_boxed(t) for t in texts] for texts in sampled]
+    # Each distinct (problem, majority answer) is scored once, by the same reward.
+    votes = sorted({(i, a) for i, ans in enumerate(extracted) for k in ks
+                    for a in [majority_answer(ans[:k])] if a is not None})
+    vote_rewards = scorer([f"\\boxed{{{a}}}" for _, a in votes], [answers[i] for i, _ in votes],
+                          [sources[i] for i, _ in votes])
+    right = {v: r > 0 for v, r in zip(votes, vote_rewards)}
+    out = []
+    for i in range(len(answers)):
+        rs = rewards[i * n:(i + 1) * n]
+        c = sum(r > 0 for r in rs)
+        p: dict[str, Any] = {
+            "source": sources[i], "rewards": rs,
+            "pass": {k: pass_at_k(n, c, k) for k in ks},
+            "avg": {k: avg_at_k(rs, k) for k in ks},
+            "maj": {k: maj_at_k(extracted[i], k, lambda a, i=i: right[(i, a)]) for k in ks}}
+        if greedy_rewards is not None:
+            p["greedy"] = float(greedy_rewards[i] > 0)
+        out.append(p)
+    return out
+
+
+def summarize(problems: list[dict], ks: list[int]) -> dict[str, Any]:
+    by_source: dict[str, list[dict]] = defaultdict(list)
+    for p in problems:
+        by_source[p["source"]].append(p)
+    return {"overall": _source_metrics(problems, ks),
+            "by_source": {s: _source_metrics(ps, ks) for s, ps in sorted(by_source.items())}}
+
+
+def mode_summary(sources: list[str], sampled: list[list[str]], rewards: list[list[float]]
+                 ) -> dict[str, dict[str, Optional[float]]]:
+    """Share and accuracy of each solution mode among the samples, for tasks that have modes."""
+    from megatron_entropy.data.hinted import MODES, response_mode
+
+    pairs = [(response_mode(s, t), r) for s, texts, rs in zip(sources, sampled, rewards)
+             for t, r in zip(texts, rs)]
+    pairs = [(m, r) for m, r in pairs if m is not None]
+    if not pairs:
+        return {}
+    out = {}
+    for mode in MODES:
+        rs = [r for m, r in pairs if m == mode]
+        out[mode] = {"share": len(rs) / len(pairs),
+                     "accuracy": sum(r > 0 for r in rs) / len(rs) if rs else None}
+    return out
+
+
+def render_table(result: dict[str, Any]) -> str:
+    """One screen: a row per data source (and all), pass@1 greedy and pass / maj at each k."""
+    ks = result["ks"]
+    shown = [k for k in ks if k in (1, ks[-1]) or k in (4, 16)]
+    cols = ["problems", *(["pass@1_greedy"] if result["settings"]["greedy"] else []),
+            *(f"pass@{k}" for k in shown), f"avg@{ks[-1]}", *(f"maj@{k}" for k in shown[1:])]
+    rows = [("all", result["overall"]), *result["by_source"].items()]
+    width = max(len(name) for name, _ in rows)
+    w = {c: max(len(c), 6) for c in cols}
+    lines = [f"{'source':<{width}}  " + "  ".join(f"{c:>{w[c]}}" for c in cols)]
+    for name, m in rows:
+        cells = [f"{int(m[c]):>{w[c]}}" if c == "problems" else f"{m[c]:>{w[c]}.3f}"
+                 for c in cols]
+        lines.append(f"{name:<{width}}  " + "  ".join(cells))
+    for mode, v in result.get("modes", {}).items():
+        acc = "-" if v["accuracy"] is None else f"{v['accuracy']:.3f}"
+        lines.append(f"mode {mode}: {v['share']:.3f} of samples, accuracy {acc}")
+    s = result["settings"]
+    lines.append(f"{result['split']} split, {s['n_samples']} samples at T={s['temperature']} "
+                 f"top-p {s['top_p']}; {result['model']}")
+    return "\n".join(lines)
+
+
+def evaluate(cfg: Config, checkpoint: Path, scratch: Path) -> dict[str, Any]:
+    """The eval of ``checkpoint`` under ``cfg`` (its data, rollout, reward and eval sections)."""
+    from megatron_entropy.data.dataset import load_prompt_dataset, load_tokenizer
+    from megatron_entropy.rewards import RewardScorer
+    from megatron_entropy.rollout import SamplingParams, build_engine
+
+    e = cfg.eval
+    model_dir, converted = model_folder(checkpoint, scratch)
+    tokenizer = load_tokenizer(model_dir)
+    data, split = cfg.data, e.split
+    if e.files:
+        data, split = dataclasses.replace(cfg.data, val_files=list(e.files)), "val"
+    items = list(load_prompt_dataset(data, tokenizer, cfg.rollout.max_prompt_tokens, split))
+    if e.num_problems:
+        items = items[:e.num_problems]
+    if not items:
+        raise FileNotFoundError(f"eval: no problems in the {e.split} split")
+    max_new = e.max_new_tokens or cfg.rollout.max_new_tokens
+    engine = build_engine(cfg.rollout, model_dir, scratch)
+    scorer = RewardScorer(cfg.reward)
+    try:
+        prompts = [it.prompt_ids for it in items]
+        sampled = [[c.text for c in group] for group in engine.generate(prompts, SamplingParams(
+            n=e.n_samples, temperature=e.temperature, top_p=e.top_p, max_new_tokens=max_new,
+            seed=e.seed))]
+        greedy = None
+        if e.greedy:
+            greedy = [group[0].text for group in engine.generate(prompts, SamplingParams(
+                n=1, temperature=0.0, max_new_tokens=max_new, seed=e.seed))]
+        ks = ks_up_to(e.n_samples)
+        answers, sources = [it.answer for it in items], [it.source for it in items]
+        problems = score_problems(answers, sources, sampled, greedy, scorer, ks)
+    finally:
+        scorer.close()
+        engine.shutdown()
+    result = {"model": str(checkpoint), "converted_from": str(converted) if converted else None,
+              "split": "files" if e.files else e.split, "ks": ks,
+              "settings": dataclasses.asdict(e), **summarize(problems, ks)}
+    modes = mode_summary(sources, sampled, [p["rewards"] for p in problems])
+    if modes:
+        result["modes"] = modes
+    return result
+
+
+def default_out(checkpoint: Path, split: str) -> Path:
+    folder = checkpoint if checkpoint.is_dir() else checkpoint.parent
+    return folder / f"eval_{split}.json"
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.overrides)
+    with tempfile.TemporaryDirectory(prefix="megatron_entropy_eval_") as scratch:
+        result = evaluate(cfg, args.checkpoint, Path(scratch))
+    out = args.out or default_out(args.checkpoint, result["split"])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(render_table(result))
+    print(f"wrote {out}")
+    return 0
+
+
+EVAL = ("a checkpoint on a held-out split: pass@1 greedy, pass@k, avg@k and maj@k per data "
+        "source (eval section)", add_eval_args, run_eval)
