@@ -26,6 +26,7 @@ from typing import Any, Optional
 from megatron_entropy.config import Config, load_config
 from megatron_entropy.evaluation.passk import (avg_at_k, ks_up_to, maj_at_k, majority_answer,
                                                pass_at_k)
+from megatron_entropy.runtime.harmless import silence_harmless_warnings
 
 
 def add_eval_args(p: argparse.ArgumentParser) -> None:
@@ -199,6 +200,7 @@ def default_out(checkpoint: Path, split: str) -> Path:
 
 def run_eval(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
+    silence_harmless_warnings()  # the megatron-core notes `train` hides
     with tempfile.TemporaryDirectory(prefix="megatron_entropy_eval_") as scratch:
         result = evaluate(cfg, args.checkpoint, Path(scratch))
     out = args.out or default_out(args.checkpoint, result["split"])
