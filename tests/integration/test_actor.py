@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from harness import init_megatron, run_distributed
+from loss_references import ref_aggregate, ref_corrected_terms
 from tiny_models import random_samples, tiny_hf_config
 from tolerance import grad_terms, rounding_tol, transformer_terms, update_tol
 
@@ -314,7 +315,6 @@ def _correction_worker(loss: str):
     (tests/unit/test_rollout_correction.py) on the whole step as one micro-batch, with the same
     optimizer; the actor's metrics; the smallest margin of the reference's selection (rounding
     must not change it); the initial weights; the step's samples."""
-    from test_rollout_correction import ref_aggregate, ref_corrected_terms
 
     from megatron_entropy.algorithms.rollout_correction import RolloutCorrectionSettings
     from megatron_entropy.config import (AlgorithmConfig, ModelConfig, ParallelConfig,

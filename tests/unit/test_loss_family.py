@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from harness import run_distributed
-from test_algorithms_policy_loss import _policy_logp
+from loss_references import policy_logp
 
 from megatron_entropy.algorithms.aggregation import AGG_MODES, step_normalizer
 from megatron_entropy.algorithms.loss_family import FAMILY_LOSSES
@@ -276,12 +276,12 @@ def _split_grad(loss: str, mode: str, splits, dp_group=None):
     mask = (torch.arange(9)[None, :] < lengths[:, None]).double()
     adv = torch.randn(8, 1, generator=g, dtype=torch.float64).expand(8, 9).clone()
     with torch.no_grad():
-        old = _policy_logp(theta, x, targets) + 0.2 * torch.randn(8, 9, generator=g,
+        old = policy_logp(theta, x, targets) + 0.2 * torch.randn(8, 9, generator=g,
                                                                   dtype=torch.float64)
     s = PolicyLossSettings(loss=loss, loss_agg_mode=mode)
     normalizer = step_normalizer([mask[r] for r in splits], mode, dp_group)
     for r in splits:
-        out, _ = policy_loss(s, _policy_logp(theta, x[r], targets[r]), old[r], adv[r], mask[r],
+        out, _ = policy_loss(s, policy_logp(theta, x[r], targets[r]), old[r], adv[r], mask[r],
                              normalizer=normalizer)
         out.backward()
     return theta.grad

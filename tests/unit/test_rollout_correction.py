@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from harness import run_distributed
-from test_algorithms_policy_loss import (_agg_data, _policy_logp, make_batch, ref_aggregate,
-                                         ref_kl, ref_select, ref_token_losses, valid_list)
+from loss_references import (agg_data, level_log_ratio, make_batch, policy_logp, ref_aggregate,
+                             ref_corrected_terms, ref_correction, ref_kl, valid_list)
 
 from megatron_entropy.algorithms.aggregation import step_normalizer
 from megatron_entropy.config import ConfigError, load_config
@@ -33,39 +33,6 @@ def _batch(seed: int):
     d["engine"] = d["old"] - row_shift + 0.5 * torch.randn(6, 20, generator=g,
                                                            dtype=torch.float64)
     return d
-
-
-def _level_log_ratio(lr, rows, level):
-    if level == "token":
-        return lr
-    means = {int(r): lr[rows == r].mean() for r in rows.unique()}
-    return torch.stack([means[int(r)] for r in rows])
-
-
-def ref_correction(st: RolloutCorrectionSettings, old, engine, rows):
-    """(weight per valid token or None, kept flags) over 1-D lists of valid tokens."""
-    rho = torch.exp(_level_log_ratio((old - engine).clamp(-20, 20), rows, st.level))
-    if st.mode == "tis":
-        return torch.clamp(rho, max=st.tis_cap), torch.ones_like(rho, dtype=torch.bool)
-    if st.mode == "mis":
-        return None, (rho >= st.mis_low) & (rho <= st.mis_high)
-    return None, torch.ones_like(rho, dtype=torch.bool)
-
-
-def ref_corrected_terms(s: PolicyLossSettings, st: RolloutCorrectionSettings, lp_all, old, adv,
-                        engine, rows, seed: int):
-    """The corrected policy-gradient terms over 1-D lists of valid tokens (the step's, in
-    order; ``lp_all`` carries the gradient): (per-token terms of the kept tokens, their rows,
-    the kept flags, Clip-Cov's/KL-Cov's chosen among the kept). mis: the kept tokens are the
-    whole population, Cov's included; tis: the terms times the weight. ``seed`` drives
-    Clip-Cov's draw."""
-    weight, kept = ref_correction(st, old, engine, rows)
-    lp, old_k, adv_k = lp_all[kept], old[kept], adv[kept]
-    chosen, _ = ref_select(s, lp, old_k, adv_k, seed=seed)
-    per = ref_token_losses(s, lp, old_k, adv_k, chosen)
-    if weight is not None:
-        per = per * weight[kept]
-    return per, rows[kept], kept, chosen
 
 
 CASES = [(loss, mode, level) for loss in ("ppo_clip", "clip_cov", "kl_cov")
@@ -135,7 +102,7 @@ def test_metrics_equal_their_definitions(mode, level):
     rows = m0.nonzero()[:, 0]
     old, engine = valid_list(d["old"], m0), valid_list(d["engine"], m0)
     lr = old - engine
-    rho = torch.exp(_level_log_ratio(lr, rows, level))
+    rho = torch.exp(level_log_ratio(lr, rows, level))
     want = {"rollout_corr/ratio_mean": rho.mean(), "rollout_corr/ratio_max": rho.max(),
             "rollout_corr/kl_k1": (engine - old).mean(),
             "rollout_corr/kl_k3": (torch.exp(lr) - 1 - lr).mean()}
@@ -179,7 +146,7 @@ def test_extreme_drift_stays_finite():
 
 
 def _split_grad(mode: str, level: str, splits: list[list[int]], dp_group=None):
-    x, targets, theta0, old, adv, mask = _agg_data()
+    x, targets, theta0, old, adv, mask = agg_data()
     g = torch.Generator().manual_seed(13)
     engine = old - 0.6 * torch.randn(old.shape, generator=g, dtype=torch.float64)
     st = RolloutCorrectionSettings(mode=mode, level=level, tis_cap=1.5, mis_low=0.7,
@@ -189,12 +156,12 @@ def _split_grad(mode: str, level: str, splits: list[list[int]], dp_group=None):
     masks = [c.mask for c in corrs]
     theta = theta0.clone().requires_grad_()
     with torch.no_grad():
-        lp = _policy_logp(theta0, x, targets)
+        lp = policy_logp(theta0, x, targets)
     sels = select_tokens_global(s, [lp[r] for r in splits], [old[r] for r in splits],
                                 [adv[r] for r in splits], masks, dp_group=dp_group, seed=0)
     normalizer = step_normalizer(masks, s.loss_agg_mode, dp_group)
     for r, c, sel in zip(splits, corrs, sels):
-        loss, _ = policy_loss(s, _policy_logp(theta, x[r], targets[r]), old[r], adv[r], c.mask,
+        loss, _ = policy_loss(s, policy_logp(theta, x[r], targets[r]), old[r], adv[r], c.mask,
                               normalizer=normalizer, selection=sel, adjust=c.adjust)
         loss.backward()
     return theta.grad

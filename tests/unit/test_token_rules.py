@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from harness import run_distributed
-from test_algorithms_policy_loss import (_agg_data, _policy_logp, make_batch, ref_aggregate,
-                                         ref_kl, ref_select, ref_token_losses, valid_list)
+from loss_references import (agg_data, make_batch, policy_logp, ref_aggregate, ref_kl,
+                             ref_select, ref_token_losses, valid_list)
 
 from megatron_entropy.algorithms.aggregation import AGG_MODES, step_normalizer
 from megatron_entropy.settings import SettingError
@@ -449,7 +449,7 @@ def test_tp2_ranks_select_the_same_tokens():
 def _split_grad(rule: str, splits: list[list[int]], dp_group=None):
     """One optimizer step of a tiny softmax policy, the step's rows split into micro-batches
     ``splits`` (this rank's); returns (the full-step [8, 9] rule mask of these rows, grad)."""
-    x, targets, theta0, old, adv, mask = _agg_data()
+    x, targets, theta0, old, adv, mask = agg_data()
     g = torch.Generator().manual_seed(11)
     ref = old + 0.3 * torch.randn(old.shape, generator=g, dtype=torch.float64)
     theta = theta0.clone().requires_grad_()
@@ -473,7 +473,7 @@ def _split_grad(rule: str, splits: list[list[int]], dp_group=None):
         s = PolicyLossSettings(loss="kl_cov", kl_cov_ratio=0.1)
         rules = TokenRuleSettings(entropy_advantage=True)
         adv = shape_advantages(rules, adv, h, mask)[0]
-        lp = _policy_logp(theta0, x, targets)
+        lp = policy_logp(theta0, x, targets)
         sels = select_tokens_global(s, [lp[r] for r in splits], [old[r] for r in splits],
                                     [adv[r] for r in splits], [mask[r] for r in splits],
                                     dp_group=dp_group, seed=0)
@@ -482,7 +482,7 @@ def _split_grad(rule: str, splits: list[list[int]], dp_group=None):
     normalizer = step_normalizer([mask[r] for r in splits], s.loss_agg_mode, dp_group)
     full = torch.zeros(mask.shape, dtype=torch.bool)
     for i, r in enumerate(splits):
-        loss, _ = policy_loss(s, _policy_logp(theta, x[r], targets[r]), old[r], adv[r], mask[r],
+        loss, _ = policy_loss(s, policy_logp(theta, x[r], targets[r]), old[r], adv[r], mask[r],
                               normalizer=normalizer, ref_logp=ref[r], adjust=adjusts[i],
                               selection=sels[i] if rule == "shaping" else None)
         loss.backward()
@@ -504,7 +504,7 @@ def test_selection_and_gradient_do_not_depend_on_the_split(rule):
     whole_mask, whole = _split_grad(rule, [list(range(8))])
     three_mask, three = _split_grad(rule, [[0, 1, 2], [3, 4], [5, 6, 7]])
     (m0, g0), (m1, g1) = run_distributed(_dp_split_worker, 2, rule)
-    assert whole_mask.any() and not torch.equal(whole_mask, _agg_data()[-1].bool())
+    assert whole_mask.any() and not torch.equal(whole_mask, agg_data()[-1].bool())
     assert torch.equal(three_mask, whole_mask) and torch.equal(m0 | m1, whole_mask)
     for g in (three, g0, g1):
         torch.testing.assert_close(g, whole, rtol=1e-12, atol=1e-14)
@@ -513,7 +513,7 @@ def test_selection_and_gradient_do_not_depend_on_the_split(rule):
 def test_micro_batch_scope_selection_does_depend_on_the_split():
     # The control for the test above: the reference's per-micro-batch population changes with
     # the split (verl issues 7818/7829 are this).
-    x, targets, theta0, old, adv, mask = _agg_data()
+    x, targets, theta0, old, adv, mask = agg_data()
     probs = torch.softmax(x @ theta0, dim=-1)
     h = -(probs * probs.log()).sum(-1)
     whole = select_high_entropy(MINORITY, h, mask)
