@@ -30,12 +30,16 @@ from megatron_entropy.runtime.processes import HELD_SIGNALS
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: checkpointed on a signal, resume later
 SIGNALS = HELD_SIGNALS  # SIGUSR1, SIGTERM, SIGINT
 _received: list[int] = []
+_starting = False  # inside interruptible(): SIGTERM/SIGINT end the start-up at once
 CTRL_C_NOTE = (b"Ctrl-C: stopping after this step (during start-up: after this part of it) "
                b"with a checkpoint and exit 75 (run the same command to resume); Ctrl-C again "
                b"stops now without one\n")
 
 
 def _record(signum: int, frame: object) -> None:
+    if _starting and signum in (signal.SIGTERM, signal.SIGINT):
+        _received.append(signum)
+        raise StartupInterrupted(signum)  # interruptible(): start-up ends where it waits
     if signum == signal.SIGINT:
         if signal.SIGINT in _received:  # the second Ctrl-C: stop now, as SIGINT does
             signal.signal(signal.SIGINT, signal.SIG_DFL)
@@ -89,24 +93,22 @@ class StartupInterrupted(Exception):
 @contextmanager
 def interruptible() -> Iterator[None]:
     """For start-up (the model loads, the rollout servers come up, the first contact):
-    SIGTERM and SIGINT raise ``StartupInterrupted`` at once, whatever the body waits for; a
-    SIGTERM recorded before is raised on entry. SIGUSR1 is still only recorded. Only in the
-    main thread (where Python runs signal handlers); elsewhere the body runs as it is."""
+    SIGTERM and SIGINT raise ``StartupInterrupted`` at once, whatever the body waits for, from
+    the recording handler (which the body may install again); a SIGTERM recorded before is
+    raised on entry. SIGUSR1 is still only recorded. Only in the main thread (where Python runs
+    signal handlers); elsewhere the body runs as it is."""
+    global _starting
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     if signal.SIGTERM in _received:
         raise StartupInterrupted(signal.SIGTERM)
-
-    def stop(signum: int, frame: object) -> None:
-        raise StartupInterrupted(signum)
-
-    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    install()
+    _starting = True
     try:
         yield
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        _starting = False
 
 
 @contextmanager
