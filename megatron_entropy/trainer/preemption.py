@@ -30,12 +30,17 @@ from megatron_entropy.runtime.processes import HELD_SIGNALS
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: checkpointed on a signal, resume later
 SIGNALS = HELD_SIGNALS  # SIGUSR1, SIGTERM, SIGINT
 _received: list[int] = []
-CTRL_C_NOTE = (b"Ctrl-C: stopping after this step (during start-up: after this part of it) "
+_starting = False  # inside interruptible(): SIGTERM/SIGINT end the start-up at once
+# During start-up (interruptible) a Ctrl-C stops at once instead, without this note.
+CTRL_C_NOTE = (b"Ctrl-C: stopping after this step "
                b"with a checkpoint and exit 75 (run the same command to resume); Ctrl-C again "
                b"stops now without one\n")
 
 
 def _record(signum: int, frame: object) -> None:
+    if _starting and signum in (signal.SIGTERM, signal.SIGINT):
+        _received.append(signum)
+        raise StartupInterrupted(signum)  # interruptible(): start-up ends where it waits
     if signum == signal.SIGINT:
         if signal.SIGINT in _received:  # the second Ctrl-C: stop now, as SIGINT does
             signal.signal(signal.SIGINT, signal.SIG_DFL)
@@ -46,16 +51,11 @@ def _record(signum: int, frame: object) -> None:
     _received.append(signum)
 
 
-_stopping_start_up = False  # inside interruptible(): SIGTERM/SIGINT raise, they are not recorded
-
-
 def install() -> None:
     """Record SIGUSR1/SIGTERM/SIGINT from now on, and unblock them (a launcher may have started
-    this process with them blocked); a request recorded or pending before is kept. Inside
-    ``interruptible`` SIGTERM and SIGINT keep raising until it ends (it records them after)."""
+    this process with them blocked); a request recorded or pending before is kept."""
     for sig in SIGNALS:
-        if not (_stopping_start_up and sig in (signal.SIGTERM, signal.SIGINT)):
-            signal.signal(sig, _record)
+        signal.signal(sig, _record)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
 
 
@@ -94,30 +94,22 @@ class StartupInterrupted(Exception):
 @contextmanager
 def interruptible() -> Iterator[None]:
     """For start-up (the model loads, the rollout servers come up, the first contact):
-    SIGTERM and SIGINT raise ``StartupInterrupted`` at once, whatever the body waits for; a
-    SIGTERM recorded before is raised on entry. SIGUSR1 is still only recorded. After the body
-    all three are recorded (``install``), also for callers that never installed the handler.
-    Only in the main thread (where Python runs signal handlers); elsewhere the body runs as it
-    is."""
-    global _stopping_start_up
+    SIGTERM and SIGINT raise ``StartupInterrupted`` at once, whatever the body waits for, from
+    the recording handler (which the body may install again); a SIGTERM recorded before is
+    raised on entry. SIGUSR1 is still only recorded. Only in the main thread (where Python runs
+    signal handlers); elsewhere the body runs as it is."""
+    global _starting
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    install()  # what SIGTERM/SIGINT do after start-up: recorded
     if signal.SIGTERM in _received:
         raise StartupInterrupted(signal.SIGTERM)
-
-    def stop(signum: int, frame: object) -> None:
-        raise StartupInterrupted(signum)
-
-    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
-    _stopping_start_up = True
+    install()
+    _starting = True
     try:
         yield
     finally:
-        _stopping_start_up = False
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        _starting = False
 
 
 @contextmanager
