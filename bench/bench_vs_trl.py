@@ -109,7 +109,11 @@ def _watch(cmd: list[str], env: dict, lines: Path, steps: int, log: Path,
                 seen.append((now, cpu, record))
             time.sleep(0.05)
     finally:
-        for p in [*ps_proc.children(recursive=True), ps_proc]:
+        try:
+            left = [*ps_proc.children(recursive=True), ps_proc]
+        except psutil.NoSuchProcess:  # the run had already finished
+            left = []
+        for p in left:
             try:
                 p.kill()
             except psutil.NoSuchProcess:
