@@ -57,7 +57,7 @@ def config(args: argparse.Namespace, staleness: int, inflight: str, name: str, o
         "rollout": {"engine": "vllm", "max_staleness": staleness, "inflight_at_sync": inflight,
                     "n_samples": args.n,
                     "max_new_tokens": args.max_new_tokens, "max_prompt_tokens": 128,
-                    "temperature": 1.0, "weight_check": False,
+                    "temperature": 1.0, "weight_check": {"enabled": False},
                     "server": {"launch": 1, "base_port": port, "server_python": str(VENV_PYTHON),
                                "startup_timeout_s": 600, "request_timeout_s": 600,
                                "max_concurrency": args.max_concurrency,

@@ -3,25 +3,29 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import importlib
-import logging
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
-import warnings
 from pathlib import Path
 from typing import Callable, Iterator, Mapping, Optional
 
 from megatron_entropy.config import ConfigError, load_config
 from megatron_entropy.models.arch import UnsupportedModelError, load_arch
+from megatron_entropy.models.tokenizer_files import tokenizer_problem
 from megatron_entropy.runtime import ParallelLayoutError, check_layout, detect_launch_env
+from megatron_entropy.runtime import files, run_lock
+from megatron_entropy.runtime.harmless import silence_harmless_warnings
 from megatron_entropy.runtime.launch_env import UrlFileError
+from megatron_entropy.runtime.processes import start_held, stop_all
 from megatron_entropy.runtime.threads import apply_thread_defaults
 from megatron_entropy.trainer import preemption
+from megatron_entropy.trainer.preemption import PREEMPTED_EXIT_CODE as PREEMPTED
 
 # Torch-free above. What needs torch loads inside the function that uses it: `--help` and the
 # config checks run without torch (tests/slurm/test_slurm_layout.py), and `train` loads torch
@@ -32,48 +36,15 @@ from megatron_entropy.trainer import preemption
 # Errors that are the user's to fix: printed as one line, exit code 2, no traceback.
 USER_ERRORS: tuple[type[BaseException], ...] = (FileNotFoundError, ConfigError,
                                                 UnsupportedModelError, ParallelLayoutError,
-                                                UrlFileError)
+                                                UrlFileError, run_lock.RunLockError)
 # The same, of modules that load torch: named, not imported. A class whose module never loaded
 # cannot have been raised, so a command without torch does not load it to print an error.
 TORCH_USER_ERRORS = (("megatron_entropy.data.dataset", "DatasetError"),
-                     ("megatron_entropy.models.megatron_checkpoint", "CheckpointError"))
-
-# megatron-core's start-up notes that are known to be harmless, matched by the start of their
-# message: fallbacks on machines without Transformer Engine/Apex, deprecations inside
-# megatron-core and torch that a user cannot act on. Every other warning stays.
-HARMLESS_WARNINGS = (
-    (UserWarning, r"Transformer Engine and Apex are not installed"),
-    (UserWarning, r"Apex is not installed"),
-    (UserWarning, r"full scope is deprecated"),
-    (FutureWarning, r"`torch\.distributed\.all_gather_into_tensor` is deprecated"),
-    (FutureWarning, r"`torch\.distributed\.reduce_scatter_tensor` is deprecated"),
-    # On every resume, from torch.distributed.checkpoint as megatron-core calls it.
-    (FutureWarning, r"`load_state_dict` is deprecated"),
-    (FutureWarning, r"Please use DTensor instead and we are deprecating ShardedTensor"),
-)
-# A GPU hint (CUDA_DEVICE_MAX_CONNECTIONS), only noise where there is no GPU.
-CPU_ONLY_HARMLESS_WARNINGS = (
-    (UserWarning, r"When using async grad allreduce it is recommended to set the environment "
-                  r"variable CUDA_DEVICE_MAX_CONNECTIONS"),
-)
-# Printed through megatron-core's logger at WARNING on every start.
-HARMLESS_LOG_LINES = ("Implicit initialization of Rerun State Machine!",
-                      "RerunStateMachine initialized in mode RerunMode.DISABLED")
-
-
-def _keep_log_record(record) -> bool:
-    return record.getMessage() not in HARMLESS_LOG_LINES
-
-
-def silence_harmless_warnings() -> None:
-    """Hide the known-harmless start-up lines of megatron-core (this process only)."""
-    import torch
-
-    cpu_only = () if torch.cuda.is_available() else CPU_ONLY_HARMLESS_WARNINGS
-    for category, message in HARMLESS_WARNINGS + cpu_only:
-        warnings.filterwarnings("ignore", message=message, category=category)
-    logging.getLogger("megatron.core.rerun_state_machine").addFilter(_keep_log_record)
-
+                     ("megatron_entropy.models.megatron_checkpoint", "CheckpointError"),
+                     ("megatron_entropy.models.bridge", "NonFiniteWeightError"),
+                     # The engine holds other weights; a rollout server failed for good.
+                     ("megatron_entropy.trainer.weight_check", "WeightCheckError"),
+                     ("megatron_entropy.rollout.server.errors", "ServerError"))
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     return USER_ERRORS + tuple(getattr(sys.modules[module], name)
@@ -83,64 +54,90 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 # ------------------------------------------------------------------------------------ train
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1 (got {text!r})")
+    return value
+
+
 def _add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", help="YAML config (examples/quickstart.yaml)")
     p.add_argument("overrides", nargs="*", help="dotted overrides: algorithm.loss=kl_cov ...")
-    p.add_argument("--nproc", type=int, default=None,
+    p.add_argument("--nproc", type=_positive_int, default=None,
                    help="processes to start on this machine when not under torchrun/srun "
                         "(default: parallel.tensor x parallel.pipeline)")
 
 
+# After the first rank fails: how long the others get to end on their own (their messages are
+# clearer), then after SIGTERM, before SIGKILL. A rank still starting up only records SIGTERM.
+STOP_GRACE_S = 5.0
+
+
 def _spawn_local(args: argparse.Namespace, nproc: int, run_dir: Path) -> int:
     """Start ``nproc`` ranks of this command on this machine; rank 0 prints, the others log to
-    ``<run_dir>/logs/rank_N.log``. The first rank to fail stops the rest."""
+    ``<run_dir>/logs/rank_N.log``. The first rank to fail stops the rest (SIGTERM, then
+    SIGKILL), at any moment of start-up too. SIGTERM/SIGUSR1 are passed on; Ctrl-C asks every
+    rank for a checkpoint (as SIGTERM), a second one stops them at once."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "megatron_entropy.cli", "train", args.config, *args.overrides]
-    procs = []
-    for rank in range(nproc):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(nproc), "LOCAL_RANK": str(rank),
-               "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port), "OMP_NUM_THREADS": os.environ.get(
-                   "OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))}
-        out = None if rank == 0 else _open_rank_log(run_dir / "logs" / f"rank_{rank}.log")
-        procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT
-                                      if out else None))
+    procs: list[subprocess.Popen] = []
+    interrupts: list[int] = []
 
     def forward(signum, frame):
+        if signum == signal.SIGINT:
+            interrupts.append(signum)
+            # The terminal sent SIGINT to the ranks too: they count Ctrl-Cs themselves; one
+            # sent to the launcher alone asks them for the same through SIGTERM.
+            signum = signal.SIGKILL if len(interrupts) > 1 else signal.SIGTERM
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signum)
 
     for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, forward)
-    code, first = 0, None
-    while procs and any(p.poll() is None for p in procs):
-        failed = [p for p in procs if p.poll() not in (None, 0)]
+    for rank in range(nproc):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(nproc), "LOCAL_RANK": str(rank),
+               "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port), "OMP_NUM_THREADS": os.environ.get(
+                   "OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))}
+        out = None if rank == 0 else _open_rank_log(run_dir / "logs" / f"rank_{rank}.log")
+        procs.append(start_held(cmd, env=env, stdout=out,
+                                stderr=subprocess.STDOUT if out else None))
+    if preemption.requested():  # recorded by this process before `forward` took over
+        forward(signal.SIGTERM, None)
+    first, stopped = None, []
+    while any(p.poll() is None for p in procs):
+        failed = [r for r, p in enumerate(procs) if p.poll() not in (None, 0, PREEMPTED)]
         if failed:
-            code, first = failed[0].returncode, procs.index(failed[0])
-            time.sleep(5)  # let the others fail on their own (their messages are clearer)
-            for p in procs:
-                if p.poll() is None:
-                    p.terminate()
+            first = failed[0]
+            stopped = stop_all(procs, STOP_GRACE_S)
             break
         time.sleep(0.2)
     for p in procs:
         p.wait()
     codes = [p.returncode for p in procs]
-    if code == 0:
-        code = next((c for c in codes if c != 0), 0)
-    if code not in (0, 75):
-        bad = [r for r, c in enumerate(codes) if c != 0]
-        cause = f"rank {first} failed first ({_exit_status(codes[first])}); " \
-            if first is not None else ""
-        print(f"{cause}ranks {bad} exited with {', '.join(_exit_status(codes[r]) for r in bad)}; "
-              f"logs of ranks > 0 are in {run_dir / 'logs'}", file=sys.stderr)
-    if code < 0:  # killed by a signal: exit as a shell reports it (128 + signal number)
-        code = 128 - code
-    return code
+    if first is None:
+        first = next((r for r, c in enumerate(codes) if c not in (0, PREEMPTED)), None)
+    if first is None:
+        return PREEMPTED if PREEMPTED in codes else 0
+    if len(interrupts) > 1:
+        cause = "stopped at once by a second Ctrl-C (no checkpoint of the step in progress)"
+    else:
+        cause = f"rank {first} failed first ({_exit_status(codes[first])})"
+        if stopped:
+            cause += f"; stopped rank{'s' * (len(stopped) > 1)} " \
+                     f"{', '.join(map(str, stopped))}"
+    print(f"megatron-entropy train: {cause}; logs of ranks > 0 are in {run_dir / 'logs'}",
+          file=sys.stderr)
+    code = codes[first]
+    return 128 - code if code < 0 else code  # killed by a signal: as a shell reports it
 
 
 def _exit_status(code: int) -> str:
@@ -160,7 +157,12 @@ def _open_rank_log(path: Path):
 
 
 def _run_train(args: argparse.Namespace) -> int:
-    preemption.install()  # first: a USR1/TERM during the minutes of start-up is held, not fatal
+    # First: a USR1/TERM/INT during the minutes of start-up is held, not fatal.
+    with preemption.installed():
+        return _train_command(args)
+
+
+def _train_command(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     launch = detect_launch_env()
     tp, pp, ep = cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.expert
@@ -168,22 +170,54 @@ def _run_train(args: argparse.Namespace) -> int:
         apply_thread_defaults(args.nproc or tp * pp * ep)
     silence_harmless_warnings()
     _check_model(cfg)  # before any rank starts
-    if launch.launcher == "single":
-        nproc = args.nproc or tp * pp * ep
-        check_layout(nproc, tp, pp, ep)
-        if nproc > 1:
+    nproc = (args.nproc or tp * pp * ep) if launch.launcher == "single" else launch.world_size
+    check_layout(nproc, tp, pp, ep)
+    with _run_folder_lock(cfg.run_dir, launch.rank):  # a bad start above makes no run folder
+        if launch.launcher == "single" and nproc > 1:
             return _spawn_local(args, nproc, cfg.run_dir)
-    check_layout(launch.world_size, tp, pp, ep)
-    from megatron_entropy.trainer.loop import train
+        from megatron_entropy.trainer.loop import train
 
-    train(cfg)
+        train(cfg)
+    if launch.rank == 0:
+        print(finished_summary(cfg.run_dir, cfg.trainer.steps))
     return 0
+
+
+def finished_summary(run_dir: Path, steps: int) -> str:
+    """The line a finished run ends with: where its checkpoint and metrics are."""
+    pointer = run_dir / "checkpoints" / "latest"
+    checkpoint = pointer.parent / pointer.read_text().strip() if pointer.is_file() else None
+    return (f"finished: {steps} steps; last checkpoint {checkpoint or '(none)'}; metrics "
+            f"{run_dir / 'metrics.jsonl'} (megatron-entropy plot {run_dir})")
+
+
+# Set by the local launcher for its ranks: the lock it holds for them (they die with it).
+RUN_LOCK_HELD = "MEGATRON_ENTROPY_RUN_LOCK_HELD"
+
+
+@contextlib.contextmanager
+def _run_folder_lock(run_dir: Path, rank: int) -> Iterator[None]:
+    """One trainer per run folder: rank 0 of the job (or the local launcher, for its ranks)
+    holds ``RUN/train.lock`` while it runs; a second trainer there stops with one line naming
+    the holder's host and pid (runtime/run_lock.py)."""
+    lock = run_dir / "train.lock"
+    if rank != 0 or os.environ.get(RUN_LOCK_HELD) == str(lock):
+        yield
+        return
+    run_dir.mkdir(parents=True, exist_ok=True)
+    fd = run_lock.acquire(lock, "run folder")
+    os.environ[RUN_LOCK_HELD] = str(lock)  # for the ranks this process starts
+    try:
+        yield
+    finally:
+        del os.environ[RUN_LOCK_HELD]
+        run_lock.release(fd)
 
 
 def _check_model(cfg) -> None:
     """The model the run will train, checked from its files before any rank starts: its
-    architecture against parallel.tensor/pipeline and (HF weights) every tensor's name and shape
-    against config.json, from the safetensors headers only."""
+    architecture against parallel.tensor/pipeline, (HF weights) every tensor's name and shape
+    against config.json, from the safetensors headers only, and the tokenizer's files."""
     from megatron_entropy.models.bridge import check_hf_checkpoint
     from megatron_entropy.models.hf_io import hf_weight_files
     from megatron_entropy.models.megatron_checkpoint import read_arch
@@ -202,6 +236,12 @@ def _check_model(cfg) -> None:
             raise ConfigError(f"model.hf_path: {e.args[0] if isinstance(e, KeyError) else e}") \
                 from None
     arch.check_parallel(cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.expert)
+    # The tokenizer and chat template come from hf_path, else the checkpoint's hf/ folder.
+    key, folder = ("model.hf_path", m.hf_path) if m.hf_path else \
+        ("model.megatron_ckpt", Path(m.megatron_ckpt) / "hf")
+    problem = tokenizer_problem(folder, chat_template=cfg.data.apply_chat_template)
+    if problem:
+        raise ConfigError(f"{key}: {problem}")
 
 
 # ------------------------------------------------------------------------------------ table
@@ -246,9 +286,13 @@ def _commands() -> Mapping[str, Command]:
     })
 
 
+# What `--help` prints: plain text (the module docstring is reStructuredText).
+DESCRIPTION = "megatron-entropy COMMAND: one entry point for every user-facing task."
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="megatron-entropy", description=__doc__)
+    parser = argparse.ArgumentParser(prog="megatron-entropy", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True)
     commands = _commands()
     # The command is the first argument (the top level has no option but --help).
@@ -264,9 +308,18 @@ def main(argv: Optional[list[str]] = None) -> int:
         args.overrides += extra
     try:
         return commands[args.command][2](args) or 0
+    except preemption.StartupInterrupted as e:
+        print(f"megatron-entropy {args.command}: {e}", file=sys.stderr)
+        return e.exit_code
     except _user_errors() as e:
         print(f"megatron-entropy {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:
+        if e.errno not in files.WRITE_ERRNOS:
+            raise
+        # A full, read-only or unwritable disk: the path and errno, not a traceback.
+        print(f"megatron-entropy {args.command}: error: {files.describe(e)}", file=sys.stderr)
+        return 1
     except RuntimeError as e:
         if not _peer_lost(e):
             raise

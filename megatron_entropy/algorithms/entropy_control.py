@@ -30,14 +30,17 @@ continues bit for bit. ``metrics()`` reports ``control/*``.
 from __future__ import annotations
 
 import math
+import typing
 from dataclasses import dataclass
 from typing import Any, Literal, Optional
 
+from megatron_entropy.algorithms.settings import LossName
 from megatron_entropy.settings import SettingError, Settings, setting
 
-# The knobs the controller may drive, with the losses that have them.
+# The knobs the controller may drive, with the Cov rules (``PolicyLossSettings.cov_rule``: the
+# Cov loss or the Cov modifier) that have them; the entropy bonus is every loss's.
 KNOBS = {"kl_cov_ratio": ("kl_cov",), "kl_cov_coef": ("kl_cov",),
-         "clip_cov_ratio": ("clip_cov",), "entropy_coef": ("ppo_clip", "clip_cov", "kl_cov")}
+         "clip_cov_ratio": ("clip_cov",), "entropy_coef": typing.get_args(LossName)}
 RATIO_KNOBS = ("kl_cov_ratio", "clip_cov_ratio")  # fractions of tokens: at most 1
 STATE_VERSION = 1
 

@@ -1,5 +1,6 @@
-"""Policy losses by name — ``ppo_clip`` (GRPO), ``clip_cov``, ``kl_cov`` — with the entropy
-bonus and KL-to-reference regularisers, on one micro-batch of [B, S] tensors.
+"""Policy losses by name — ``ppo_clip`` (GRPO), ``clip_cov``, ``kl_cov`` here, and the family
+of algorithms/loss_family.py (gspo, gmpo, cispo, sapo, ce_gppo, dppo_tv, dppo_kl, gpg) — with the
+entropy bonus and KL-to-reference regularisers, on one micro-batch of [B, S] tensors.
 
 Per valid token (ratio = exp(logp - old_logp), L1 = -A ratio, L2 = -A clamp(ratio, 1 - eps_low,
 1 + eps_high)):
@@ -11,6 +12,9 @@ Per valid token (ratio = exp(logp - old_logp), L1 = -A ratio, L2 = -A clamp(rati
 - kl_cov: L1 (no clipping), plus kl_cov_coef |logp - old_logp| on the top k = max(1, int(N r))
   tokens by Cov.
 Cov_i = (A_i - mean A)(logp_i - mean logp) over the scope's valid tokens, logp detached.
+``cov_modifier`` runs Clip-Cov's detach or KL-Cov's penalty on top of a token-level loss of the
+family (or ppo_clip): the same selection, Clip-Cov's candidates leaving out the tokens the loss
+already passes no gradient (``loss_family.frozen_tokens``).
 
 Scopes (``selection``):
 - None (``micro_batch``): the micro-batch is the population and its own ``logp.detach()`` selects,
@@ -44,6 +48,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megatron_entropy.algorithms.aggregation import aggregate
+from megatron_entropy.algorithms.loss_family import FAMILY_LOSSES, frozen_tokens
+from megatron_entropy.algorithms.loss_family import LossBatch as _Batch
+from megatron_entropy.algorithms.loss_family import ppo_surrogates as _ppo_surrogates
 from megatron_entropy.algorithms.metrics import max_metric as _max
 from megatron_entropy.algorithms.metrics import mean_metric as _mean
 from megatron_entropy.algorithms.regularizers import kl_penalty
@@ -136,27 +143,6 @@ def reduce_metrics(metrics: Sequence[dict[str, Tensor]],
 # ------------------------------------------------------------------------------ the losses
 
 
-@dataclass
-class _Batch:
-    logp: Tensor
-    old_logp: Tensor
-    advantages: Tensor
-    valid: Tensor  # bool
-    num_valid: int
-    clip_low: Optional[Tensor] = None   # per-token eps (TokenAdjustments), else the settings'
-    clip_high: Optional[Tensor] = None
-
-
-def _ppo_surrogates(s: PolicyLossSettings, b: _Batch, log_ratio: Tensor
-                    ) -> tuple[Tensor, Tensor, Tensor]:
-    ratio = torch.exp(log_ratio)
-    l1 = -b.advantages * ratio
-    low = s.clip_ratio_low if b.clip_low is None else b.clip_low.to(ratio.dtype)
-    high = s.clip_ratio_high if b.clip_high is None else b.clip_high.to(ratio.dtype)
-    l2 = -b.advantages * torch.clamp(ratio, 1 - low, 1 + high)
-    return l1, l2, ratio
-
-
 def _ppo_clip(s: PolicyLossSettings, b: _Batch, selection: TokenSelection, metrics: dict
               ) -> Tensor:
     l1, l2, _ = _ppo_surrogates(s, b, torch.clamp(b.logp - b.old_logp, -20.0, 20.0))
@@ -167,7 +153,6 @@ def _ppo_clip(s: PolicyLossSettings, b: _Batch, selection: TokenSelection, metri
         negative = b.advantages < 0
         metrics["pg_clipfrac_lower"] = _mean(((loss > l3) & negative).double(), b.valid)
         loss = torch.where(negative, torch.minimum(l3, loss), loss)
-    _cov_metrics(metrics, selection.cov, b.valid, None)
     return loss
 
 
@@ -175,7 +160,6 @@ def _clip_cov(s: PolicyLossSettings, b: _Batch, selection: TokenSelection, metri
               ) -> Tensor:
     l1, l2, _ = _ppo_surrogates(s, b, b.logp - b.old_logp)
     metrics["pg_clipfrac"] = _mean(((l2 > l1) & b.valid).double(), b.valid)
-    _cov_metrics(metrics, selection.cov, b.valid, selection.selected)
     # Drawn tokens keep their place in the denominator but pass no gradient.
     return torch.maximum(l1, l2) * (~selection.selected).to(l1.dtype)
 
@@ -183,27 +167,42 @@ def _clip_cov(s: PolicyLossSettings, b: _Batch, selection: TokenSelection, metri
 def _kl_cov(s: PolicyLossSettings, b: _Batch, selection: TokenSelection, metrics: dict
             ) -> Tensor:
     l1, _, _ = _ppo_surrogates(s, b, b.logp - b.old_logp)
-    _cov_metrics(metrics, selection.cov, b.valid, selection.selected)
-    return torch.where(selection.selected, l1 + s.kl_cov_coef * (b.logp - b.old_logp).abs(), l1)
+    return _kl_cov_penalty(s, b, selection, l1)
+
+
+def _kl_cov_penalty(s: PolicyLossSettings, b: _Batch, selection: TokenSelection, loss: Tensor
+                    ) -> Tensor:
+    """KL-Cov: + kl_cov_coef |logp - old_logp| on the selected tokens."""
+    return torch.where(selection.selected, loss + s.kl_cov_coef * (b.logp - b.old_logp).abs(),
+                       loss)
+
+
+def _cov_candidates_excluded(settings: PolicyLossSettings, b: _Batch) -> Tensor:
+    """The tokens Clip-Cov never draws: those the loss already passes no gradient."""
+    if settings.loss == "clip_cov":
+        l1, l2, _ = _ppo_surrogates(settings, b, b.logp - b.old_logp)
+        return (l2 > l1) & b.valid
+    return frozen_tokens(settings, b)
 
 
 def select_tokens_micro_batch(settings: PolicyLossSettings, logp: Tensor, old_logp: Tensor,
                               advantages: Tensor, mask: Tensor,
                               generator: Optional[torch.Generator] = None) -> TokenSelection:
     """The ``micro_batch`` scope: Cov and the chosen tokens inside this [B, S] micro-batch, from
-    ``logp.detach()`` (the paper's code). ppo_clip chooses nothing (Cov is kept for metrics)."""
+    ``logp.detach()`` (the paper's code). A loss without a Cov rule (``cov_rule``) chooses
+    nothing (Cov is kept for metrics)."""
     valid = mask.bool()
     logp, old_logp, advantages = logp.detach(), old_logp.detach(), advantages.detach()
     cov = cov_ops.token_covariance(logp, advantages, valid)
     num_valid = int(valid.sum())
-    if settings.loss == "clip_cov":
+    if settings.cov_rule == "clip_cov":
         b = _Batch(logp, old_logp, advantages, valid, num_valid)
-        l1, l2, _ = _ppo_surrogates(settings, b, logp - old_logp)
-        candidates = cov_ops.clip_cov_candidates(cov, valid, (l2 > l1) & valid,
+        candidates = cov_ops.clip_cov_candidates(cov, valid,
+                                                 _cov_candidates_excluded(settings, b),
                                                  settings.clip_cov_lb, settings.clip_cov_ub)
         n = cov_ops.clip_cov_count(settings.clip_cov_ratio, num_valid, int(candidates.sum()))
         selected = cov_ops.random_subset(candidates, n, generator)
-    elif settings.loss == "kl_cov":
+    elif settings.cov_rule == "kl_cov":
         selected = cov_ops.top_k_mask(cov, valid,
                                       cov_ops.kl_cov_count(settings.kl_cov_ratio, num_valid))
     else:
@@ -220,10 +219,16 @@ def _cov_metrics(metrics: dict, cov: Tensor, valid: Tensor, selected: Optional[T
         metrics["cov_selected_max"] = _max(cov, selected & valid)
 
 
+def _without_selection(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
+    """A loss of algorithms/loss_family.py (it takes no selection) under the registry's call."""
+    return lambda s, b, selection, metrics: fn(s, b, metrics)
+
+
 POLICY_LOSSES: dict[str, Callable[..., Tensor]] = {
     "ppo_clip": _ppo_clip,
     "clip_cov": _clip_cov,
     "kl_cov": _kl_cov,
+    **{name: _without_selection(fn) for name, fn in FAMILY_LOSSES.items()},
 }
 assert tuple(POLICY_LOSSES) == typing.get_args(LossName)
 
@@ -312,6 +317,12 @@ def policy_loss(settings: PolicyLossSettings, logp: Tensor, old_logp: Tensor, ad
         selection = select_tokens_micro_batch(settings, logp, old_logp, advantages, mask,
                                               generator)
     pg = POLICY_LOSSES[settings.loss](settings, batch, selection, metrics)
+    if settings.cov_modifier == "clip_cov":  # drawn tokens: no gradient, still counted
+        pg = pg * (~selection.selected).to(pg.dtype)
+    elif settings.cov_modifier == "kl_cov":
+        pg = _kl_cov_penalty(settings, batch, selection, pg)
+    _cov_metrics(metrics, selection.cov, valid,
+                 None if settings.cov_rule is None else selection.selected)
     if adjust.weight is not None:
         pg = pg * adjust.weight.detach().to(pg.dtype)
     pg_valid = valid if adjust.pg_mask is None else valid & adjust.pg_mask.bool()
@@ -368,19 +379,19 @@ def select_tokens_global(settings: PolicyLossSettings, select_logps: Sequence[Te
                                                                    masks, dp_group)
     covs = [cov_ops.token_covariance(lp, adv, m, mean_lp, mean_adv)
             for lp, adv, m in zip(select_logps, advantages, masks)]
-    if settings.loss == "clip_cov":
+    if settings.cov_rule == "clip_cov":
         candidates = []
         for lp, old, adv, m, cov in zip(select_logps, old_logps, advantages, masks, covs):
             b = _Batch(lp.detach(), old.detach(), adv.detach(), m.bool(), 0)
-            l1, l2, _ = _ppo_surrogates(settings, b, b.logp - b.old_logp)
             candidates.append(cov_ops.clip_cov_candidates(
-                cov, m, (l2 > l1) & b.valid, settings.clip_cov_lb, settings.clip_cov_ub))
+                cov, m, _cov_candidates_excluded(settings, b), settings.clip_cov_lb,
+                settings.clip_cov_ub))
         generator = torch.Generator().manual_seed(seed)
         selected = cov_ops.global_random_subset(candidates, settings.clip_cov_ratio, num_valid,
                                                 generator, dp_group)
-    elif settings.loss == "kl_cov":
+    elif settings.cov_rule == "kl_cov":
         k = cov_ops.kl_cov_count(settings.kl_cov_ratio, num_valid)
         selected = cov_ops.global_top_k(covs, masks, k, dp_group)
-    else:  # ppo_clip selects nothing; the global Cov still feeds its metrics
+    else:  # no Cov rule selects nothing; the global Cov still feeds its metrics
         selected = [torch.zeros_like(m, dtype=torch.bool) for m in masks]
     return [TokenSelection(sel, cov) for sel, cov in zip(selected, covs)]

@@ -13,7 +13,15 @@ from typing import Literal, Optional
 
 from megatron_entropy.settings import SettingError, Settings, setting
 
-LossName = Literal["ppo_clip", "clip_cov", "kl_cov"]
+LossName = Literal["ppo_clip", "clip_cov", "kl_cov", "gspo", "gmpo", "cispo", "sapo", "ce_gppo",
+                   "dppo_tv", "dppo_kl", "gpg"]
+CovModifier = Literal["none", "clip_cov", "kl_cov"]
+AdvantageName = Literal["grpo", "drgrpo", "rloo", "reinforce_plus_plus",
+                        "reinforce_plus_plus_baseline", "opo", "grpo_passk", "remax"]
+# Their ratio and clip decision span the whole response: a token's term is not its own, so Cov
+# selection (a per-token rule) is not defined on them.
+SEQUENCE_LOSSES = ("gspo", "gmpo")
+COV_LOSSES = ("clip_cov", "kl_cov")
 AggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
 KlType = Literal["k1", "abs", "k3"]
 AGG_MODES = typing.get_args(AggMode)
@@ -36,6 +44,17 @@ class PolicyLossSettings(Settings):
     kl_cov_ratio: float = setting(2e-3, gt=0, le=1, help="fraction of tokens KL-penalised by "
                                                          "KL-Cov")
     kl_cov_coef: float = setting(1.0, ge=0)
+    cov_modifier: CovModifier = setting(
+        "none", help="Clip-Cov's detach or KL-Cov's penalty on top of a token-level loss "
+                     "(clip_cov_*/kl_cov_* settings); not for gspo, gmpo, clip_cov, kl_cov")
+    sapo_tau_pos: float = setting(1.0, gt=0, help="sapo: gate temperature where A > 0")
+    sapo_tau_neg: float = setting(1.05, gt=0, help="sapo: gate temperature where A <= 0")
+    ce_gppo_beta1: float = setting(0.75, ge=0, help="ce_gppo: gradient scale of A < 0 tokens "
+                                                    "below 1 - clip_ratio_low")
+    ce_gppo_beta2: float = setting(1.0, ge=0, help="ce_gppo: gradient scale of A > 0 tokens "
+                                                   "above 1 + clip_ratio_high")
+    dppo_ratio_cap: float = setting(20.0, ge=1, help="dppo_tv/dppo_kl: cap of the detached IS "
+                                                     "ratio")
     loss_agg_mode: AggMode = "token-mean"
     entropy_coef: float = setting(0.0, ge=0)
     kl_coef: float = setting(0.0, ge=0, help="> 0 loads a frozen reference model")
@@ -46,6 +65,20 @@ class PolicyLossSettings(Settings):
         if self.clip_cov_lb >= self.clip_cov_ub:
             raise SettingError("clip_cov_lb", f"{self.clip_cov_lb} must be below clip_cov_ub "
                                               f"({self.clip_cov_ub})")
+        if self.cov_modifier != "none" and self.loss in SEQUENCE_LOSSES + COV_LOSSES:
+            why = ("its ratio and clip decision span the whole response, so no token's term is "
+                   "its own to detach or penalise" if self.loss in SEQUENCE_LOSSES else
+                   "it already selects by Cov")
+            raise SettingError("cov_modifier", f"{self.cov_modifier} cannot modify the "
+                               f"{self.loss} loss: {why}; use a token-level loss (ppo_clip, "
+                               "cispo, sapo, ce_gppo, dppo_tv, dppo_kl, gpg)")
+
+    @property
+    def cov_rule(self) -> Optional[str]:
+        """Which Cov selection this loss runs: clip_cov, kl_cov or None."""
+        if self.loss in COV_LOSSES:
+            return self.loss
+        return None if self.cov_modifier == "none" else self.cov_modifier
 
 
 @dataclass

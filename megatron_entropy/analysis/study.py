@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -38,6 +37,7 @@ from typing import Any, Optional
 from megatron_entropy.analysis.plots import read_metrics
 from megatron_entropy.analysis.study_settings import StudyConfig
 from megatron_entropy.config import Config, ConfigError, load_config
+from megatron_entropy.runtime.files import write_text_atomic
 from megatron_entropy.trainer.checkpoint import CheckpointManager
 
 RUN_STATE_FILE = "study_run.json"
@@ -184,10 +184,8 @@ def read_run_state(run: StudyRun) -> Optional[dict]:
 
 def write_run_state(run: StudyRun, state: dict) -> None:
     """Record ``state`` as the run's study_run.json, atomically."""
-    path = run.run_dir / RUN_STATE_FILE
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(state, indent=1, default=str))
-    os.replace(tmp, path)
+    write_text_atomic(run.run_dir / RUN_STATE_FILE, json.dumps(state, indent=1, default=str),
+                      (run.run_dir / RUN_STATE_FILE).with_suffix(".tmp"))
 
 
 def _differences(old: dict, new: dict) -> str:

@@ -219,7 +219,24 @@ def summarize(plan: StudyPlan, results: Sequence[RunResult]) -> dict:
                "sweeps": sweeps, "runs": per_run,
                "wall_s": sum(r.wall_s for r in results), "n_runs": len(results)}
     summary["targets"] = targets(summary, plan)
+    summary["notes"] = study_notes(plan)
     return summary
+
+
+def study_notes(plan: StudyPlan) -> list[str]:
+    """What keeps the comparison from meaning what it seems to: arms whose runs update fully
+    on-policy, where the Cov losses cannot act."""
+    on_policy = sorted({run.arm() for run in plan.runs if run.arm() is not None
+                        and run.config.trainer.mini_batches_per_step
+                        * run.config.trainer.ppo_epochs == 1})
+    if not on_policy:
+        return []
+    return [f"{', '.join(on_policy)}: one update per rollout batch (trainer.mini_batches_per_step"
+            "=1, trainer.ppo_epochs=1), so every update is on-policy: log p equals the old log p "
+            "where the loss is taken, KL-Cov's |log p - old log p| penalty has zero gradient and "
+            "the PPO clip never acts; KL-Cov trains exactly as GRPO does and Clip-Cov differs "
+            "only by the tokens it detaches. Set trainer.mini_batches_per_step >= 2 to compare "
+            "them."]
 
 
 # ------------------------------------------------------------------------------ targets
@@ -338,6 +355,8 @@ def render_report(summary: dict, figures: dict[str, Path]) -> str:
         f"`{summary['performance_key']}` against `entropy/seq_mean` at the same steps.", "",
         "## Targets", "", "| target | measured | status |", "| --- | --- | --- |"]
     lines += [f"| {t['target']} | {t['measured']} | {t['status']} |" for t in summary["targets"]]
+    if summary.get("notes"):
+        lines += ["", "## Notes", "", *(f"- {note}" for note in summary["notes"])]
     lines += ["", "## Losses", "",
               "| arm | loss | seeds | entropy start | entropy end | reward start | reward end | "
               "val start | val end | R^2 | ceiling b - a [95% interval] | early |error| | "

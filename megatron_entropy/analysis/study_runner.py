@@ -4,7 +4,6 @@ figures). The module of the study's process, above the plan, the report and the 
 
 from __future__ import annotations
 
-import fcntl
 import functools
 import json
 import os
@@ -22,6 +21,7 @@ from megatron_entropy.analysis.study import (RUN_LOG_FILE, StudyError, StudyPlan
                                              write_run_state)
 from megatron_entropy.analysis.study_plots import plot_study
 from megatron_entropy.analysis.study_report import load_results, render_report, summarize
+from megatron_entropy.runtime import run_lock
 from megatron_entropy.runtime.processes import die_with_parent
 from megatron_entropy.trainer.preemption import PREEMPTED_EXIT_CODE
 
@@ -46,20 +46,6 @@ class _Interrupt:
             signal.signal(sig, handler)
 
 
-def _lock(out: Path, echo: Callable[[str], None]) -> int:
-    fd = os.open(out / "study.lock", os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 64, 0).decode(errors="replace").strip()
-        echo(f"{out} is held by another study (pid {holder or '?'}), or by a run a killed study "
-             "started that is finishing its step; waiting for it")
-        fcntl.flock(fd, fcntl.LOCK_EX)
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, str(os.getpid()).encode(), 0)
-    return fd
-
-
 def _tail(path: Path, lines: int = 15) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
@@ -77,7 +63,7 @@ def _summary_line(run: StudyRun) -> str:
     return f" ({', '.join(parts)})" if parts else ""
 
 
-def _train(run: StudyRun, config_path: str, lock_fd: int, interrupt: _Interrupt
+def _train(run: StudyRun, config_path: str, lock_fd: Optional[int], interrupt: _Interrupt
            ) -> tuple[int, float]:
     cmd = [sys.executable, "-m", "megatron_entropy.cli", "train", config_path, *run.overrides]
     start = time.perf_counter()
@@ -86,7 +72,8 @@ def _train(run: StudyRun, config_path: str, lock_fd: int, interrupt: _Interrupt
         log.flush()
         # The lock's descriptor goes with the run: the lock is free only when both have ended.
         # SIGTERM when the study dies: the run checkpoints at the end of its step and exits.
-        child = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, pass_fds=(lock_fd,),
+        child = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                 pass_fds=() if lock_fd is None else (lock_fd,),
                                  preexec_fn=functools.partial(die_with_parent, signal.SIGTERM,
                                                               os.getpid()))
         interrupt.child = child
@@ -101,7 +88,8 @@ def execute(plan: StudyPlan, echo: Callable[[str], None] = print) -> int:
     """Run every run of the plan that has not finished, then write the report. Returns 0, or
     75 when interrupted (run the same command again to go on)."""
     plan.out.mkdir(parents=True, exist_ok=True)
-    lock_fd = _lock(plan.out, echo)
+    # Another study of this folder, or a run a killed study started that still finishes its step.
+    lock_fd = run_lock.acquire(plan.out / "study.lock", "study folder", wait=echo)
     interrupt = _Interrupt()
     try:
         total = len(plan.runs)
@@ -148,7 +136,7 @@ def execute(plan: StudyPlan, echo: Callable[[str], None] = print) -> int:
         return 0
     finally:
         interrupt.restore()
-        os.close(lock_fd)
+        run_lock.release(lock_fd)
 
 
 def write_report(plan: StudyPlan) -> Path:

@@ -15,7 +15,8 @@ from megatron_entropy.config.schema import (AlgorithmConfig, AnalysisConfig, Ari
                                             ClusterConfig, Config, DataConfig,
                                             EntropyControlConfig, LoggingConfig, ModelConfig,
                                             ParallelConfig, RewardConfig, RolloutConfig,
-                                            ServerConfig, SumsConfig, TrainerConfig)
+                                            ServerConfig, SumsConfig, TrainerConfig,
+                                            WeightCheckConfig)
 from megatron_entropy.config.validation import validate
 from megatron_entropy.settings import ConfigError
 
@@ -23,4 +24,4 @@ __all__ = ["AlgorithmConfig", "AnalysisConfig", "ArithmeticConfig", "ClusterConf
            "ConfigError", "DataConfig", "EntropyBonusSweep", "EntropyControlConfig",
            "LoggingConfig", "ModelConfig", "ParallelConfig", "RewardConfig", "RolloutConfig",
            "ServerConfig", "StudyConfig", "StudyLoss", "SumsConfig", "ThresholdSweep",
-           "TrainerConfig", "load_config", "parse_overrides", "validate"]
+           "TrainerConfig", "WeightCheckConfig", "load_config", "parse_overrides", "validate"]

@@ -12,7 +12,7 @@ import difflib
 import types
 import typing
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Any, Hashable, Literal, Optional, Union
 
 import yaml
 
@@ -63,6 +63,8 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
         (item,) = typing.get_args(tp)
         return [_coerce(v, item, f"{path}[{i}]") for i, v in enumerate(value)]
     if dataclasses.is_dataclass(tp):
+        if isinstance(value, bool) and "enabled" in {f.name for f in dataclasses.fields(tp)}:
+            raise ConfigError(f"{path} is a section: set {path}.enabled={str(value).lower()}")
         if not isinstance(value, dict):
             raise ConfigError(f"{path}: expected a mapping (section), got {value!r}")
         return _build(tp, value, path)
@@ -92,6 +94,9 @@ def _build(cls: type, data: dict, prefix: str) -> Any:
     kwargs = {}
     for key, value in data.items():
         path = f"{prefix}.{key}" if prefix else str(key)
+        moved = getattr(cls, "MOVED_KEYS", {}).get(key)
+        if moved is not None:
+            raise ConfigError(f"config key {path!r} is now {prefix + '.' + moved!r}")
         if key not in fields:
             close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.6)
             hint = f"; did you mean {(prefix + '.' if prefix else '') + close[0]!r}?" if close else ""
@@ -147,6 +152,28 @@ def _floats_in_yaml(node: Any) -> Any:
     return node
 
 
+class DuplicateKeyError(yaml.YAMLError):
+    pass
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.safe_load, but a key given twice in one mapping is an error: PyYAML lets the later
+    value win silently, and a setting written twice is a mistake either way."""
+
+    def construct_mapping(self, node, deep=False):
+        first: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if not isinstance(key, Hashable):
+                continue  # refused by the constructor below, with its own message
+            if key in first:
+                raise DuplicateKeyError(f"key {key!r} appears twice in one mapping: line "
+                                        f"{first[key]} and line {line}")
+            first.setdefault(key, line)
+        return super().construct_mapping(node, deep)
+
+
 def load_config(path: Optional[Union[str, Path]] = None, overrides: Optional[list[str]] = None,
                 data: Optional[dict] = None) -> Config:
     """Build the config from a YAML file (or a dict), then apply dotted overrides."""
@@ -156,7 +183,9 @@ def load_config(path: Optional[Union[str, Path]] = None, overrides: Optional[lis
         if not p.is_file():
             raise ConfigError(f"config file {str(p)!r} does not exist")
         try:
-            loaded = yaml.safe_load(p.read_text())
+            loaded = yaml.load(p.read_text(), Loader=_UniqueKeyLoader)
+        except DuplicateKeyError as e:
+            raise ConfigError(f"config file {str(p)!r}: {e}") from None
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from None
         except UnicodeDecodeError as e:

@@ -13,10 +13,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Any, ClassVar, Literal, Optional, Union
 
 from megatron_entropy.algorithms.entropy_control import EntropyControlSettings, EntropyController
-from megatron_entropy.algorithms.settings import (PolicyLossSettings, RolloutCorrectionSettings,
+from megatron_entropy.algorithms.settings import (AdvantageName, PolicyLossSettings,
+                                                  RolloutCorrectionSettings,
                                                   TokenRuleSettings, check_token_rules)
 from megatron_entropy.analysis.study_settings import StudyConfig
 from megatron_entropy.runtime.dtypes import DTYPE_ALIASES, DtypeName
@@ -111,7 +112,33 @@ class ServerConfig(Settings):
 
 
 @dataclass
+class WeightCheckConfig(Settings):
+    """Does the engine hold the trainer's weights? A probe at the first contact and after every
+    sync, and each step's recompute of the rollout tokens (trainer/weight_check.py)."""
+
+    enabled: bool = _f(True, help="check at the first contact and after every weight sync; stop "
+                                  "the run if the engine's log-probs disagree with the actor's")
+    prompts: int = _f(8, ge=1, help="probe: the first k training prompts")
+    tokens: int = _f(32, ge=1, help="probe: tokens the engine generates per prompt")
+    tolerance: Optional[float] = _f(
+        None, gt=0, help="largest mean |engine - actor| log-prob (nats) accepted, on the probe "
+                         "and on each step's rollout tokens; null = derived from the engine's "
+                         "and the actor's dtypes")
+    quantile: float = _f(0.99, gt=0, lt=1, help="the high quantile of |engine - actor| per "
+                                                "token also held to a tolerance")
+    quantile_tolerance: Optional[float] = _f(
+        None, gt=0, help="largest accepted value of that quantile (nats); null = derived from "
+                         "the dtypes")
+
+
+@dataclass
 class RolloutConfig(Settings):
+    # Keys that became part of a section: where they are now (load_config says so).
+    MOVED_KEYS: ClassVar[dict[str, str]] = {
+        "weight_check_prompts": "weight_check.prompts",
+        "weight_check_tokens": "weight_check.tokens",
+        "weight_check_tolerance": "weight_check.tolerance"}
+
     engine: Literal["inprocess", "vllm", "sglang"] = "inprocess"
     n_samples: int = _f(8, ge=1, help="responses per prompt (group size)")
     temperature: float = _f(1.0, gt=0)
@@ -134,14 +161,7 @@ class RolloutConfig(Settings):
     weight_sync_bucket_mb: int = _f(512, ge=1, help=(
         "weight sync: tensors a pipeline stage streams at a time (broadcast buckets, and what "
         "later stages relay to the in-process engine); a bigger tensor goes alone"))
-    weight_check: bool = _f(True, help="after every weight sync and at the first contact, score "
-                                       "a fixed probe on the engine and the actor; stop if they "
-                                       "disagree")
-    weight_check_prompts: int = _f(4, ge=1, help="probe: the first k training prompts")
-    weight_check_tokens: int = _f(8, ge=1, help="probe: tokens the engine generates per prompt")
-    weight_check_tolerance: Optional[float] = _f(
-        None, gt=0, help="probe: largest mean |engine - actor| log-prob (nats) accepted; null = "
-                         "derived from the engine's and the actor's dtypes")
+    weight_check: WeightCheckConfig = _f(default_factory=WeightCheckConfig)
     max_staleness: int = _f(0, ge=0, help="server engines: > 0 generates the next steps' "
                                           "rollouts while a step trains, on weights at most "
                                           "this many updates old (older samples are dropped); "
@@ -170,7 +190,7 @@ class AlgorithmConfig(PolicyLossSettings):
     """The policy loss's settings (algorithms/settings.py: loss, clip ranges, Clip-Cov/KL-Cov,
     regularisers, aggregation), the advantage and the actor's log-prob and Cov-scope keys."""
 
-    advantage: Literal["grpo", "drgrpo", "rloo"] = "grpo"
+    advantage: AdvantageName = "grpo"
     norm_adv_by_std: bool = _f(True, help="GRPO: divide by the group std (+1e-6)")
     cov_scope: Literal["micro_batch", "global"] = _f(
         "micro_batch", help="micro_batch = paper code/verl; global = the whole optimizer step")
@@ -198,7 +218,7 @@ class AlgorithmConfig(PolicyLossSettings):
         if not c.enabled:
             return
         try:
-            c.check(self.loss, vocab_size)
+            c.check(self.cov_rule or self.loss, vocab_size)
             EntropyController(c, getattr(self, c.knob))
         except SettingError as e:
             raise SettingError(f"entropy_control.{e.setting}", e.message) from None
@@ -273,10 +293,14 @@ class RewardConfig(Settings):
                                     "path/to/file.py:function")
     workers: int = _f(1, ge=0, help="processes that score in parallel; 0 or 1 = in the process "
                                     "that generated the responses")
-    timeout_s: float = _f(60.0, gt=0, help="limit of one call (one response; batched: one "
+    timeout_s: float = _f(10.0, gt=0, help="limit of one call (one response; batched: one "
                                            "list); an overrun, like an exception, gives "
-                                           "failure_value")
+                                           "failure_value. A rule-based check takes "
+                                           "milliseconds; raise it for a slow or batched one")
     failure_value: float = _f(0.0, help="the reward of a response whose call failed")
+    max_consecutive_failures: int = _f(
+        256, ge=0, help="stop the run when this many responses in a row got failure_value (a "
+                         "reward that always fails trains on nothing); 0 = never stop")
 
 
 @dataclass
@@ -304,7 +328,9 @@ class TrainerConfig(Settings):
     seed: int = 42
     save_interval: int = _f(0, ge=0, help="steps between checkpoints; 0 = only at the end")
     keep_last: int = _f(2, ge=1)
-    resume: str = _f("auto", help="'auto' (latest in the run dir), 'none', or a checkpoint folder")
+    resume: str = _f("auto", aliases={"None": "none", "NONE": "none", "Auto": "auto"},
+                     help="'auto' (latest in the run dir), 'none', or a checkpoint: its folder, "
+                          "a checkpoints/ folder (its latest) or a run folder")
     val_interval: int = _f(0, ge=0, help="steps between validations; 0 = never")
     val_before_train: bool = False
     exit_duration_minutes: float = _f(0.0, ge=0, help=(

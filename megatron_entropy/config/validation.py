@@ -15,6 +15,10 @@ def validate(cfg: Config) -> None:
                           f"{r.max_prompt_tokens} + {r.max_new_tokens} = "
                           f"{r.max_prompt_tokens + r.max_new_tokens}; raise model.seq_length or "
                           "lower those")
+    if cfg.algorithm.advantage == "grpo_passk" and r.n_samples < 2:
+        raise ConfigError(f"algorithm.advantage=grpo_passk needs rollout.n_samples >= 2 (the "
+                          f"gap between a prompt's best and second-best reward); got "
+                          f"{r.n_samples}")
     if r.max_staleness > 0 and r.engine == "inprocess":
         raise ConfigError(f"rollout.max_staleness={r.max_staleness} needs a server engine "
                           "(rollout.engine=vllm or sglang); rollout.engine=inprocess shares "

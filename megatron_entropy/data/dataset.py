@@ -21,6 +21,7 @@ from transformers import AutoTokenizer
 from megatron_entropy.config import ArithmeticConfig, DataConfig, SumsConfig
 from megatron_entropy.data.arithmetic import train_val_problems
 from megatron_entropy.data.sums import train_val_sum_problems
+from megatron_entropy.models.tokenizer_files import tokenizer_problem
 
 # Both splits come from one generation (the validation problems are drawn apart from the
 # training ones): a run that loads its train and val splits generates them once.
@@ -131,7 +132,11 @@ def read_rows(path: Union[str, Path], prompt_key: str = "prompt", answer_key: st
         prompt = _lookup(record, prompt_key)
         if isinstance(prompt, list):
             prompt = _check_messages(prompt, where, prompt_key)
-        if not prompt or not isinstance(prompt, (str, list)):
+        if prompt is not None and not isinstance(prompt, (str, list)):
+            raise DatasetError(f"{where}: the prompt under {prompt_key!r} (data.prompt_key) is "
+                               f"{type(prompt).__name__} {prompt!r}, not text or a list of "
+                               "messages")
+        if not prompt:
             raise DatasetError(f"{where}: row has no prompt under {prompt_key!r} "
                                f"(data.prompt_key); its keys are {sorted(record)}")
         answer = _lookup(record, answer_key)
@@ -254,7 +259,11 @@ class PromptDataset(Sequence[PromptItem]):
 
 
 def load_tokenizer(hf_dir: Union[str, Path]) -> Any:
-    """The tokenizer of an HF model folder, offline."""
+    """The tokenizer of an HF model folder, offline; DatasetError naming the missing file where
+    the folder has none (transformers would build an empty one)."""
+    problem = tokenizer_problem(hf_dir)
+    if problem:
+        raise DatasetError(problem)
     return AutoTokenizer.from_pretrained(str(hf_dir), local_files_only=True)
 
 
@@ -286,11 +295,17 @@ def load_prompt_dataset(data: DataConfig, tokenizer: Any, max_prompt_tokens: int
 
 
 def data_notes(train: PromptDataset, val: PromptDataset, prompts_per_step: int,
-               max_prompt_tokens: int) -> tuple[list[str], dict[str, float]]:
+               max_prompt_tokens: int, validation_asked: str = ""
+               ) -> tuple[list[str], dict[str, float]]:
     """What the data settings change without an error: warnings for the console, and the
     metrics that record it (``data/dropped_overlong``, ``data/val_dropped_overlong``,
-    ``data/prompt_repeats_per_step``: how often one prompt is drawn in a step)."""
+    ``data/prompt_repeats_per_step``: how often one prompt is drawn in a step).
+    ``validation_asked``: the setting that asks for validation (``trainer.val_interval=4``), if
+    one does; with no validation prompt it is said that none will run."""
     notes = []
+    if validation_asked and not len(val):
+        notes.append(f"{validation_asked}, but there are no validation prompts (data.train_files "
+                     "without data.val_files): no validation runs; set data.val_files")
     for name, ds in (("train", train), ("validation", val)):
         if ds.dropped_overlong:
             notes.append(f"data.overlong_prompts=drop: dropped {ds.dropped_overlong} of "

@@ -28,6 +28,7 @@ import re
 from pathlib import Path
 
 from megatron_entropy.runtime.dtypes import DTYPES
+from megatron_entropy.runtime.harmless import silence_harmless_warnings
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20,
           "gib": 2**30}
@@ -83,6 +84,7 @@ def run_convert(args: argparse.Namespace) -> int:
     """The exit code of run_conversion: 0, 2 for bad input, 130 when interrupted."""
     # Before torch loads: with no GPU visible the model is described on the meta device only.
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    silence_harmless_warnings()  # the megatron-core notes `train` hides
     # Here, not at the top: `megatron-entropy --help` and the other commands start without torch.
     from megatron_entropy.models.megatron_checkpoint import (convert_checkpoint_to_hf,
                                                              convert_hf_to_checkpoint,

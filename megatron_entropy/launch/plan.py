@@ -43,6 +43,10 @@ SERVER_MEMORY_FRACTION = 0.9  # vLLM's gpu_memory_utilization / SGLang's mem_fra
 SERVER_WORKSPACE = 2 * GiB  # CUDA graphs, sampler and activation workspace of a server
 RUNTIME_OVERHEAD = 2 * GiB  # CUDA context, NCCL buffers
 TRAINER_MEMORY_LIMIT = 0.9  # refuse above this share of the GPU: the estimate is not exact
+# Trainer GPUs per rollout-server GPU above which a layout waits on its rollouts: generating
+# long reasoning responses takes most of an RL step even on as many GPUs as the update (the
+# recipes split their nodes 1:1), so a few times fewer server GPUs leave the trainer idle.
+ROLLOUT_BOUND_RATIO = 4
 
 # What the two Qwen3-MoE models' config.json files share.
 _QWEN3_MOE = dict(architectures=["Qwen3MoeForCausalLM"], vocab_size=151936, num_key_value_heads=4,
@@ -198,6 +202,7 @@ class Plan:
     server_kv_tokens: int = 0
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)  # fits, but wastes GPUs
 
     @property
     def fits(self) -> bool:
@@ -317,6 +322,14 @@ def make_plan(cfg: Config, arch: ModelArch, nodes: int, arch_source: str = "") -
                 f"{lay.num_servers} servers hold {in_flight_seqs} full-length sequences at once "
                 f"for a rollout batch of {batch}"
                 + ("" if in_flight_seqs >= batch else " (generated in waves)"))
+        server_gpus = lay.num_servers * c.server_gpus
+        if lay.trainer_tasks > ROLLOUT_BOUND_RATIO * server_gpus:
+            plan.warnings.append(
+                f"rollout-bound: {lay.trainer_tasks} trainer GPUs wait on {server_gpus} rollout "
+                f"server GPUs ({lay.trainer_tasks / server_gpus:.0f} to 1; above "
+                f"{ROLLOUT_BOUND_RATIO} to 1 generation leaves the trainer idle most of each "
+                f"step): raise cluster.server_nodes (e.g. {nodes // 2}, the recipes' 1:1 "
+                "split) or run on fewer nodes")
     mini = t.mini_batches_per_step
     batch_seqs = cfg.data.prompts_per_step * r.n_samples
     if batch_seqs % (plan.data_parallel * mini):
@@ -354,6 +367,7 @@ def format_plan(plan: Plan) -> str:
         lines += [f"  {name:<58} {b / GiB:8.2f} GiB" for name, b in plan.server]
         lines.append(f"  KV capacity per server: {plan.server_kv_tokens:,} tokens")
     lines += [f"note: {n}" for n in plan.notes]
+    lines += [f"warning: {w}" for w in plan.warnings]
     if plan.fits:
         lines.append("verdict: fits")
     else:
@@ -392,14 +406,12 @@ def run(args: argparse.Namespace) -> int:
         overrides.append(f"cluster.gpus_per_node={args.gpus_per_node}")
     if args.gpu_memory_gb is not None:
         overrides.append(f"cluster.gpu_memory_gb={args.gpu_memory_gb}")
-    try:
-        if args.nodes is None or args.nodes < 1:
-            raise ConfigError(f"--nodes must be given and >= 1 (got {args.nodes})")
-        cfg = load_config(args.config, overrides)
-        arch, source = resolve_arch(cfg, args.model_config)
-    except (ConfigError, UnsupportedModelError, FileNotFoundError) as e:
-        print(f"error: {e}")
-        return 1
+    # Bad input is raised: one line and exit 2, as every command reports it (cli.py); a
+    # layout that does not fit is printed with the plan and exits 1.
+    if args.nodes is None or args.nodes < 1:
+        raise ConfigError(f"--nodes must be given and >= 1 (got {args.nodes})")
+    cfg = load_config(args.config, overrides)
+    arch, source = resolve_arch(cfg, args.model_config)
     plan = make_plan(cfg, arch, args.nodes, source)
     print(format_plan(plan))
     return 0 if plan.fits else 1

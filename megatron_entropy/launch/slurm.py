@@ -28,10 +28,8 @@ import shlex
 import signal
 import socket
 import struct
-import subprocess
 import sys
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,8 +37,9 @@ from typing import Callable, Optional, Sequence
 
 from megatron_entropy.config import Config, ConfigError, load_config
 from megatron_entropy.runtime.launch_env import (ParallelLayoutError, check_layout,
-                                                 expand_nodelist, read_urls_file,
+                                                 expand_nodelist, healthy, read_urls_file,
                                                  server_environment)
+from megatron_entropy.runtime.files import write_text_atomic
 from megatron_entropy.runtime.processes import die_with_parent
 
 
@@ -196,28 +195,13 @@ def write_url(urls_dir: os.PathLike, index: int, url: str) -> Path:
     """Publish one server's URL atomically (readers never see half a line)."""
     d = Path(urls_dir)
     d.mkdir(parents=True, exist_ok=True)
-    tmp = d / f".{index}.tmp"
-    tmp.write_text(url + "\n")
-    final = d / str(index)
-    os.replace(tmp, final)
-    return final
+    return write_text_atomic(d / str(index), url + "\n")
 
 
 def write_urls_file(path: os.PathLike, urls: Sequence[str]) -> Path:
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(f".{p.name}.tmp")
-    tmp.write_text("".join(u + "\n" for u in urls))
-    os.replace(tmp, p)
-    return p
-
-
-def healthy(url: str, timeout: float = 5.0) -> bool:
-    try:
-        with urllib.request.urlopen(url.rstrip("/") + "/health", timeout=timeout) as r:
-            return r.status == 200
-    except OSError:
-        return False
+    return write_text_atomic(p, "".join(u + "\n" for u in urls))
 
 
 def all_healthy(urls: Sequence[str], timeout: float = 5.0) -> bool:
@@ -361,6 +345,9 @@ def serve(cfg: Config, urls_dir: os.PathLike, task: int, local_id: int,
     returns 0 then. SIGTERM and SIGUSR1 are ignored (preemption and the time-limit warning are the
     trainer's to act on). Any other end of the server is a failure (non-zero).
     """
+    # Here, not at the top: the server modules import torch (see server_command).
+    from megatron_entropy.rollout.server.process import signal_group, start_process
+
     s = cfg.rollout.server
     port = s.base_port + local_id
     node = node or os.environ.get("SLURMD_NODENAME") or socket.gethostname()
@@ -380,14 +367,14 @@ def serve(cfg: Config, urls_dir: os.PathLike, task: int, local_id: int,
 
     for sig in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, ignored)
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True,
-                            preexec_fn=functools.partial(_server_process_setup, os.getpid()))
+    proc = start_process(cmd, {}, None, "slurm task", f"server task {task}", env=env,
+                         preexec_fn=functools.partial(_server_process_setup, os.getpid()))
     stop_requested: list[float] = []
 
     def stop(signum: Optional[int], frame: object) -> None:
         if not stop_requested:
             stop_requested.append(time.monotonic())
-            _signal_group(proc, signal.SIGINT)
+            signal_group(proc, signal.SIGINT)
 
     signal.signal(STOP_SIGNAL, stop)
     signal.signal(signal.SIGINT, stop)
@@ -398,7 +385,7 @@ def serve(cfg: Config, urls_dir: os.PathLike, task: int, local_id: int,
         while proc.poll() is None:
             if stop_requested:
                 if time.monotonic() - stop_requested[0] > SERVER_STOP_GRACE_S:
-                    _signal_group(proc, signal.SIGKILL)
+                    signal_group(proc, signal.SIGKILL)
             elif not published and healthy(url):
                 write_url(urls_dir, task, url)
                 print(f"[serve {task}] ready at {url}", flush=True)
@@ -410,19 +397,12 @@ def serve(cfg: Config, urls_dir: os.PathLike, task: int, local_id: int,
                 stop(None, None)
             time.sleep(0.5)
     finally:
-        _signal_group(proc, signal.SIGKILL)  # whatever of the server's group is left
+        signal_group(proc, signal.SIGKILL)  # whatever of the server's group is left
         proc.wait()
     if stop_requested and not timed_out:
         return 0
     print(f"[serve {task}] the server exited with {proc.returncode}", flush=True)
     return proc.returncode if proc.returncode and proc.returncode > 0 else 1
-
-
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(proc.pid, sig)
-    except ProcessLookupError:
-        pass
 
 
 # ------------------------------------------------------------------------------------- CLI

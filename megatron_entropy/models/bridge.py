@@ -45,6 +45,10 @@ from megatron_entropy.models.sharding import (ep_gather_experts, expert_offset,
 Kind = Literal["copy", "qkv", "glu", "vocab"]
 
 
+class NonFiniteWeightError(ValueError):
+    """Initial weights with a NaN or an infinity; the message names the first such tensor."""
+
+
 @dataclass(frozen=True)
 class WeightMap:
     """One Megatron parameter and the HF tensors it is made of (in the order ``kind`` uses)."""
@@ -335,6 +339,10 @@ def load_hf_weights(model, hf_dir: Union[str, Path], arch: ModelArch) -> None:
         if shard.shape != param.shape:
             raise ValueError(f"{wm.megatron}: the HF tensors give a shard of shape "
                              f"{tuple(shard.shape)}, but the parameter is {tuple(param.shape)}")
+        if shard.is_floating_point() and not torch.isfinite(shard).all():
+            raise NonFiniteWeightError(
+                f"model.hf_path: {files[wm.hf[0]]}: tensor {' + '.join(wm.hf)} holds NaN or "
+                "inf (the first such tensor of the model): the weights are damaged")
         param.copy_(shard)
 
 

@@ -155,6 +155,11 @@ def load_model_weights(model, ckpt_dir: Union[str, Path]) -> None:
     if missing or unexpected:
         raise CheckpointError(f"{ckpt_dir}: state dict mismatch, missing {missing[:3]}, "
                               f"unexpected {unexpected[:3]}")
+    bad = next((name for name, p in module.named_parameters()
+                if p.is_floating_point() and not torch.isfinite(p).all()), None)
+    if bad is not None:
+        raise CheckpointError(f"{ckpt_dir}: tensor {bad} holds NaN or inf (the first such "
+                              "tensor of the model): the weights are damaged")
 
 
 # ------------------------------------------------------------------------- conversion helpers

@@ -68,6 +68,7 @@ class RewardScorer:
         self.config = config
         self.reward = resolve_reward(config.function)
         self._failures = 0
+        self._in_a_row = 0  # responses that failed since the last that did not
         self._warned = False
         self._workers: list[LineProcess] = []
         if config.workers > 1 and self.reward.worker_spec is None:
@@ -96,7 +97,9 @@ class RewardScorer:
             if isinstance(outcome, str):
                 self._failed(outcome, hi - lo)
                 rewards += [self.config.failure_value] * (hi - lo)
-            elif isinstance(outcome, list):
+                continue
+            self._in_a_row = 0
+            if isinstance(outcome, list):
                 rewards += outcome
             else:
                 rewards.append(outcome)
@@ -206,6 +209,15 @@ class RewardScorer:
 
     def _failed(self, why: str, responses: int) -> None:
         self._failures += responses
+        self._in_a_row += responses
+        limit = self.config.max_consecutive_failures
+        if limit and self._in_a_row >= limit:
+            # A reward that never succeeds trains on failure_value alone: a bug to fix, not a
+            # run to go on with.
+            raise self._bad_result(
+                f"failed on each of the last {self._in_a_row} responses (the latest: {why}); "
+                "the run stops (reward.max_consecutive_failures="
+                f"{limit}; 0 never stops)")
         if not self._warned:
             self._warned = True
             log.warning("%s=%r: a call failed (%s); its %d response(s) get reward.failure_value="

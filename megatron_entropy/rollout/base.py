@@ -60,6 +60,12 @@ class RolloutEngine(abc.ABC):
     _tokens: int = 0
     _seconds: float = 0.0
 
+    @property
+    @abc.abstractmethod
+    def logprob_dtype(self) -> str:
+        """The dtype the engine computes its log-probs in (a key of runtime.dtypes.DTYPES): what
+        the weight check's tolerance is derived from."""
+
     @abc.abstractmethod
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[list[Completion]]:
         """``sampling.n`` completions for each prompt (token ids), in prompt order."""

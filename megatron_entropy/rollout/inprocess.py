@@ -116,6 +116,7 @@ class InProcessEngine(RolloutEngine):
                                     "needs a Hugging Face model folder")
         self.device = torch.device(device)
         self.batch_size = batch_size
+        self._dtype = dtype
         # transformers 4.56 renamed torch_dtype to dtype.
         dtype_kw = "dtype" if _version(transformers.__version__) >= (4, 56) else "torch_dtype"
         self.model = AutoModelForCausalLM.from_pretrained(
@@ -219,6 +220,10 @@ class InProcessEngine(RolloutEngine):
                                   finish_reason=reasons[s],
                                   meta={"weight_version": self.weight_version}))
         return out
+
+    @property
+    def logprob_dtype(self) -> str:
+        return self._dtype
 
     def generate(self, prompts: list[list[int]],
                  sampling: SamplingParams) -> list[list[Completion]]:

@@ -11,6 +11,7 @@ import re
 import resource
 import shutil
 import subprocess
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional
@@ -148,6 +149,15 @@ def server_environment(extra: Optional[Mapping[str, str]] = None,
     variables (RANK_VARIABLES), plus ``extra``."""
     env = os.environ if env is None else env
     return {**{k: v for k, v in env.items() if k not in RANK_VARIABLES}, **(extra or {})}
+
+
+def healthy(url: str, timeout: float = 5.0) -> bool:
+    """Whether the (rollout) server at ``url`` answers GET /health with 200 within ``timeout``."""
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/health", timeout=timeout) as r:
+            return r.status == 200
+    except OSError:
+        return False
 
 
 def raise_open_files_limit() -> tuple[int, int]:

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import signal
+import subprocess
 import sys
+import time
 from typing import Optional
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -26,3 +29,42 @@ def die_with_parent(sig: int = signal.SIGKILL, parent: Optional[int] = None) -> 
             raise OSError(errno, f"prctl(PR_SET_PDEATHSIG): {os.strerror(errno)}")
     if parent is not None and os.getppid() != parent:
         os._exit(1)
+
+
+# What the trainer's ranks handle (trainer/preemption.py: checkpoint, then exit 75); named here,
+# below the trainer, for the launcher that starts them.
+HELD_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
+
+
+def _start_held(parent: int) -> None:
+    signal.pthread_sigmask(signal.SIG_BLOCK, HELD_SIGNALS)
+    die_with_parent(signal.SIGKILL, parent)
+
+
+def start_held(cmd: list[str], **popen_kwargs) -> subprocess.Popen:
+    """Start ``cmd`` with HELD_SIGNALS blocked (the mask survives exec): one sent before the
+    child installs its handler waits for it, instead of killing the child by its default
+    action during start-up. The child dies with this process (SIGKILL)."""
+    return subprocess.Popen(cmd, preexec_fn=functools.partial(_start_held, os.getpid()),
+                            **popen_kwargs)
+
+
+def stop_all(procs: list[subprocess.Popen], grace_s: float) -> list[int]:
+    """End every process of ``procs`` still running: wait ``grace_s`` for them to end on their
+    own, then SIGTERM, ``grace_s`` more, then SIGKILL. Returns the indices of those that had to
+    be stopped (a rank in start-up only records a SIGTERM, so the SIGKILL is what ends it)."""
+    stopped: list[int] = []
+    for sig in (None, signal.SIGTERM, signal.SIGKILL):
+        running = [i for i, p in enumerate(procs) if p.poll() is None]
+        if not running:
+            break
+        if sig is not None:
+            stopped = stopped or running
+            for i in running:
+                procs[i].send_signal(sig)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and any(procs[i].poll() is None for i in running):
+            time.sleep(0.1)
+    for p in procs:
+        p.wait()
+    return stopped

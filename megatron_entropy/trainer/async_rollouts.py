@@ -179,7 +179,7 @@ class AsyncRollouts:
                  sampler: PromptSampler, sampling_params: Callable[[int], SamplingParams],
                  reward_fn, target_groups: int, dynamic_sampling: bool, max_refill_rounds: int,
                  max_staleness: int, first: int, last: int, rank0: bool,
-                 inflight_at_sync: str = "finish") -> None:
+                 inflight_at_sync: str = "finish", greedy_baseline: bool = False) -> None:
         self.sampler = sampler
         self.engine = engine
         self.max_staleness = max_staleness
@@ -196,7 +196,7 @@ class AsyncRollouts:
             local = generate_step_local(
                 engine, lambda n: [items[i] for i in draws.next_indices(n)],
                 sampling_params(step), reward_fn, target_groups, dynamic_sampling,
-                max_refill_rounds, between_rounds)
+                max_refill_rounds, between_rounds, greedy_baseline)
             local.sampler_state = draws.state_dict()
             # Reward failures of this step's scoring, logged with the step (validation takes
             # its own while the thread is held, so the two never mix).

@@ -23,6 +23,12 @@ class Sample:
     group: int  # index of the prompt within the step; samples of one prompt share it
     source: str
     advantage: float = 0.0
+    # Who generated it, for the weight check: the server's index (None: an in-process engine),
+    # the weight version of all its tokens (None: unknown or several), and whether the engine's
+    # log-probs are Completion.logprobs's (not renormalised over a top-p/top-k set).
+    server: Optional[int] = None
+    weight_version: Optional[str] = None
+    exact_logprobs: bool = True
     # Per response token, filled by the actor's forward-only passes.
     old_logprobs: Optional[torch.Tensor] = None
     ref_logprobs: Optional[torch.Tensor] = None

@@ -40,6 +40,7 @@ import torch.distributed as dist
 from megatron_entropy.models.megatron_checkpoint import (CheckpointError, check_checkpoint_files,
                                                          write_checkpoint_metadata)
 from megatron_entropy.models.sharding import unwrap_model
+from megatron_entropy.runtime.files import disk_error, write_text_atomic
 from megatron_entropy.runtime.processes import die_with_parent
 from megatron_entropy.trainer import preemption
 
@@ -167,6 +168,27 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(state["megatron_tracker"])
 
 
+def resume_checkpoint(resume: str, manager: "CheckpointManager") -> Optional[Path]:
+    """The checkpoint ``trainer.resume`` names: None for 'none', the newest intact one of the
+    run for 'auto', else a checkpoint folder, or a checkpoints/ folder or run folder standing
+    for its latest (as `convert` takes them); CheckpointError naming the setting if it is not
+    one."""
+    if resume == "none":
+        return None
+    if resume == "auto":
+        return manager.latest()
+    path = Path(resume)
+    for root in (path, path / "checkpoints"):
+        if (root / "latest").is_file():
+            path = root / (root / "latest").read_text().strip()
+            break
+    try:
+        verify_checkpoint(path)
+    except CheckpointError as e:
+        raise CheckpointError(f"trainer.resume={resume!r}: {e}") from None
+    return path
+
+
 class CheckpointManager:
     def __init__(self, run_dir: Path, keep_last: int = 2) -> None:
         self.root = Path(run_dir) / "checkpoints"
@@ -198,12 +220,26 @@ class CheckpointManager:
 
     def save(self, step: int, model_chunks: list, optimizer, trainer_state: dict[str, Any],
              arch, hf_dir: str) -> Path:
-        """Collective: every rank calls it. Returns the final checkpoint folder."""
+        """Collective: every rank calls it. Returns the final checkpoint folder. A write that
+        fails leaves nothing of this checkpoint behind; a full or unwritable disk is raised as
+        an OSError naming the path and the errno (runtime/files.py)."""
+        tmp = self.root / f".step_{step:08d}.tmp"
+        try:
+            return self._save(step, tmp, model_chunks, optimizer, trainer_state, arch, hf_dir)
+        except BaseException as e:  # torch's CheckpointException is a BaseException
+            problem = disk_error(e, tmp)  # before the partial files that fill the disk go
+            if _rank() == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            if problem is None:
+                raise
+            raise problem from e
+
+    def _save(self, step: int, tmp: Path, model_chunks: list, optimizer,
+              trainer_state: dict[str, Any], arch, hf_dir: str) -> Path:
         from megatron.core import dist_checkpointing
 
         name = f"step_{step:08d}"
         final = self.root / name
-        tmp = self.root / f".{name}.tmp"
         if _rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
@@ -230,9 +266,7 @@ class CheckpointManager:
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)
-            pointer_tmp = self.root / "latest.tmp"
-            pointer_tmp.write_text(name)
-            os.replace(pointer_tmp, self.root / "latest")
+            write_text_atomic(self.root / "latest", name, self.root / "latest.tmp")
             self._prune()
         _barrier()
         return final

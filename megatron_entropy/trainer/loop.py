@@ -37,8 +37,7 @@ from megatron_entropy.runtime.seeds import rollout_step_seed, validation_seed
 from megatron_entropy.trainer import preemption
 from megatron_entropy.trainer.actor import Actor
 from megatron_entropy.trainer.async_rollouts import AsyncRollouts
-from megatron_entropy.trainer.checkpoint import (CheckpointError, CheckpointManager,
-                                                 verify_checkpoint)
+from megatron_entropy.trainer.checkpoint import CheckpointManager, resume_checkpoint
 from megatron_entropy.trainer.drift import DriftTrend, drift_metrics
 from megatron_entropy.trainer.entropy_control import (build_controller, controller_state,
                                                       loss_knobs, restore_controller,
@@ -50,8 +49,8 @@ from megatron_entropy.trainer.preemption import PREEMPTED_EXIT_CODE
 from megatron_entropy.trainer.run_folder import save_run_config
 from megatron_entropy.trainer.rollouts import (collect_step_groups, generate_round,
                                                groups_to_samples, rollout_metrics)
-from megatron_entropy.trainer.weight_check import (check_engine_weights, engine_dtype,
-                                                   probe_sampling, probe_tolerance)
+from megatron_entropy.trainer.weight_check import (check_engine_weights, check_rollout_weights,
+                                                   probe_sampling, tolerances)
 from megatron_entropy.weight_sync import build_weight_sync
 
 
@@ -69,9 +68,9 @@ class RunState:
 
 
 class _SignalFlag:
-    """SIGUSR1/SIGTERM ask for a checkpoint, then exit 75. The handler (trainer/preemption.py)
-    is installed again here for callers of train() that did not install it first thing; a
-    request it recorded during start-up is kept."""
+    """SIGUSR1/SIGTERM/SIGINT ask for a checkpoint, then exit 75. The handler
+    (trainer/preemption.py) is installed again here for callers of train() that did not install
+    it first thing; a request it recorded during start-up is kept."""
 
     def __init__(self) -> None:
         preemption.install()
@@ -166,6 +165,7 @@ class Trainer:
                          cfg.parallel.timeout_minutes, socket_ifname=cfg.parallel.socket_ifname,
                          expert=cfg.parallel.expert)
         set_seed(cfg.trainer.seed)
+        self.signals = _SignalFlag()
         self.ps = ps
         self.roles = Roles.here(shared_engine=engine_is_shared(cfg.rollout.engine))
         self.reward = RewardScorer(cfg.reward)
@@ -192,9 +192,10 @@ class Trainer:
         self.val_data = load_prompt_dataset(cfg.data, self.tokenizer,
                                             cfg.rollout.max_prompt_tokens, "val")
         self.sampler = PromptSampler(len(self.train_data), cfg.data.shuffle, cfg.data.seed)
+        self._stop_if_asked()
 
         self.ckpt = CheckpointManager(self.run_dir, cfg.trainer.keep_last)
-        resume_from = self._resume_path()
+        resume_from = resume_checkpoint(cfg.trainer.resume, self.ckpt)
         sharded_optimizer = cfg.trainer.uses_distributed_optimizer(
             ps.get_data_parallel_world_size())
         replay = cfg.rollout.routing_replay == "recompute" and self.arch.is_moe
@@ -229,18 +230,28 @@ class Trainer:
             restore_controller(self.controller, saved)
             self.drift.restore(saved)
 
+        self._stop_if_asked()
         self.async_rollouts: Optional[AsyncRollouts] = None  # made by run() if max_staleness > 0
         # Rollout engine: per DP leader (in-process) or one set of servers for the job.
         self.engine = build_engine(cfg.rollout, self.hf_dir, self.run_dir) \
             if self.roles.talks_to_engine else None
         self.weight_sync = build_weight_sync(cfg.rollout, self.engine, self.hf_dir, self.run_dir)
+        # The weight check's tolerances, from the dtype the engine says it computes log-probs
+        # in (ranks without an engine learn it from those with one).
+        dtypes: list = [None] * dist.get_world_size()
+        dist.all_gather_object(dtypes, self.engine.logprob_dtype if self.engine else None)
+        w = cfg.rollout.weight_check
+        self.weight_check_limits = tolerances(next((d for d in dtypes if d), m.dtype), m.dtype,
+                                              w.tolerance, w.quantile_tolerance)
         self.logger = MetricsLogger(self.run_dir, cfg.trainer.steps, self.rank0, cfg.logging,
                                     cfg.to_dict(), start_step=self.state.step)
         if resume_from is not None:
             self.logger.write(f"resumed from {resume_from} at step {self.state.step}")
+        asked = (f"trainer.val_interval={cfg.trainer.val_interval}" if cfg.trainer.val_interval
+                 else "trainer.val_before_train=true" if cfg.trainer.val_before_train else "")
         notes, self.data_metrics = data_notes(self.train_data, self.val_data,
                                               cfg.data.prompts_per_step,
-                                              cfg.rollout.max_prompt_tokens)
+                                              cfg.rollout.max_prompt_tokens, asked)
         for note in notes:
             self.logger.write(f"warning: {note}")
         # The engine loaded hf_path's weights; anything else (a checkpoint, a converted
@@ -248,6 +259,7 @@ class Trainer:
         if resume_from is not None or m.megatron_ckpt:
             self.sync_weights(version=self.state.step)
         try:
+            self._stop_if_asked()
             first = self.check_engine_weights("at the first contact")
         except BaseException:
             if self.engine is not None:  # stop what it launched: no one else will
@@ -256,7 +268,6 @@ class Trainer:
         if first:
             self.logger.write(f"weight check at the first contact: mean |engine - trainer| "
                               f"{first['weight_check/drift_mean']:.2e} nats")
-        self.signals = _SignalFlag()
         self.clock = preemption.job_clock(cfg.trainer.exit_duration_minutes,
                                           cfg.trainer.exit_margin_s, started, self.rank0)
         self.saved_step = self.state.step if resume_from is not None else None
@@ -265,18 +276,16 @@ class Trainer:
 
     # ------------------------------------------------------------------ setup helpers
 
-    def _resume_path(self) -> Optional[Path]:
-        resume = self.cfg.trainer.resume
-        if resume == "none":
-            return None
-        if resume == "auto":
-            return self.ckpt.latest()
-        path = Path(resume)
-        try:
-            verify_checkpoint(path)
-        except CheckpointError as e:
-            raise CheckpointError(f"trainer.resume={resume!r}: {e}") from None
-        return path
+    def _stop_if_asked(self) -> None:
+        """During start-up, between its long parts (every rank at the same points): a stop
+        request (a signal, Ctrl-C) ends the start now, with exit 75; there is nothing to
+        checkpoint yet."""
+        reason = self.signals.any_rank()
+        if reason:
+            if dist.get_rank() == 0:
+                print(f"{reason} during start-up: nothing to checkpoint; exiting with "
+                      f"{PREEMPTED_EXIT_CODE} to be resumed", flush=True)
+            raise Preempted()
 
     def _load_initial_weights(self, model) -> None:
         if self.cfg.model.megatron_ckpt:
@@ -308,7 +317,8 @@ class Trainer:
         return collect_step_groups(
             self.engine, lambda n: [self.train_data[i] for i in self.sampler.next_indices(n)],
             self.sampling_params(step), self.reward, self.roles.shared_engine, d.prompts_per_step,
-            d.dynamic_sampling, d.max_refill_rounds, between_rounds=self._check_inside_step)
+            d.dynamic_sampling, d.max_refill_rounds, between_rounds=self._check_inside_step,
+            greedy_baseline=self.cfg.algorithm.advantage == "remax")
 
     def _check_inside_step(self) -> None:
         """Between refill rounds and before the update: a signal, or a job end that leaves only
@@ -345,17 +355,27 @@ class Trainer:
     def check_engine_weights(self, when: str) -> dict[str, float]:
         """The engine's log-probs on a fixed probe against the actor's; raises if they disagree
         (trainer/weight_check.py). Returns its ``weight_check/*`` metrics."""
-        r = self.cfg.rollout
-        if not r.weight_check or len(self.train_data) == 0:
+        w = self.cfg.rollout.weight_check
+        if not w.enabled or len(self.train_data) == 0:
             return {}
         prompts = [self.train_data[i].prompt_ids
-                   for i in range(min(r.weight_check_prompts, len(self.train_data)))]
-        tolerance = r.weight_check_tolerance or probe_tolerance(engine_dtype(r),
-                                                                self.cfg.model.dtype)
+                   for i in range(min(w.prompts, len(self.train_data)))]
         with self._engine_free():
             return check_engine_weights(self.engine, self.actor, prompts,
-                                        probe_sampling(r.temperature, r.weight_check_tokens),
-                                        tolerance, when)
+                                        probe_sampling(self.cfg.rollout.temperature, w.tokens),
+                                        self.weight_check_limits, when, w.quantile)
+
+    def check_rollout_weights(self, samples: list, dp_group, step: int) -> dict[str, float]:
+        """The recompute of this step's rollout tokens against the engine's log-probs, before
+        the update; raises if they disagree (trainer/weight_check.py)."""
+        w = self.cfg.rollout.weight_check
+        if not w.enabled:
+            return {}
+        # Asynchronous rollouts mix weight versions: only the tokens generated on the weights
+        # the trainer holds (synced after the previous step) show whether the engine has them.
+        version = str(step - 1) if self.cfg.rollout.max_staleness > 0 else None
+        return check_rollout_weights(samples, dp_group, self.weight_check_limits, w.quantile,
+                                     version, f"at step {step}", self.actor.device)
 
     def _engine_free(self):
         """No background rollout uses the engine during the body."""
@@ -396,7 +416,7 @@ class Trainer:
                 self.engine, self.train_data, self.sampler, self.sampling_params, self.reward,
                 d.prompts_per_step, d.dynamic_sampling, d.max_refill_rounds,
                 cfg.rollout.max_staleness, self.state.step + 1, t.steps, self.rank0,
-                cfg.rollout.inflight_at_sync)
+                cfg.rollout.inflight_at_sync, cfg.algorithm.advantage == "remax")
         for step in range(self.state.step + 1, t.steps + 1):
             timer = PhaseTimer()
             started = time.perf_counter()
@@ -417,6 +437,7 @@ class Trainer:
                     self.actor.recompute(mine)
                 metrics.update(_reduce_token_metrics(mine, dp_group))
                 metrics.update(drift_metrics(mine, dp_group))
+                metrics.update(self.check_rollout_weights(mine, dp_group, step))
                 metrics.update(self.drift.observe(step, metrics, self.logger.write))
                 with timer("update"):
                     actor_metrics = self.actor.update(mine, step, loss_knobs(self.controller))
@@ -454,8 +475,15 @@ class Trainer:
             preempt = self.signals.any_rank(self.clock.stop_before_next_step())
             last = step == t.steps
             if preempt or last or (t.save_interval and step % t.save_interval == 0):
-                with timer("checkpoint"):
-                    self.save(step)
+                try:
+                    with timer("checkpoint"):
+                        self.save(step)
+                except BaseException:
+                    # The step is complete: its metrics are kept (the failed save removed its
+                    # partial files, which may have been what filled the disk).
+                    with contextlib.suppress(OSError):
+                        self.logger.log(step, metrics)
+                    raise
                 metrics["time/checkpoint"] = timer.seconds["checkpoint"]
                 self.clock.checkpoint_took(metrics["time/checkpoint"])
             self.logger.log(step, metrics)
@@ -482,7 +510,8 @@ class Trainer:
 
 def train(cfg: Config) -> dict[str, float]:
     """Run (or resume) the RL job ``cfg`` on this rank; returns the last step's metrics."""
-    trainer = Trainer(cfg)
+    with preemption.interruptible():  # a stop request ends start-up wherever it waits
+        trainer = Trainer(cfg)
     try:
         return trainer.run()
     finally:

@@ -1,12 +1,15 @@
-"""SIGUSR1 / SIGTERM: a request to checkpoint and exit 75 (to be requeued); and the job's clock,
-which asks the same before the job's end time would cut a step or a checkpoint short.
+"""SIGUSR1 / SIGTERM / SIGINT (Ctrl-C): a request to checkpoint and exit 75 (to be requeued or
+resumed); and the job's clock, which asks the same before the job's end time would cut a step or a
+checkpoint short. A second Ctrl-C stops the process at once by SIGINT's default action.
 
 The handler only records the request, so it is installed first thing in ``megatron-entropy train``
 (this module imports nothing heavy), before torch, Megatron, the model and the rollout engine load
 for minutes: a signal that comes during start-up (Slurm's time-limit warning, a preemption) is kept
 until the loop looks at it, instead of killing the rank by the signal's default action. A request
 lasts as long as the process (the trainer exits on it). The loop looks between rollout refill
-rounds, before the update and at the end of each step.
+rounds, before the update and at the end of each step. The local launcher starts its ranks with
+these signals blocked (runtime/processes.py: start_held); ``install`` unblocks them, so one sent
+before it is delivered to the handler then, not lost nor fatal.
 """
 
 from __future__ import annotations
@@ -15,34 +18,111 @@ import os
 import re
 import signal
 import subprocess
+import threading
 import time
 from collections import deque
 from contextlib import contextmanager
 from multiprocessing import resource_tracker
 from typing import Iterator, Mapping, Optional
 
+from megatron_entropy.runtime.processes import HELD_SIGNALS
+
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: checkpointed on a signal, resume later
-SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+SIGNALS = HELD_SIGNALS  # SIGUSR1, SIGTERM, SIGINT
 _received: list[int] = []
+CTRL_C_NOTE = (b"Ctrl-C: stopping after this step (during start-up: after this part of it) "
+               b"with a checkpoint and exit 75 (run the same command to resume); Ctrl-C again "
+               b"stops now without one\n")
 
 
 def _record(signum: int, frame: object) -> None:
+    if signum == signal.SIGINT:
+        if signal.SIGINT in _received:  # the second Ctrl-C: stop now, as SIGINT does
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
+            return
+        if os.environ.get("RANK", "0") == "0":
+            os.write(2, CTRL_C_NOTE)  # not print(): the handler may interrupt a print
     _received.append(signum)
 
 
+_stopping_start_up = False  # inside interruptible(): SIGTERM/SIGINT raise, they are not recorded
+
+
 def install() -> None:
-    """Record SIGUSR1/SIGTERM from now on; a request recorded before is kept."""
+    """Record SIGUSR1/SIGTERM/SIGINT from now on, and unblock them (a launcher may have started
+    this process with them blocked); a request recorded or pending before is kept. Inside
+    ``interruptible`` SIGTERM and SIGINT keep raising until it ends (it records them after)."""
     for sig in SIGNALS:
-        signal.signal(sig, _record)
+        if not (_stopping_start_up and sig in (signal.SIGTERM, signal.SIGINT)):
+            signal.signal(sig, _record)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
+
+
+@contextmanager
+def installed() -> Iterator[None]:
+    """``install()`` for the body; the earlier handlers come back after it (for callers that go
+    on after a run: a test, a program that calls the CLI's main)."""
+    previous = {sig: signal.getsignal(sig) for sig in SIGNALS}
+    install()
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            if handler is not None:  # None: set outside Python, cannot be put back
+                signal.signal(sig, handler)
 
 
 def requested() -> bool:
     return bool(_received)
 
 
+class StartupInterrupted(Exception):
+    """SIGTERM or SIGINT during start-up: the trainer stops where it is (it has nothing new to
+    checkpoint yet)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"stopped by {signal.Signals(signum).name} during start-up")
+        self.signum = signum
+
+    @property
+    def exit_code(self) -> int:
+        """75 for SIGTERM (resume later, as after a preemption's checkpoint), else 128 + n."""
+        return PREEMPTED_EXIT_CODE if self.signum == signal.SIGTERM else 128 + self.signum
+
+
+@contextmanager
+def interruptible() -> Iterator[None]:
+    """For start-up (the model loads, the rollout servers come up, the first contact):
+    SIGTERM and SIGINT raise ``StartupInterrupted`` at once, whatever the body waits for; a
+    SIGTERM recorded before is raised on entry. SIGUSR1 is still only recorded. After the body
+    all three are recorded (``install``), also for callers that never installed the handler.
+    Only in the main thread (where Python runs signal handlers); elsewhere the body runs as it
+    is."""
+    global _stopping_start_up
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    install()  # what SIGTERM/SIGINT do after start-up: recorded
+    if signal.SIGTERM in _received:
+        raise StartupInterrupted(signal.SIGTERM)
+
+    def stop(signum: int, frame: object) -> None:
+        raise StartupInterrupted(signum)
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    _stopping_start_up = True
+    try:
+        yield
+    finally:
+        _stopping_start_up = False
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 @contextmanager
 def held() -> Iterator[None]:
-    """Block SIGUSR1/SIGTERM in this thread while the body runs (one that comes meanwhile is
+    """Block SIGUSR1/SIGTERM/SIGINT in this thread while the body runs (one that comes meanwhile is
     still recorded: by another thread at once, or when the block ends). The processes the body
     starts inherit the block and keep it: dist_checkpointing's writer processes and the Manager
     it keeps for the rest of the run. Slurm delivers a signal to a task's whole process tree

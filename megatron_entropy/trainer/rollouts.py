@@ -19,7 +19,7 @@ from __future__ import annotations
 import pickle
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -28,6 +28,7 @@ from megatron.core import parallel_state as ps
 from megatron_entropy.algorithms.advantages import compute_advantages
 from megatron_entropy.data import GroupFilter, PromptItem
 from megatron_entropy.rollout.base import Completion, RolloutEngine, SamplingParams
+from megatron_entropy.rollout.server.partial import version_runs
 from megatron_entropy.runtime.roles import Roles
 from megatron_entropy.runtime.seeds import refill_round_seed
 from megatron_entropy.trainer.batch import Sample
@@ -40,6 +41,7 @@ class Group:
     item: PromptItem
     completions: list[Completion]
     rewards: list[float]
+    baseline: Optional[float] = None  # ReMax: the reward of the prompt's greedy response
 
 
 @dataclass(frozen=True)
@@ -51,12 +53,13 @@ class GroupStats:
     prompt_tokens: int
     response_tokens: list[int]
     truncated: list[bool]
+    baseline: Optional[float] = None
 
     @classmethod
     def of(cls, group: Group) -> "GroupStats":
         return cls(group.item.source, list(group.rewards), len(group.item.prompt_ids),
                    [len(c.token_ids) for c in group.completions],
-                   [c.finish_reason == "length" for c in group.completions])
+                   [c.finish_reason == "length" for c in group.completions], group.baseline)
 
 
 @dataclass
@@ -91,8 +94,11 @@ def _owner(group_index: int, dp_size: int) -> int:
 def generate_round(engine: Optional[RolloutEngine], items: Sequence[PromptItem],
                    sampling: SamplingParams,
                    reward_fn: Callable[[list[str], list[str], list[str]], list[float]],
-                   shared: bool) -> tuple[dict[int, Group], list[GroupStats], int]:
-    """Generate and score ``sampling.n`` completions for each item. Returns the groups this rank
+                   shared: bool, greedy_baseline: bool = False
+                   ) -> tuple[dict[int, Group], list[GroupStats], int]:
+    """Generate and score ``sampling.n`` completions for each item (and with
+    ``greedy_baseline`` one greedy response more, whose reward is the group's ReMax
+    baseline). Returns the groups this rank
     generated (by item index), every item's `GroupStats` (on every rank, in item order) and the
     bytes this rank received from the others.
     ``engine`` is None on ranks that do not talk to it. Sample seeds derive from
@@ -105,7 +111,7 @@ def generate_round(engine: Optional[RolloutEngine], items: Sequence[PromptItem],
         mine = list(range(len(items)))
     else:
         mine = list(range(roles.dp_rank, len(items), roles.dp_size))
-    local = _generate_groups(engine, items, mine, sampling, reward_fn)
+    local = _generate_groups(engine, items, mine, sampling, reward_fn, greedy_baseline)
     payload = pickle.dumps({i: GroupStats.of(g) for i, g in local.items()})
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, payload)
@@ -118,20 +124,29 @@ def generate_round(engine: Optional[RolloutEngine], items: Sequence[PromptItem],
 
 def _generate_groups(engine: Optional[RolloutEngine], items: Sequence[PromptItem],
                      mine: list[int], sampling: SamplingParams,
-                     reward_fn: Callable[[list[str], list[str], list[str]], list[float]]
-                     ) -> dict[int, Group]:
-    """Items ``mine`` generated on ``engine`` and scored, by item index (no collectives)."""
+                     reward_fn: Callable[[list[str], list[str], list[str]], list[float]],
+                     greedy_baseline: bool = False) -> dict[int, Group]:
+    """Items ``mine`` generated on ``engine`` and scored, by item index (no collectives); with
+    ``greedy_baseline`` each also gets the reward of one greedy response (ReMax)."""
     local: dict[int, Group] = {}
     if mine:
-        outputs = engine.generate([items[i].prompt_ids for i in mine], sampling)
+        prompts = [items[i].prompt_ids for i in mine]
+        outputs = engine.generate(prompts, sampling)
+        if greedy_baseline:
+            greedy = engine.generate(prompts, SamplingParams(**{**vars(sampling), "n": 1,
+                                                                 "temperature": 0.0}))
+            outputs = [[*out, *g] for out, g in zip(outputs, greedy)]
         texts = [c.text for out in outputs for c in out]
         answers = [items[i].answer for i, out in zip(mine, outputs) for _ in out]
         sources = [items[i].source for i, out in zip(mine, outputs) for _ in out]
-        rewards = reward_fn(texts, answers, sources)
+        rewards = reward_fn(texts, answers, sources)  # one scoring pass for both
         k = 0
         for i, out in zip(mine, outputs):
-            local[i] = Group(items[i], out, rewards[k:k + len(out)])
-            k += len(out)
+            scored, k = rewards[k:k + len(out)], k + len(out)
+            if greedy_baseline:  # the last one is the greedy response: not trained on
+                local[i] = Group(items[i], out[:-1], scored[:-1], baseline=scored[-1])
+            else:
+                local[i] = Group(items[i], out, scored)
     return local
 
 
@@ -182,7 +197,8 @@ def _send_shares(held: dict[tuple[int, int], Group], kept: list[tuple[int, int]]
 def collect_step_groups(engine: Optional[RolloutEngine], next_items: Callable[[int], list[PromptItem]],
                         sampling: SamplingParams, reward_fn, shared: bool, target_groups: int,
                         dynamic_sampling: bool, max_refill_rounds: int,
-                        between_rounds: Callable[[], None] = lambda: None) -> StepGroups:
+                        between_rounds: Callable[[], None] = lambda: None,
+                        greedy_baseline: bool = False) -> StepGroups:
     """Roll out until ``target_groups`` groups with reward variance are kept (or the refill
     rounds run out), then give each DP rank its share of the kept groups.
     ``between_rounds`` runs before each refill round (the trainer's stop check; it may raise).
@@ -197,7 +213,7 @@ def collect_step_groups(engine: Optional[RolloutEngine], next_items: Callable[[i
             between_rounds()
         local, stats, nbytes = generate_round(engine, next_items(keep.prompts_needed()),
                                               _round_sampling(sampling, keep.rounds), reward_fn,
-                                              shared)
+                                              shared, greedy_baseline)
         received += nbytes
         keys = [(keep.rounds, i) for i in range(len(stats))]
         held.update({(keep.rounds, i): g for i, g in local.items()})
@@ -227,7 +243,8 @@ class LocalStep:
 def generate_step_local(engine: RolloutEngine, next_items: Callable[[int], list[PromptItem]],
                         sampling: SamplingParams, reward_fn, target_groups: int,
                         dynamic_sampling: bool, max_refill_rounds: int,
-                        between_rounds: Callable[[], None] = lambda: None) -> LocalStep:
+                        between_rounds: Callable[[], None] = lambda: None,
+                        greedy_baseline: bool = False) -> LocalStep:
     """`collect_step_groups`'s rounds with a shared engine, on rank 0 alone and without
     collectives: the same prompts, seeds and dynamic-sampling decisions."""
     keep = GroupFilter(target_groups, max_refill_rounds, enabled=dynamic_sampling)
@@ -239,7 +256,8 @@ def generate_step_local(engine: RolloutEngine, next_items: Callable[[int], list[
             between_rounds()
         items = next_items(keep.prompts_needed())
         local = _generate_groups(engine, items, list(range(len(items))),
-                                 _round_sampling(sampling, keep.rounds), reward_fn)
+                                 _round_sampling(sampling, keep.rounds), reward_fn,
+                                 greedy_baseline)
         keys = [(keep.rounds, i) for i in range(len(items))]
         stats = [GroupStats.of(local[i]) for i in range(len(items))]
         held.update(zip(keys, (local[i] for i in range(len(items)))))
@@ -275,17 +293,34 @@ def groups_to_samples(step: StepGroups, estimator: str, norm_by_std: bool) -> li
     rewards = [r for s in step.kept for r in s.rewards]
     if not rewards:
         return []
+    baselines = None
+    if estimator == "remax":
+        if any(s.baseline is None for s in step.kept):
+            raise ValueError("algorithm.advantage=remax needs each group's greedy baseline; "
+                             "these rollouts were generated without it")
+        baselines = torch.tensor([s.baseline for s in step.kept for _ in s.rewards])
     adv = compute_advantages(estimator, torch.tensor(rewards),
                              torch.tensor([gi for gi, s in enumerate(step.kept) for _ in s.rewards]),
-                             norm_by_std=norm_by_std).tolist()
+                             norm_by_std=norm_by_std,
+                             lengths=torch.tensor([n for s in step.kept
+                                                   for n in s.response_tokens]),
+                             baselines=baselines).tolist()
     first = [0]
     for s in step.kept:
         first.append(first[-1] + len(s.rewards))
     return [Sample(prompt_ids=list(g.item.prompt_ids), response_ids=list(c.token_ids),
                    engine_logprobs=list(c.logprobs), reward=r, group=gi, source=g.item.source,
-                   advantage=adv[first[gi] + j])
+                   advantage=adv[first[gi] + j], **served_by(c))
             for gi, g in step.share for j, (c, r) in enumerate(zip(g.completions, g.rewards))
             if (gi, j) not in step.dropped]
+
+
+def served_by(c: Completion) -> dict[str, Any]:
+    """The ``Sample`` fields that say who generated ``c`` and on which weights."""
+    versions = {v for v, n in version_runs(c) if n}
+    return {"server": c.meta.get("server"),
+            "weight_version": str(versions.pop()) if len(versions) == 1 else None,
+            "exact_logprobs": "logprobs" not in c.meta}
 
 
 def dp_share(samples: list[Sample]) -> list[Sample]:

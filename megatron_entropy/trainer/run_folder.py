@@ -8,6 +8,7 @@ from pathlib import Path
 import yaml
 
 from megatron_entropy.config import Config
+from megatron_entropy.runtime.files import write_text_atomic
 
 
 def save_run_config(cfg: Config, run_dir: Path) -> Path:
@@ -16,12 +17,14 @@ def save_run_config(cfg: Config, run_dir: Path) -> Path:
     free ``n`` from 1."""
     path = run_dir / "config.yaml"
     text = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
-    if path.is_file() and path.read_text() != text:
-        n = 1
-        while (run_dir / f"config.{n}.yaml").exists():
-            n += 1
-        os.replace(path, run_dir / f"config.{n}.yaml")
-    tmp = run_dir / ".config.yaml.tmp"
-    tmp.write_text(text)
-    os.replace(tmp, path)
-    return path
+
+    def keep_earlier() -> None:
+        if path.is_file() and path.read_text() != text:
+            n = 1
+            while (run_dir / f"config.{n}.yaml").exists():
+                n += 1
+            os.replace(path, run_dir / f"config.{n}.yaml")
+
+    # Once the new text is on disk: a write that fails (a full disk) leaves the earlier
+    # config.yaml where it was, and no .config.yaml.tmp.
+    return write_text_atomic(path, text, before_replace=keep_earlier)

@@ -8,28 +8,35 @@ source states it
 (0.5.2 ... 0.5.23, `sglang/srt/entrypoints/http_server.py`, `managers/io_struct.py`,
 `api/v1/api_types.py`, `sampling/sampling_params.py`):
 - ``/generate``: exactly one of ``text``/``input_ids``; ``sampling_params`` keys outside SGLang's
-  SamplingParams are answered with HTTP 500 (as a real 0.5.15 server does: SamplingParams raises
-  ``TypeError: Unexpected keyword argument``; ``sampling_seed`` exists from 0.5.3 on); values are
-  checked as ``SamplingParams.verify`` does (HTTP 400);
-  top-level keys SGLang does not know are ignored, as its GenerateRequest does. The answer is
-  {text, output_ids, meta_info{id, finish_reason{type, matched|length|message}, prompt_tokens,
-  completion_tokens, cached_tokens, weight_version, e2e_latency, output_token_logprobs
-  [[logprob, id, null], ...]}}; a list for a batch or n > 1. Log-probs are log-softmax(logits /
-  temperature) before top-k/top-p (greedy: temperature 1), SGLang's default.
+  SamplingParams are answered with HTTP 500 and the plain-text body "Internal Server Error" (as
+  a real 0.5.15 server does: SamplingParams raises ``TypeError: Unexpected keyword argument``;
+  ``sampling_seed`` exists from 0.5.3 on); values are checked as ``SamplingParams.verify`` does
+  (HTTP 400); an input id outside the vocabulary crashes the server (the real scheduler dies
+  on it and the whole server exits); top-level keys SGLang does not know are ignored, as its
+  GenerateRequest does. The answer is {text, output_ids, meta_info{id, finish_reason{type,
+  matched|length|message, status_code, err_type}, prompt_tokens, weight_version,
+  total_retractions, input_token_logprobs ([] with logprob_start_len -1), output_token_logprobs
+  [[logprob, id, null], ...], output_token_logprobs_length, completion_tokens, cached_tokens,
+  e2e_latency}} (SGLang's tokenizer manager's fields, in its order); a list for a batch or
+  n > 1. Log-probs are log-softmax(logits / temperature) before top-k/top-p (greedy:
+  temperature 1), SGLang's default.
 - Weight updates: ``/update_weights_from_disk`` {model_path, ...}, ``/init_weights_update_group``
   {master_address, master_port, rank_offset, world_size, group_name, backend} (joins a real
   process group), ``/update_weights_from_distributed`` {names, dtypes, shapes, group_name, ...}
   (receives one ``broadcast(src=0)`` per tensor), ``/destroy_weights_update_group``; a missing
   required field is HTTP 422 as FastAPI answers it; a failed update is HTTP 400 {success: false}.
-- ``/pause_generation`` {mode} (default ``abort``): new requests wait; in-flight ones are held
-  at their next token (``in_place``; ``retract`` also drops their KV cache, recomputed at
-  continue) or answered at once with finish reason ``abort`` and what they had (``abort``).
-  ``/continue_generation``; ``/flush_cache`` is 400 while requests run or wait (also paused
-  ones); ``/abort_request`` {rid, abort_all} (SGLang 0.5.x, the ``rid`` a ``/generate`` body
-  set): a request still waiting is answered at once with no tokens ("Abort in waiting
-  queue"), a running one after one more decode step (SGLang sets ``to_finish``, which wins
-  over EOS), both with finish reason ``abort`` and what they had (ids, log-probs, weight
-  version); an unknown rid is a no-op; the answer is HTTP 200 with an empty body;
+- ``/pause_generation`` {mode} (default ``abort``; another mode is a 400 validation error): new
+  requests wait; in-flight ones are held at their next token (``in_place``; ``retract`` also
+  drops their KV cache, recomputed at continue) or answered at once with finish reason
+  ``abort`` and what they had (``abort``). ``/continue_generation``; ``/flush_cache`` is 400
+  while requests run or wait (also paused ones); ``/abort_request`` {rid, abort_all} (SGLang
+  0.5.x, the ``rid`` a ``/generate`` body set, matched by prefix as SGLang's scheduler does):
+  a request still waiting is answered at once with no tokens, except while the server is
+  paused ``in_place``, when it is not aborted at all and runs whole after continue (as a real
+  0.5.15 server); a running one after one more decode step (SGLang sets ``to_finish``, which
+  wins over EOS); both with finish reason ``abort`` (message "Aborted") and what they had
+  (ids, log-probs, weight version); an unknown rid is a no-op; the answer is HTTP 200 with an
+  empty body;
   ``/health``, ``/health_generate``, ``/get_model_info`` and ``/model_info`` (with the
   weight version; ``/weight_version`` is 404, as on 0.5.15), ``/get_server_info``.
 - After a batched ``/generate`` (several prompts, or n > 1) SIGTERM no longer stops it (the real
@@ -41,7 +48,11 @@ and one warming up, that still make progress). Endpoints under ``/fake/`` set fa
 ``/fake/corrupt_syncs`` {noise}: later weight updates answer success but add Gaussian noise of
 that std to every weight (a silently wrong sync); ``/fake/die_on_next_sync``: the next
 ``/update_weights_from_disk`` kills the process mid-call (as SGLang's scheduler dying on it);
-``/fake/abort_next`` {count}: that many next requests come back aborted after one token
+``/fake/abort_next`` {count}: that many next requests come back aborted after one token;
+``/fake/flush_fails`` {count}: that many next ``/flush_cache`` calls on an idle server
+answer 400 "Flush cache failed." (a real server did once, right after a request returned);
+``/fake/perturb`` {scale, seed}: every tensor of the weights loaded last gets Gaussian noise of
+scale x its own std (a wrong copy of the model; scale 0 restores it)
 (``--sync-noise`` sets the noise from the start); ``GET /fake/state``: requests running and
 waiting, tokens decoded.
 
@@ -76,6 +87,8 @@ SAMPLING_KEYS_0_5_2 = (
     "logit_bias")
 SAMPLING_KEYS_NEW = ("stop_regex", "sampling_seed")  # 0.5.3+
 PAUSE_MODES = ("abort", "retract", "in_place")
+# SGLang's FINISH_ABORT().to_json(): every abort answer (abort request, pause mode abort).
+ABORTED = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
 
 
 class BadRequest(Exception):
@@ -204,6 +217,8 @@ class RequestState:
 
     def __init__(self, rid: str) -> None:
         self.rid = rid
+        self.started = False  # left the waiting queue
+        self.retractions = 0
         self.aborted = threading.Event()  # read by the decoding thread
         self.aborted_async = asyncio.Event()  # wakes it while it waits to start
 
@@ -242,6 +257,8 @@ class FakeSGLang:
         self.abort_next = 0
         self.batched = False
         self.requests: dict[str, RequestState] = {}  # by rid, while they wait or run
+        self.unperturbed: Optional[dict[str, torch.Tensor]] = None  # before /fake/perturb
+        self.flush_fails = 0  # idle /flush_cache calls still to answer 400 (/fake/flush_fails)
 
     # --------------------------------------------------------------------------- helpers
 
@@ -312,9 +329,10 @@ class FakeSGLang:
                 raise BadRequest("input_ids: invalid type, expected a list of token ids or a "
                                  "list of such lists")
             bad = [t for t in row if not 0 <= t < self.vocab_size]
-            if bad:
-                raise BadRequest(f"The input_ids {bad[:5]} are out of the vocabulary "
-                                 f"[0, {self.vocab_size}).")
+            if bad:  # SGLang's scheduler crashes on the embedding lookup; the server exits
+                print(f"IndexError: index {bad[0]} is out of bounds for dimension 0 with size "
+                      f"{self.vocab_size}", flush=True)
+                os._exit(1)
             if len(row) >= self.context_len:
                 raise BadRequest(f"The input ({len(row)} tokens) is longer than the model's "
                                  f"context length ({self.context_len} tokens).")
@@ -323,7 +341,7 @@ class FakeSGLang:
     # ------------------------------------------------------------------------ generation
 
     def sample_one(self, prompt: list[int], p: dict, want_logprobs: bool,
-                   state: RequestState) -> dict:
+                   state: RequestState, logprob_start: int = -1) -> dict:
         t0 = time.time()
         generator = None
         if p["sampling_seed"] is not None:
@@ -345,13 +363,14 @@ class FakeSGLang:
         with torch.no_grad():
             for _ in range(max_new):
                 if self.aborts != aborts_before:
-                    finish = {"type": "abort", "message": "Abort in running batch."}
+                    finish = dict(ABORTED)
                     break
                 if not self.decoding.is_set():
                     retract = self.pause_mode == "retract"
                     self.decoding.wait()
                     if retract and out_ids:  # its KV was dropped: recompute it
                         past, inputs = None, torch.tensor([prompt + out_ids])
+                        state.retractions += 1
                 with self.compute:
                     logits, past = self.model(inputs, past)
                 if greedy:
@@ -373,7 +392,7 @@ class FakeSGLang:
                 logprobs.append(float(lp[token]))
                 inputs = torch.tensor([[token]])
                 if abort or state.aborted.is_set():
-                    finish = {"type": "abort", "message": "Abort in running batch."}
+                    finish = dict(ABORTED)
                     break
                 if self.args.token_delay_s:
                     time.sleep(self.args.token_delay_s)
@@ -391,13 +410,26 @@ class FakeSGLang:
         if finish["type"] == "stop" and isinstance(finish["matched"], str) \
                 and not p["no_stop_trim"]:
             text = text[:text.find(finish["matched"])]
-        meta = {"id": state.rid, "finish_reason": finish, "prompt_tokens": len(prompt),
-                "weight_version": self.weight_version, "completion_tokens": len(out_ids),
-                "cached_tokens": 0, "e2e_latency": time.time() - t0}
-        if want_logprobs:
-            meta["input_token_logprobs"] = [[None, prompt[-1], None]]
+        return {"text": text, "output_ids": out_ids, "meta_info": self.meta(
+            state, finish, len(prompt), out_ids, logprobs if want_logprobs else None,
+            logprob_start, prompt, time.time() - t0)}
+
+    def meta(self, state: RequestState, finish: dict, prompt_tokens: int, out_ids: list[int],
+             logprobs: Optional[list[float]], logprob_start: int, prompt: list[int],
+             latency: float) -> dict:
+        """meta_info as SGLang's tokenizer manager builds it, in its order. With
+        logprob_start_len -1 (only the output's) input_token_logprobs is []."""
+        meta = {"id": state.rid, "finish_reason": finish, "prompt_tokens": prompt_tokens,
+                "weight_version": self.weight_version,
+                "total_retractions": state.retractions}
+        if logprobs is not None:
+            meta["input_token_logprobs"] = ([] if logprob_start < 0 else
+                                            [[None, t, None] for t in prompt[logprob_start:]])
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(logprobs, out_ids)]
-        return {"text": text, "output_ids": out_ids, "meta_info": meta}
+            meta["output_token_logprobs_length"] = len(out_ids)
+        meta.update({"completion_tokens": len(out_ids), "cached_tokens": 0,
+                     "e2e_latency": latency})
+        return meta
 
     async def generate(self, request: web.Request) -> web.Response:
         try:
@@ -435,8 +467,8 @@ class FakeSGLang:
         except BadRequest as e:
             return web.json_response({"error": {"message": str(e)}}, status=400)
         except UnknownSamplingKey as e:
-            return web.json_response({"object": "error", "message": str(e), "code": 500},
-                                     status=500)
+            print(f"TypeError: {e}", flush=True)  # the real server logs it; the client sees:
+            return web.Response(text="Internal Server Error", status=500)
         if len(batch) > 1 or p["n"] > 1:
             self.stop_ignoring_sigterm()
         rid = body.get("rid")
@@ -453,13 +485,11 @@ class FakeSGLang:
             finally:
                 self.waiting -= 1
             if state.aborted.is_set():
-                meta = {"id": state.rid, "finish_reason": {"type": "abort",
-                                                           "message": "Abort in waiting queue"},
-                        "weight_version": self.weight_version, "completion_tokens": 0}
-                if rl:
-                    meta["output_token_logprobs"] = []
-                out = {"text": "", "output_ids": [], "meta_info": meta}
+                out = {"text": "", "output_ids": [], "meta_info": self.meta(
+                    state, dict(ABORTED), len(batch[0]), [], [] if rl else None, start,
+                    batch[0], 0.0)}
                 return web.json_response(out if single and p["n"] == 1 else [out])
+            state.started = True
             self.running += 1
             try:
                 if not self.warmed_up:
@@ -470,7 +500,7 @@ class FakeSGLang:
                 for prompt in batch:
                     for _ in range(p["n"]):
                         outs.append(await loop.run_in_executor(None, self.sample_one, prompt, p,
-                                                               rl, state))
+                                                               rl, state, start))
             finally:
                 self.running -= 1
         finally:
@@ -483,11 +513,16 @@ class FakeSGLang:
         bad = missing_fields(body, ())
         if bad is not None:
             return bad
-        if body.get("abort_all"):
-            for state in list(self.requests.values()):
-                state.abort()
-        elif body.get("rid") in self.requests:
-            self.requests[body["rid"]].abort()
+        rid = body.get("rid")
+        for state in list(self.requests.values()):
+            # SGLang matches by prefix (rid "x-1" also aborts "x-10"); a request waiting while
+            # the server is paused in place is not aborted at all (it runs whole after
+            # /continue_generation).
+            if not (body.get("abort_all") or isinstance(rid, str) and state.rid.startswith(rid)):
+                continue
+            if self.pause_mode == "in_place" and not state.started:
+                continue
+            state.abort()
         return web.Response(status=200)
 
     # ---------------------------------------------------------------------- weight updates
@@ -509,12 +544,26 @@ class FakeSGLang:
             if tuple(params[name].shape) != tuple(t.shape):
                 return False, (f"Failed to update weights: {name} has shape "
                                f"{tuple(params[name].shape)}, got {tuple(t.shape)}.")
+        self.unperturbed = None  # /fake/perturb perturbs these from now on
         with self.compute, torch.no_grad():
             for name, t in named:
                 params[name].copy_(t.to(params[name].dtype))
                 if self.sync_noise:  # a silently wrong sync
                     params[name].add_(torch.randn_like(params[name]) * self.sync_noise)
         return True, "Succeeded to update model weights."
+
+    def perturb(self, scale: float, seed: int) -> None:
+        """Every tensor of the weights loaded last plus Gaussian noise of ``scale`` x its own
+        std (0: those weights again): a copy of the model that is wrong everywhere, a little."""
+        if self.unperturbed is None:
+            self.unperturbed = {k: v.clone() for k, v in self.model.params.items()}
+        gen = torch.Generator().manual_seed(seed)
+        with self.compute, torch.no_grad():
+            for name in sorted(self.unperturbed):
+                base = self.unperturbed[name]
+                std = float(base.std()) if base.numel() > 1 else 0.0
+                noise = torch.randn(base.shape, generator=gen) * (scale * std)
+                self.model.params[name].copy_(base + noise)
 
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
         body = await request.json()
@@ -624,11 +673,11 @@ class FakeSGLang:
         bad = missing_fields(body, ())
         if bad is not None:
             return bad
-        if body.get("mode", "abort") not in PAUSE_MODES:
-            return web.json_response({"detail": [{"type": "literal_error",
-                                                  "loc": ["body", "mode"],
-                                                  "msg": f"Input should be {PAUSE_MODES}"}]},
-                                     status=422)
+        if body.get("mode", "abort") not in PAUSE_MODES:  # SGLang answers validation errors 400
+            return web.json_response({"object": "error", "message": "1 validation error: mode: "
+                                      f"Input should be {PAUSE_MODES}",
+                                      "type": "BadRequestError", "param": None, "code": 400},
+                                     status=400)
         self.pause_mode = body.get("mode", "abort")
         self.aborts += self.pause_mode == "abort"
         self.unpaused.clear()
@@ -649,6 +698,10 @@ class FakeSGLang:
                                   "status": "ok"})
 
     async def flush_cache(self, request: web.Request) -> web.Response:
+        self.log_request("/flush_cache", None)
+        if self.flush_fails > 0 and not (self.running or self.waiting):
+            self.flush_fails -= 1  # the real server's race right after a request returned
+            return web.Response(text="Flush cache failed.", status=400)
         if self.running or self.waiting:
             return web.Response(text="Cache not flushed: requests are running or waiting.\n",
                                 status=400)
@@ -681,6 +734,10 @@ class FakeSGLang:
             self.die_on_sync = True
         elif knob == "abort_next":
             self.abort_next = int(body["count"])
+        elif knob == "flush_fails":
+            self.flush_fails = int(body["count"])
+        elif knob == "perturb":
+            self.perturb(float(body["scale"]), int(body.get("seed", 0)))
         else:
             return web.Response(status=404)
         return web.json_response({"ok": True})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 # Re-exported: the tests import the served model from here, beside the helpers below.
 from megatron_entropy.testing.toy_models import (make_served_model,  # noqa: F401
@@ -45,21 +46,23 @@ def reference_logprobs(model, prompt: list[int], completion: list[int],
 
 
 def probe_served_weights(engine_kind: str, hf_dir: str, urls: list[str], run_dir: str,
-                         sabotage) -> tuple[dict, str]:
+                         sabotage, prompts: Optional[list[list[int]]] = None
+                         ) -> tuple[dict, str]:
     """Inside a worker (harness.run_distributed): a Megatron actor with ``hf_dir``'s weights runs
-    the trainer's weight check on the servers at ``urls`` (connected), then ``sabotage(engine)``
-    changes what they hold, and the check runs again. Returns (the first check's metrics, the
-    second's error message, "" if it passed)."""
+    the trainer's weight check (the probe of the default ``rollout.weight_check``, at the bf16
+    tolerances) on the servers at ``urls`` (connected), then ``sabotage(engine)`` changes what
+    they hold, and the check runs again. Returns (the first check's metrics, the second's error
+    message, "" if it passed)."""
     from harness import init_megatron
 
     from megatron_entropy.config import (AlgorithmConfig, ModelConfig, ParallelConfig,
-                                         ServerConfig, TrainerConfig)
+                                         ServerConfig, TrainerConfig, WeightCheckConfig)
     from megatron_entropy.models.arch import load_arch
     from megatron_entropy.models.bridge import load_hf_weights
     from megatron_entropy.trainer.actor import Actor
     from megatron_entropy.trainer.model_setup import build_trainable_model
     from megatron_entropy.trainer.weight_check import (WeightCheckError, check_engine_weights,
-                                                       probe_sampling, probe_tolerance)
+                                                       probe_sampling, tolerances)
 
     init_megatron()
     arch = load_arch(hf_dir)
@@ -74,14 +77,15 @@ def probe_served_weights(engine_kind: str, hf_dir: str, urls: list[str], run_dir
     else:
         from megatron_entropy.rollout.server.sglang import SGLangEngine as Engine
     engine = Engine(ServerConfig(urls=urls, request_timeout_s=120), hf_dir, run_dir)
-    prompts = [[5, 6, 7, 8], [40, 41], [100, 7, 3, 9, 12], [9, 8]]
-    sampling = probe_sampling(1.0, 8)
-    tolerance = probe_tolerance("bf16", "fp32")
-    first = check_engine_weights(engine, actor, prompts, sampling, tolerance,
+    defaults = WeightCheckConfig()
+    prompts = (prompts or [[5, 6, 7, 8], [40, 41], [100, 7, 3, 9, 12], [9, 8]])[:defaults.prompts]
+    sampling = probe_sampling(1.0, defaults.tokens)
+    limits = tolerances("bf16", "fp32")
+    first = check_engine_weights(engine, actor, prompts, sampling, limits,
                                  "at the first contact")
     sabotage(engine)
     try:
-        check_engine_weights(engine, actor, prompts, sampling, tolerance, "after a sync")
+        check_engine_weights(engine, actor, prompts, sampling, limits, "after a sync")
     except WeightCheckError as e:
         return first, str(e)
     return first, ""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 # Re-exported: the tests import the tiny models from here, beside the helpers below.
 from megatron_entropy.testing.toy_models import (FAMILIES, save_tiny_hf_model,  # noqa: F401
@@ -44,3 +44,35 @@ def random_samples(seed: int, groups: int = 4, per_group: int = 2,
                               group=group, source=source(group),
                               advantage=float(torch.randn(1, generator=g)) * adv_scale))
     return out
+
+
+def tiny_actor(tensor: int, pipeline: int, algorithm, trainer, temperature: float = 1.0,
+               initial: Optional[dict] = None):
+    """Inside a rank of ``run_distributed``: Megatron's parallel state at TP x PP, the tiny
+    qwen2 policy (fp32, local spec; from the full weights ``initial`` when given, since a PP=2
+    build draws other initial weights than PP=1) and its Actor with a fresh optimizer."""
+    from megatron_entropy.config import ModelConfig, ParallelConfig
+    from megatron_entropy.models.arch import arch_from_hf_config
+    from megatron_entropy.models.sharding import load_full_state_dict
+    from megatron_entropy.testing.ranks import init_megatron
+    from megatron_entropy.trainer.actor import Actor
+    from megatron_entropy.trainer.model_setup import build_optimizer, build_trainable_model
+
+    init_megatron(tensor, pipeline)
+    arch = arch_from_hf_config(tiny_hf_config("qwen2"))
+    chunks = build_trainable_model(
+        arch, ModelConfig(dtype="fp32", transformer_impl="local", seq_length=64),
+        ParallelConfig(tensor=tensor, pipeline=pipeline))
+    if initial is not None:
+        load_full_state_dict(chunks[0], initial)
+    optimizer, scheduler = build_optimizer(chunks, trainer)
+    return Actor(arch, chunks, optimizer, scheduler, algorithm, trainer, temperature)
+
+
+def hf_weights(actor) -> dict:
+    """The actor's full weights by HF name (collective over its model-parallel group; on the
+    replica's leader, every other rank gets {})."""
+    from megatron_entropy.models.bridge import export_hf_weights
+
+    return {n: t.clone() for n, t in export_hf_weights(actor.model[0], actor.arch)
+            if t is not None}

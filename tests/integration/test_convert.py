@@ -417,6 +417,7 @@ def test_cli_round_trip_bf16_sharded_loads_in_transformers(tmp_path):
     done = _tool("convert_hf_to_mcore.py", "--hf-dir", str(src), "--out", str(ckpt), "--tp", "2",
                  "--pp", "2", "--dtype", "bf16")
     assert done.returncode == 0, done.stderr
+    assert "Warning" not in done.stderr, done.stderr  # megatron-core's notes train hides
     assert "wrote 21 tensors" in done.stdout
     # (the tool's own command, in a worker forked from here: no second interpreter start-up)
     (refused,) = run_distributed(_cli_exit_and_stderr, 1, ["convert", "hf-to-mcore", "--hf-dir",

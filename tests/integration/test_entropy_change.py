@@ -9,11 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness import init_megatron, run_distributed
-from tiny_models import random_samples, tiny_hf_config
+from harness import run_distributed
+from tiny_models import hf_weights, random_samples, tiny_actor, tiny_hf_config
 
 from megatron_entropy.trainer.entropy_change import entropy_change_metrics
-from megatron_entropy.models.arch import arch_from_hf_config
 
 TEMPERATURE = 0.7
 
@@ -25,38 +24,23 @@ def _samples():
                           source=lambda group: "a" if group < 2 else "b")
 
 
-def _hf_weights(chunks, arch) -> dict:
-    from megatron_entropy.models.bridge import export_hf_weights
-
-    return {n: t.clone() for n, t in export_hf_weights(chunks[0], arch) if t is not None}
-
-
 def _step_worker(tensor: int, pipeline: int):
     """recompute -> 2 epochs x 2 mini-batches of updates -> entropy_change, on this rank's DP
     share; returns the metrics, the full weights before and after, and the samples."""
-    from megatron_entropy.config import (AlgorithmConfig, ModelConfig, ParallelConfig,
-                                         TrainerConfig)
-    from megatron_entropy.trainer.actor import Actor
-    from megatron_entropy.trainer.model_setup import build_optimizer, build_trainable_model
+    from megatron_entropy.config import AlgorithmConfig, TrainerConfig
     from megatron_entropy.trainer.rollouts import dp_share
 
-    init_megatron(tensor, pipeline)
-    arch = arch_from_hf_config(tiny_hf_config("qwen2"))
-    chunks = build_trainable_model(
-        arch, ModelConfig(dtype="fp32", transformer_impl="local", seq_length=64),
-        ParallelConfig(tensor=tensor, pipeline=pipeline))
     # One step of 2 epochs x 2 mini-batches: 4 updates.
     trainer = TrainerConfig(lr=3e-2, steps=1, grad_clip=0.0, weight_decay=0.0,
                             micro_batch_tokens=40, mini_batches_per_step=2, ppo_epochs=2, seed=0)
-    optimizer, scheduler = build_optimizer(chunks, trainer)
-    actor = Actor(arch, chunks, optimizer, scheduler,
-                  AlgorithmConfig(loss="ppo_clip", logprob_impl="fused"), trainer, TEMPERATURE)
+    actor = tiny_actor(tensor, pipeline, AlgorithmConfig(loss="ppo_clip", logprob_impl="fused"),
+                       trainer, TEMPERATURE)
     mine = dp_share(_samples())
-    before = _hf_weights(chunks, arch)
+    before = hf_weights(actor)
     actor.recompute(mine)
     actor.update(mine, step=1)
     metrics = actor.entropy_change(mine)
-    after = _hf_weights(chunks, arch)
+    after = hf_weights(actor)
     return metrics, before, after, mine
 
 

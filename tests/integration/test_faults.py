@@ -3,12 +3,16 @@ process behind and its run resumes; a damaged checkpoint is skipped for the newe
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import multiprocessing as mp
 import os
 import re
 import shutil
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -254,6 +258,9 @@ def test_bad_starts_are_one_line_before_any_rank_starts(tmp_path, capsys):
     assert re.search(r"model.hf_path: model.embed_tokens.weight has shape \(\d+, \d+\), but "
                      r"config.json implies", _one_error_line(
                          capsys, ["train", str(config), f"model.hf_path={revocab}"]))
+    # A process count the layout does not divide.
+    assert "world size 3 is not divisible" in _one_error_line(
+        capsys, ["train", str(config), "--nproc", "3", "parallel.tensor=2"])
     assert not (tmp_path / "runs").exists()  # no rank started, no run folder made
 
 
@@ -301,3 +308,162 @@ def test_rank_whose_peer_died_ends_with_one_line(monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", "1")  # alone, the same error is no peer's death: raised
     with pytest.raises(RuntimeError, match="Connection reset"):
         cli.main(["train", "c.yaml"])
+
+
+# ------------------------------------------------------------ a full or read-only file system
+
+
+@contextlib.contextmanager
+def _tmpfs(path: Path, options: str):
+    """A small file system of its own at ``path`` (root only: skipped elsewhere)."""
+    path.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs",
+                                            str(path)], capture_output=True).returncode != 0:
+        pytest.skip("needs root to mount a small tmpfs")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=True)
+
+
+def _fill(disk: Path, leave_bytes: int) -> None:
+    with open(disk / "filler", "wb") as f:
+        free = shutil.disk_usage(disk).free - leave_bytes
+        f.write(b"\0" * max(0, free))
+
+
+def test_full_disk_is_one_line_leaves_nothing_partial_and_keeps_the_steps_metrics(tmp_path):
+    """A 6 MiB file system as runs_dir: the first checkpoint does not fit."""
+    import yaml
+
+    with _tmpfs(tmp_path / "disk", "size=6m") as disk:
+        cfg = {"model": {"hf_path": str(REPO / "examples" / "quickstart_model"),
+                         "seq_length": 256},
+               "rollout": {"n_samples": 2, "max_new_tokens": 8, "max_prompt_tokens": 96},
+               "data": {"prompts_per_step": 2, "dynamic_sampling": False,
+                        "arithmetic": {"num_train": 32, "num_val": 2}},
+               "trainer": {"steps": 2, "micro_batch_tokens": 2048, "save_interval": 1},
+               "parallel": {"tensor": 1},
+               "logging": {"runs_dir": str(disk / "runs"), "name": "full",
+                           "progress_bar": False}}
+        (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+        done = subprocess.run([sys.executable, "-m", "megatron_entropy.cli", "train",
+                               str(tmp_path / "c.yaml")], capture_output=True, text=True,
+                              env=env, timeout=600)
+        run = disk / "runs" / "full"
+        assert done.returncode == 1, done.stderr[-3000:]
+        assert "Traceback" not in done.stderr and "encountered an error" not in done.stderr
+        assert re.fullmatch(
+            rf"megatron-entropy train: error: cannot write {run}/checkpoints/\.step_00000001\.tmp"
+            r": ENOSPC \(No space left on device \(\d+ KiB free\)\)",
+            done.stderr.strip().splitlines()[-1]), done.stderr[-3000:]
+        assert not list(run.rglob("*.tmp"))  # the partial checkpoint is gone: the disk is free
+        assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text()
+                .splitlines()] == [1]
+        # The run's config written where the disk has no room left: the old one stays, whole,
+        # and no temporary file is left behind.
+        from megatron_entropy.config import load_config
+        from megatron_entropy.trainer.run_folder import save_run_config
+
+        before = (run / "config.yaml").read_text()
+        _fill(disk, leave_bytes=0)
+        with pytest.raises(OSError) as raised:
+            save_run_config(load_config(data={"trainer": {"lr": 3e-5}}), run)
+        assert raised.value.errno == errno.ENOSPC
+        assert (run / "config.yaml").read_text() == before
+        assert not list(run.glob(".*.tmp"))
+
+
+def test_read_only_runs_dir_is_one_line_naming_the_path_and_errno(tmp_path, capsys):
+    from megatron_entropy.cli import main
+
+    config = _cli_config(tmp_path, parallel={"tensor": 1})
+    with _tmpfs(tmp_path / "runs", "size=1m,ro"):
+        assert main(["train", str(config)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"megatron-entropy train: error: cannot write {tmp_path / 'runs' / 'r'}: "
+                   "EROFS (Read-only file system)"]
+
+
+# ------------------------------------------------------------------------- bad model folders
+
+
+def test_model_folder_without_tokenizer_files_is_one_line_naming_the_file(tmp_path, capsys):
+    config = _cli_config(tmp_path)
+    cases = {"none": ["tokenizer.json", "tokenizer_config.json"],
+             "no_template": ["tokenizer_config.json"]}
+    for name, removed in cases.items():
+        shutil.copytree(REPO / "examples" / "quickstart_model", tmp_path / name)
+        for f in removed:
+            (tmp_path / name / f).unlink()
+    (tmp_path / "bpe_half").mkdir()
+    for f in ("config.json", "model.safetensors"):
+        shutil.copy(REPO / "examples" / "quickstart_model" / f, tmp_path / "bpe_half")
+    (tmp_path / "bpe_half" / "vocab.json").write_text("{}")
+    assert _one_error_line(capsys, ["train", str(config), f"model.hf_path={tmp_path / 'none'}"]) \
+        == (f"megatron-entropy train: error: model.hf_path: {tmp_path / 'none'} has no tokenizer: "
+            "none of tokenizer.json, tokenizer.model, vocab.json + merges.txt, vocab.txt (copy "
+            "the tokenizer files of the model)")
+    assert _one_error_line(capsys, ["train", str(config),
+                                    f"model.hf_path={tmp_path / 'bpe_half'}"]) == (
+        f"megatron-entropy train: error: model.hf_path: {tmp_path / 'bpe_half'} has vocab.json "
+        "but no merges.txt: the tokenizer is incomplete")
+    line = _one_error_line(capsys, ["train", str(config),
+                                    f"model.hf_path={tmp_path / 'no_template'}"])
+    assert "data.apply_chat_template=true but there is no tokenizer_config.json" in line
+    # Plain text needs no template.
+    from megatron_entropy.models.tokenizer_files import tokenizer_problem
+
+    assert tokenizer_problem(tmp_path / "no_template") is None
+
+
+def _cli_exit_and_stderr(argv: list[str]) -> tuple[int, str]:
+    """Worker: ``megatron-entropy ARGV`` in a forked rank, its exit code and stderr."""
+    import io
+
+    from megatron_entropy.cli import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(argv)
+    return code, err.getvalue()
+
+
+def test_nan_in_a_weight_is_one_line_naming_the_tensor(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from harness import run_distributed
+
+    model = tmp_path / "nan_model"
+    shutil.copytree(REPO / "examples" / "quickstart_model", model)
+    weights = load_file(model / "model.safetensors")
+    name = "model.layers.1.mlp.down_proj.weight"
+    weights[name][3, 5] = float("nan")
+    save_file(weights, str(model / "model.safetensors"), metadata={"format": "pt"})
+    config = _cli_config(tmp_path, parallel={"tensor": 1})
+    [(code, err)] = run_distributed(_cli_exit_and_stderr,
+                                    1, ["train", str(config), f"model.hf_path={model}"],
+                                    timeout=300)
+    assert code == 2, err
+    assert err.strip().splitlines() == [
+        f"megatron-entropy train: error: model.hf_path: {model / 'model.safetensors'}: tensor "
+        f"{name} holds NaN or inf (the first such tensor of the model): the weights are damaged"]
+
+
+def test_resume_takes_a_checkpoints_folder_or_a_run_folder_as_convert_does(tmp_path):
+    from megatron_entropy.config import load_config
+    from megatron_entropy.trainer.checkpoint import resume_checkpoint
+
+    run = tmp_path / "run"
+    run_distributed(_save_steps, 1, str(run), [1])
+    manager = CheckpointManager(tmp_path / "other_run")
+    step = run / "checkpoints" / "step_00000001"
+    for given in (step, run / "checkpoints", run):
+        assert resume_checkpoint(str(given), manager) == step
+    with pytest.raises(CheckpointError, match=r"trainer.resume='nowhere': nowhere/"
+                                              r"trainer_state.json is missing"):
+        resume_checkpoint("nowhere", manager)
+    # `trainer.resume=None` on the command line (YAML reads it as the text "None"): no resume.
+    resume = load_config(overrides=["trainer.resume=None"]).trainer.resume
+    assert resume == "none" and resume_checkpoint(resume, manager) is None

@@ -1,9 +1,9 @@
-"""Preemption requests (SIGUSR1/SIGTERM): one that arrives while `megatron-entropy train` is
-still starting up is held until the loop looks at it (after the first rollout round; the run
-exits 75 instead of dying by the signal's default action); one during a step stops it after the
-rollout round, before anything of the step is applied; the job's clock; helper processes started during a
-checkpoint (dist_checkpointing's writers and Manager) do not die of one sent to the whole process
-tree, as Slurm's proctrack/linuxproc delivers it."""
+"""Preemption requests (SIGUSR1/SIGTERM/SIGINT): one that arrives while `megatron-entropy train`
+is still starting up is held until the next point of the start-up that looks (the run exits 75
+with nothing to checkpoint, instead of dying by the signal's default action); one during a step
+stops it after the rollout round, before anything of the step is applied; the job's clock;
+helper processes started during a checkpoint (dist_checkpointing's writers and Manager) do not
+die of one sent to the whole process tree, as Slurm's proctrack/linuxproc delivers it."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ FAKE_SGLANG = Path(__file__).resolve().parents[1] / "helpers" / "fake_sglang_ser
 
 
 @pytest.mark.slow
-def test_usr1_during_start_up_stops_after_the_first_rollout_round(tmp_path):
+def test_usr1_during_start_up_ends_the_start_once_the_engine_is_up(tmp_path):
     """Also: the server the trainer launches does not inherit the rank's RANK/MASTER_PORT/..."""
     model = make_served_model(tmp_path / "model")
     started, go = tmp_path / "server-started", tmp_path / "go"
@@ -79,17 +79,27 @@ def test_usr1_during_start_up_stops_after_the_first_rollout_round(tmp_path):
         kill_marked(mark)
     out = log.read_text()
     assert rc == 75, f"exit {rc}\n{out[-3000:]}"
-    assert "signal received during step 1 (not applied): no step to checkpoint" in out
+    assert "signal received during start-up: nothing to checkpoint; exiting with 75" in out
     run = tmp_path / "runs" / "early"
     assert not (run / "metrics.jsonl").exists() or metrics_rows(run) == []
     assert not (run / "checkpoints" / "latest").exists()
-    # One rollout round was generated, and no update reached the server.
-    paths = [json.loads(line)["path"] for line in requests.read_text().splitlines()]
-    assert paths.count("/generate") >= 1 and "/update_weights_from_disk" not in paths, paths
+    # The start ended once the engine was up: nothing was generated, no update reached the
+    # server, and the server it launched was stopped.
+    paths = [json.loads(line)["path"] for line in requests.read_text().splitlines()] \
+        if requests.exists() else []
+    assert "/generate" not in paths and "/update_weights_from_disk" not in paths, paths
+    assert not [p for p in psutil.process_iter() if _marked(p, mark)]
     env_vars = dict(line.split("=", 1) for line in server_env.read_text().splitlines()
                     if "=" in line)
     assert not {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"} & env_vars.keys()
     assert env_vars["ME_TEST_MARK"] == mark  # the rest of the environment is passed on
+
+
+def _marked(p: psutil.Process, mark: str) -> bool:
+    try:
+        return p.environ().get("ME_TEST_MARK") == mark and p.status() != psutil.STATUS_ZOMBIE
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return False
 
 
 def test_processes_started_while_held_do_not_die_of_the_signals():
@@ -140,9 +150,9 @@ def test_a_signal_during_the_hold_is_not_lost(monkeypatch):
 
 
 def _train_signalled_in_step(cfg: dict, signal_step: int) -> dict:
-    """Worker: the RL loop, with SIGUSR1 sent to this rank while step ``signal_step``'s first
-    rollout round generates. Returns the exit code, the rollout rounds and updates of that step,
-    and the data position it started from (where step ``signal_step - 1`` left it)."""
+    """Worker: the RL loop, with SIGINT (Ctrl-C) sent to this rank while step ``signal_step``'s
+    first rollout round generates. Returns the exit code, the rollout rounds and updates of that
+    step, and the data position it started from (where step ``signal_step - 1`` left it)."""
     from megatron_entropy.config import load_config
     from megatron_entropy.trainer import loop
 
@@ -156,7 +166,7 @@ def _train_signalled_in_step(cfg: dict, signal_step: int) -> dict:
 
             def generate_and_signal(*args, **kwargs):
                 seen["rounds"] += 1
-                os.kill(os.getpid(), signal.SIGUSR1)
+                os.kill(os.getpid(), signal.SIGINT)
                 return generate(*args, **kwargs)
 
             def counted_update(*args, **kwargs):
@@ -177,10 +187,10 @@ def _train_signalled_in_step(cfg: dict, signal_step: int) -> dict:
 
 def test_a_signal_during_a_rollout_round_stops_before_the_next_round_and_applies_nothing(
         tmp_path, capfd):
-    """SIGUSR1 while step 2's first round generates (dynamic sampling would refill: a random
-    model scores no group): the run leaves after that round, without updating, checkpoints
-    step 1 (save_interval 0: not saved before) with step 1's data position, not the abandoned
-    step's, and exits 75."""
+    """Ctrl-C (SIGINT, handled as SIGTERM and SIGUSR1 are) while step 2's first round generates
+    (dynamic sampling would refill: a random model scores no group): the run leaves after that
+    round, without updating, checkpoints step 1 (save_interval 0: not saved before) with step
+    1's data position, not the abandoned step's, and exits 75."""
     from harness import run_distributed
 
     model = make_tp2_model(tmp_path / "model")

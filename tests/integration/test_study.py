@@ -93,6 +93,25 @@ def test_plan_errors_name_the_problem(tmp_path):
         plan_study(str(cfg), ["study.threshold_sweep.base=x"], str(tmp_path / "out"))
 
 
+@pytest.mark.parametrize("study", ["study.yaml", "study_quickstart.yaml"])
+def test_quick_studies_update_off_policy_so_the_cov_losses_act(study, tmp_path):
+    """With one update per rollout batch KL-Cov trains bit for bit as GRPO (measured: the same
+    entropy and validation accuracy at every step of --quick); the shipped quick presets make
+    two, and a study that makes one says why its Cov arms cannot act."""
+    from megatron_entropy.analysis.study_report import study_notes
+
+    config = str(REPO / "examples" / study)
+    plan = plan_study(config, [], str(tmp_path / "out"), quick=True)
+    assert all(r.config.trainer.mini_batches_per_step * r.config.trainer.ppo_epochs >= 2
+               for r in plan.runs)
+    assert study_notes(plan) == []
+    on_policy = plan_study(config, ["trainer.mini_batches_per_step=1"], str(tmp_path / "out"),
+                           quick=True, losses=["grpo", "kl_cov"])
+    [note] = study_notes(on_policy)
+    assert note.startswith("grpo, kl_cov: one update per rollout batch") and \
+        "KL-Cov trains exactly as GRPO does" in note
+
+
 def test_a_run_folder_with_other_settings_is_refused(tmp_path):
     cfg = _study_config(tmp_path / "s.yaml")
     old = plan_study(str(cfg), ["trainer.lr=5e-4"], str(tmp_path / "out"), seeds=[1])

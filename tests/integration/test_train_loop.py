@@ -147,7 +147,7 @@ def _gather_everything_reference(engine, rounds, sampling, reward_fn, shared, ta
     from megatron_entropy.data import GroupFilter
     from megatron_entropy.rollout.base import SamplingParams
     from megatron_entropy.trainer.batch import Sample
-    from megatron_entropy.trainer.rollouts import GroupStats, dp_share, generate_round
+    from megatron_entropy.trainer.rollouts import GroupStats, dp_share, generate_round, served_by
 
     keep = GroupFilter(target_groups, max_refill_rounds=3)
     generated, received = [], 0
@@ -165,7 +165,8 @@ def _gather_everything_reference(engine, rounds, sampling, reward_fn, shared, ta
         keep.add(groups, [g.rewards for g in groups])
     kept = keep.take()
     samples = [Sample(prompt_ids=list(g.item.prompt_ids), response_ids=list(c.token_ids),
-                      engine_logprobs=list(c.logprobs), reward=r, group=gi, source=g.item.source)
+                      engine_logprobs=list(c.logprobs), reward=r, group=gi, source=g.item.source,
+                      **served_by(c))
                for gi, g in enumerate(kept) for c, r in zip(g.completions, g.rewards)]
     adv = compute_advantages("grpo", torch.tensor([s.reward for s in samples]),
                              torch.tensor([s.group for s in samples]), norm_by_std=True)
@@ -329,10 +330,10 @@ def _cli(config: Path, *overrides: str, log: Path, **env: str) -> subprocess.Pop
 
 def test_cli_first_screen_shows_the_run_not_megatrons_start_up_notes(model_dir, tmp_path):
     """One process, 2 steps with a validation before them: the progress bar ends at 2/2, and
-    none of megatron-core's known-harmless notes (cli.HARMLESS_*) reach the console."""
+    none of megatron-core's known-harmless notes (runtime/harmless.py) reach the console."""
     import yaml
 
-    from megatron_entropy.cli import HARMLESS_LOG_LINES, HARMLESS_WARNINGS
+    from megatron_entropy.runtime.harmless import HARMLESS_LOG_LINES, HARMLESS_WARNINGS
 
     cfg = _config(model_dir, tmp_path, "screen", parallel={"tensor": 1},
                   trainer={"steps": 2, "val_before_train": True, "val_interval": 2,
@@ -353,6 +354,11 @@ def test_cli_first_screen_shows_the_run_not_megatrons_start_up_notes(model_dir, 
         assert not re.search(message, screen), message
     for line in HARMLESS_LOG_LINES:
         assert line not in screen
+    # It ends saying where the run's checkpoint and metrics are.
+    run_dir = Path(cfg["logging"]["runs_dir"]) / "screen"
+    assert screen.strip().splitlines()[-1] == (
+        f"finished: 2 steps; last checkpoint {run_dir / 'checkpoints' / 'step_00000002'}; "
+        f"metrics {run_dir / 'metrics.jsonl'} (megatron-entropy plot {run_dir})")
 
 
 STABLE = ("time/", "perf/", "weight_sync/seconds", "weight_check/seconds",

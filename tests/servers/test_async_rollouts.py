@@ -271,7 +271,7 @@ def test_rollouts_in_flight_at_pushes_resume_or_finish_tagged_and_survive_a_kill
                                                                                   sampling)))
         rollout.start()
         deadline = time.monotonic() + 60
-        while eng.pool._inflight_total < 2:  # both servers busy, six requests wait
+        while eng.pool.dispatch.inflight_total < 2:  # both servers busy, six requests wait
             assert time.monotonic() < deadline
             time.sleep(0.01)
         push_weights(eng, models["model_a"].state_dict().items(), 2, tmp_path)
@@ -301,7 +301,7 @@ def test_rollouts_in_flight_at_pushes_resume_or_finish_tagged_and_survive_a_kill
         assert "weights-v2 " in relaunch and "--weight-version 2 " in relaunch, relaunch
     finally:
         eng.shutdown()
-    assert eng.pool._loop is None
+    assert eng.pool.runner.loop is None
 
 
 def _consumed(state: dict) -> int:

@@ -25,8 +25,10 @@ import torch
 from megatron_entropy.config import ServerConfig
 from megatron_entropy.rollout.base import SamplingParams
 from megatron_entropy.rollout.server.errors import RequestRejected, ServerError
+from megatron_entropy.rollout.server.partial import version_runs
 from megatron_entropy.rollout.server.process import free_port
 from megatron_entropy.rollout.server.sglang import SGLangEngine, weight_sync_address
+from megatron_entropy.runtime.launch_env import healthy
 from megatron_entropy.runtime.seeds import sample_seed
 from serving_model import make_served_model, push_weights, reference
 
@@ -54,25 +56,39 @@ def make_cfg(**kw) -> ServerConfig:
 
 def start_fake(model: Path, base_port: int, **fake_args) -> tuple[subprocess.Popen, str]:
     """A fake SGLang server that we start ourselves (the engine connects to it, as to a server
-    it did not launch), on the first free port from ``base_port``: its process and URL."""
+    it did not launch), on the first free port from ``base_port``, once it serves: its process
+    and URL."""
     port = free_port("127.0.0.1", base_port, set())
     cmd = [a.format(model=model, host="127.0.0.1", port=port, weight_version="v0")
            for a in fake_command(**fake_args)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    return proc, f"http://127.0.0.1:{port}"
+    url = f"http://127.0.0.1:{port}"
+    # A server we connect to already serves (the engine gives one that refuses connections
+    # only health_timeout_s): wait for it, as `slurm wait-servers` does.
+    deadline = time.monotonic() + 120
+    while not healthy(url, 1.0):
+        assert proc.poll() is None and time.monotonic() < deadline, "the fake did not start"
+        time.sleep(0.1)
+    return proc, url
 
 
 def post(url: str, body: dict) -> tuple[int, object]:
-    """(HTTP status, decoded JSON body) of a POST."""
+    """(HTTP status, body) of a POST: decoded JSON, or the text of a plain-text answer."""
     import urllib.request
+
+    def decoded(raw: bytes) -> object:
+        try:
+            return json.loads(raw or b"null")
+        except ValueError:
+            return raw.decode()
 
     req = urllib.request.Request(url, data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, json.loads(r.read() or b"null")
+            return r.status, decoded(r.read())
     except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"null")
+        return e.code, decoded(e.read())
 
 
 def requests_of(log: Path, path: str) -> list[dict]:
@@ -151,8 +167,12 @@ def test_greedy_and_invalid_request(engine, models):
     assert_follows(engine, models["model_a"])
     with pytest.raises(RequestRejected, match="top_k must be -1 .disable. or at least 1"):
         engine.generate([[5, 6]], SamplingParams(top_k=0, max_new_tokens=2))
-    with pytest.raises(RequestRejected, match="out of the vocabulary"):
-        engine.generate([[5, 100000]], SamplingParams(max_new_tokens=2))
+    # Never sent (an SGLang server dies of one): the engine says which prompt and ids.
+    before = len(requests_of(engine.request_log, "/generate"))
+    with pytest.raises(RequestRejected, match=r"prompt 1 holds token ids \[100000, -1\] outside "
+                                              r"the model's vocabulary \[0, 512\): not sent"):
+        engine.generate([[5, 6], [5, 100000, -1]], SamplingParams(max_new_tokens=2))
+    assert len(requests_of(engine.request_log, "/generate")) == before
 
 
 def test_fake_is_strict(engine):
@@ -160,10 +180,23 @@ def test_fake_is_strict(engine):
     import urllib.request
 
     url = engine.pool.servers[0].url
-    # As a real 0.5.15 server: an unknown sampling key is a 500 (a TypeError inside SGLang)...
+    # As a real 0.5.15 server: an unknown sampling key is a 500 with a plain-text body (a
+    # TypeError inside SGLang), a bad pause mode a 400...
     status, body = post(url + "/generate", {"input_ids": [5, 6], "sampling_params": {
         "max_new_tokens": 2, "max_tokens": 2}})
-    assert status == 500 and "Unexpected keyword argument 'max_tokens'" in body["message"]
+    assert (status, body) == (500, "Internal Server Error")
+    status, body = post(url + "/pause_generation", {"mode": "halt"})
+    assert status == 400 and body["type"] == "BadRequestError"
+    # ...its meta_info has the tokenizer manager's fields in their order, input_token_logprobs
+    # is [] with logprob_start_len -1...
+    status, body = post(url + "/generate", {"input_ids": [5, 6], "return_logprob": True,
+                                            "logprob_start_len": -1,
+                                            "sampling_params": {"max_new_tokens": 2}})
+    assert status == 200 and list(body["meta_info"]) == [
+        "id", "finish_reason", "prompt_tokens", "weight_version", "total_retractions",
+        "input_token_logprobs", "output_token_logprobs", "output_token_logprobs_length",
+        "completion_tokens", "cached_tokens", "e2e_latency"]
+    assert body["meta_info"]["input_token_logprobs"] == []
     # ...and the weight version is in /model_info, /weight_version is 404.
     with urllib.request.urlopen(url + "/model_info", timeout=30) as r:
         assert "weight_version" in json.loads(r.read())
@@ -178,14 +211,90 @@ def test_fake_is_strict(engine):
     assert status == 400 and body["success"] is False
 
 
+def test_an_idle_server_refusing_a_cache_flush_once_is_asked_again(engine, models, tmp_path,
+                                                                  caplog):
+    """A real server answered /flush_cache 400 "Flush cache failed." once on an idle server
+    right after a request returned: the sync asks again, and nothing is left unflushed."""
+    for server in engine.pool.servers:
+        post(server.url + "/fake/flush_fails", {"count": 1})
+    before = len(requests_of(engine.request_log, "/flush_cache"))
+    push_weights(engine, models["model_a"].state_dict().items(), 7, tmp_path)
+    assert "prefix cache not flushed" not in caplog.text
+    assert len(requests_of(engine.request_log, "/flush_cache")) == before + 4  # 2 per server
+    assert_follows(engine, models["model_a"])
+
+
+def test_an_out_of_vocabulary_id_kills_the_server(models):
+    """As a real server's scheduler crashes on one (the engine never sends it: above)."""
+    proc, url = start_fake(models["a"], 32450)
+    try:
+        with pytest.raises(OSError):
+            post(url + "/generate", {"input_ids": [5, 512], "sampling_params": {}})
+        assert proc.wait(timeout=30) == 1
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_an_abort_the_server_does_not_honour_is_sent_again_once_the_request_runs(
+        models, tmp_path):
+    """Another client paused the server in place; our request waits there when a weight push
+    (inflight_at_sync=abort) aborts it. A real server does not abort a waiting request paused in
+    place, so the push waits, sending the abort again each second; once the other client
+    continues, the request runs, the next abort stops it after a token or more, and it is
+    resumed on the new weights: a's greedy prefix, then b's continuation, each token tagged
+    with its version. Our rids are prefix-free (SGLang aborts by prefix)."""
+    log = tmp_path / "requests.jsonl"
+    proc, url = start_fake(models["a"], 32460, delay=0.2, log=str(log))
+    eng = SGLangEngine(make_cfg(launch=0, urls=[url]), str(models["a"]), str(tmp_path))
+    try:
+        eng.pool.run_in_background()
+        eng.pool.inflight_at_sync = "abort"
+        post(url + "/pause_generation", {"mode": "in_place"})  # the other client
+        prompt, result = [5, 6, 7], {}
+        rollout = threading.Thread(target=lambda: result.update(out=eng.generate(
+            [prompt], SamplingParams(temperature=0.0, max_new_tokens=12))))
+        rollout.start()
+        deadline = time.monotonic() + 60
+        while fake_state(url)["waiting"] < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        push = threading.Thread(target=push_weights, args=(
+            eng, models["model_b"].state_dict().items(), 1, tmp_path))
+        push.start()
+        while len(requests_of(log, "/abort_request")) < 2:  # aborted, and again
+            assert time.monotonic() < deadline and push.is_alive()
+            time.sleep(0.05)
+        assert fake_state(url)["waiting"] == 1 and push.is_alive() and rollout.is_alive()
+        post(url + "/continue_generation", {})  # the other client
+        push.join(timeout=120)
+        rollout.join(timeout=120)
+        assert not push.is_alive() and not rollout.is_alive()
+    finally:
+        eng.shutdown()
+        proc.kill()
+        proc.wait()
+    (c,) = result["out"][0]
+    runs = version_runs(c)
+    assert [v for v, _ in runs] == ["v0", "1"] and runs[0][1] >= 1, runs
+    head = runs[0][1]
+    assert c.token_ids[:head] == greedy_reference(models["model_a"], prompt, 12)[:head]
+    assert c.token_ids[head:] == greedy_reference(models["model_b"], prompt + c.token_ids[:head],
+                                                  12 - head)
+    rids = [g["rid"] for g in requests_of(log, "/generate")]
+    assert len(rids) == 2 and not any(a != b and b.startswith(a) for a in rids for b in rids)
+    assert all(r.endswith(".") for r in rids)
+
+
 def test_disk_sync_follows_new_weights_and_checks_version(engine, models, tmp_path,
                                                          monkeypatch):
     start = len(requests_of(engine.request_log, "/pause_generation"))
+    resumed = len(requests_of(engine.request_log, "/continue_generation"))
     stats = push_weights(engine, models["model_b"].state_dict().items(), 1, tmp_path)
     assert stats["weight_sync/bytes"] == sum(t.numel() * 4 for t in
                                              models["model_b"].state_dict().values())
     assert len(requests_of(engine.request_log, "/pause_generation")) == start + 2
-    assert len(requests_of(engine.request_log, "/continue_generation")) == start + 2
+    assert len(requests_of(engine.request_log, "/continue_generation")) == resumed + 2
     assert [r.get("weight_version") for r in
             requests_of(engine.request_log, "/update_weights_from_disk")][-2:] == ["1", "1"]
     assert_follows(engine, models["model_b"])
@@ -252,6 +361,34 @@ def test_weight_check_catches_a_silently_wrong_sync(engine, models, tmp_path):
     assert error.startswith("weight check after a sync: the rollout engine's log-probs disagree")
     for url in urls:
         assert f"({url}" in error
+
+
+def test_the_weight_probe_catches_a_copy_perturbed_by_a_tenth_of_each_tensors_std(tmp_path):
+    """The first-contact probe (the default 8 prompts x 32 tokens, bf16 tolerances) against a
+    server holding the quickstart model with noise of 0.1 x std on every tensor: caught, by
+    its 0.99 quantile (0.39 nats, bench/bench_weight_check_power.py), where the 4 x 8 probe
+    measured a mean of 3.4e-3 against its tolerance of 0.098. The trainer's first 8 prompts."""
+    from harness import run_distributed
+    from serving_model import probe_served_weights
+
+    from megatron_entropy.config import DataConfig
+    from megatron_entropy.data.dataset import load_prompt_dataset, load_tokenizer
+
+    quick = Path(__file__).resolve().parents[2] / "examples" / "quickstart_model"
+    data = load_prompt_dataset(DataConfig(), load_tokenizer(quick), 128, "train")
+    proc, url = start_fake(quick, 32750)
+    try:
+        first, error = run_distributed(
+            probe_served_weights, 1, "sglang", str(quick), [url], str(tmp_path),
+            lambda eng: post(url + "/fake/perturb", {"scale": 0.1}),
+            [data[i].prompt_ids for i in range(8)], timeout=300)[0]
+    finally:
+        proc.kill()
+        proc.wait()
+    print(f"probe on correct weights: {first}\n{error}")
+    assert first["weight_check/drift_mean"] <= 1e-4  # fp32 fake, fp32 actor
+    assert error.startswith("weight check after a sync: the rollout engine's log-probs disagree")
+    assert f"server 0 ({url}" in error and "p99" in error
 
 
 def test_router_takes_generation_workers_take_updates(engine, models, tmp_path):

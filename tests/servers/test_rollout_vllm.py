@@ -168,7 +168,7 @@ def push_aborting_a_rollout(engine, models, slow_gate: Path, max_new: int = 240)
         if frozen and not pushed:
             post(engine, "/resume")  # the tests after this one need a server that generates
         engine.pool.inflight_at_sync = "finish"
-        engine.pool._stop_loop()  # the other tests run on the default dispatch
+        engine.pool.runner.stop_loop()  # the other tests run on the default dispatch
     partial = 0
     for prompt, (c,) in zip(PROMPTS, result["out"]):
         n = len(c.token_ids)

@@ -230,3 +230,14 @@ def test_distributed_optimizer_auto_is_on_where_there_is_more_than_one_dp_rank(s
 def test_overlap_communication_auto_is_on_where_collectives_run_on_gpus(setting, on_gpu, expected):
     cfg = load_config(data={"trainer": {"overlap_communication": setting}})
     assert cfg.trainer.uses_overlap(on_gpu) is expected
+
+
+def test_a_key_given_twice_is_an_error_naming_it_and_its_lines(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("trainer:\n  lr: 1.0e-5\n  steps: 3\n  lr: 2.0e-5\nalgorithm: {loss: kl_cov}\n")
+    with pytest.raises(ConfigError, match=r"c.yaml': key 'lr' appears twice in one mapping: "
+                                          r"line 2 and line 4$"):
+        load_config(path)
+    path.write_text("trainer: {lr: 1.0e-5}\nalgorithm: {lr: 2.0e-5}\n")  # one per section
+    with pytest.raises(ConfigError, match=r"unknown config key 'algorithm.lr'"):
+        load_config(path)

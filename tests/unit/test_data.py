@@ -117,6 +117,8 @@ def test_nested_keys_read_verl_style_rows(tmp_path):
     ({"prompt": "q", "answer": "  "}, r"bad\.jsonl:3: row has no answer"),
     ({"question": "q", "answer": "1"}, r"bad\.jsonl:3: row has no prompt under 'prompt'"),
     ({"prompt": [{"role": "user"}], "answer": "1"}, r"bad\.jsonl:3: 'prompt' is a list but not"),
+    ({"prompt": 17, "answer": "1"}, r"bad\.jsonl:3: the prompt under 'prompt' \(data.prompt_key\) "
+                                    r"is int 17, not text or a list of messages"),
 ])
 def test_bad_rows_name_file_and_line(tmp_path, bad, match):
     path = _write_jsonl(tmp_path / "bad.jsonl", [ROWS[0], ROWS[2], bad])
@@ -202,6 +204,11 @@ def test_prompt_dataset_tokenises_and_handles_overlong(tokenizer, tmp_path):
     assert data_notes(full, full, 4, limit) == ([], {"data/dropped_overlong": 0.0,
                                                      "data/val_dropped_overlong": 0.0,
                                                      "data/prompt_repeats_per_step": 1.0})
+    # Validation asked for, without validation prompts: said, not silently skipped.
+    assert data_notes(full, PromptDataset([]), 4, limit, "trainer.val_interval=4")[0] == [
+        "trainer.val_interval=4, but there are no validation prompts (data.train_files without "
+        "data.val_files): no validation runs; set data.val_files"]
+    assert data_notes(full, full, 4, limit, "trainer.val_interval=4")[0] == []
 
 
 @pytest.mark.parametrize("add_special_tokens", [False, True])

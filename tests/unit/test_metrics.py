@@ -6,7 +6,7 @@ import logging
 import re
 import warnings
 
-from megatron_entropy.cli import HARMLESS_LOG_LINES, silence_harmless_warnings
+from megatron_entropy.runtime.harmless import HARMLESS_LOG_LINES, silence_harmless_warnings
 from megatron_entropy.config import LoggingConfig
 from megatron_entropy.trainer.metrics import MetricsLogger
 

@@ -77,14 +77,19 @@ def test_layouts_that_do_not_fit_are_refused(recipe, args, message, capsys):
 
 def test_options_may_follow_overrides_and_bad_input_is_named(capsys, tmp_path):
     recipe = str(RECIPES[0])
-    code, out = run_plan(capsys, recipe, "parallel.tensor=8", "--nodes", "8", "cluster.x=1")
-    assert code == 1 and "unknown config key 'cluster.x'" in out
-    code, out = run_plan(capsys, recipe)
-    assert code == 1 and "--nodes must be given" in out
+    def bad(*args: str) -> str:  # one line on stderr, exit 2, as every command's bad input
+        assert main(["plan", *args]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("megatron-entropy plan: error: "), err
+        return err[0]
+
+    assert "unknown config key 'cluster.x'" in bad(recipe, "parallel.tensor=8", "--nodes", "8",
+                                                   "cluster.x=1")
+    assert "--nodes must be given and >= 1 (got None)" in bad(recipe)
+    assert "--nodes must be given and >= 1 (got 0)" in bad(recipe, "--nodes", "0")
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"model: {{hf_path: {tmp_path / 'nowhere'}}}\n")
-    code, out = run_plan(capsys, str(cfg), "--nodes", "1")
-    assert code == 1 and "has no config.json; pass --model-config" in out
+    assert "has no config.json; pass --model-config" in bad(str(cfg), "--nodes", "1")
 
 
 def test_plan_reads_the_models_config_json(capsys, tmp_path):
@@ -171,6 +176,37 @@ def test_fullest_gpu_state_equals_megatrons(family, tied, tensor, pipeline, tmp_
     assert items["weights (fp32)"] == weights
     assert items["grad buffer (fp32)"] == grads
     assert items["Adam moments (fp32)"] == adam
+
+
+def test_a_layout_with_few_server_gpus_for_its_trainer_is_called_rollout_bound(capsys):
+    recipe = str(REPO / "examples" / "qwen2.5-7b-kl_cov.yaml")
+    code, out = run_plan(capsys, recipe, "--nodes", "32")  # 2 server nodes for 30 trainer nodes
+    assert code == 0 and "verdict: fits" in out
+    assert re.search(r"warning: rollout-bound: 240 trainer GPUs wait on 16 rollout server GPUs "
+                     r"\(15 to 1; .*raise cluster.server_nodes \(e.g. 16", out), out
+    code, out = run_plan(capsys, recipe, "--nodes", documented_nodes(Path(recipe)))
+    assert code == 0 and "rollout-bound" not in out
+
+
+def test_the_recipe_table_of_examples_readme_is_what_plan_says(capsys):
+    """examples/README.md's recipe table: nodes, servers, trainer layout and trainer GPU memory
+    of each recipe, as `megatron-entropy plan` prints them at the recipe's documented nodes."""
+    text = (REPO / "examples" / "README.md").read_text()
+    rows = re.findall(r"^\| (7B|32B) (GRPO|Clip-Cov|KL-Cov) \| [^|]+ \| (\d+) \| (\d+) x TP(\d+) "
+                      r"on (\d+) nodes \| ([^|]+) \| ([\d.]+) GiB \|$", text, re.M)
+    assert len(rows) == 6, rows
+    for size, loss, nodes, servers, server_tp, server_nodes, trainer, gib in rows:
+        name = {"GRPO": "grpo", "Clip-Cov": "clip_cov", "KL-Cov": "kl_cov"}[loss]
+        recipe = REPO / "examples" / f"qwen2.5-{size.lower()}-{name}.yaml"
+        assert nodes == documented_nodes(recipe)
+        code, out = run_plan(capsys, str(recipe), "--nodes", nodes)
+        assert code == 0, out
+        assert f"rollout servers: {servers} x {server_tp} GPU(s) on {server_nodes} node(s)" in out
+        layout = re.search(r"= TP (\d+) x PP (\d+) x DP (\d+)", out).groups()
+        assert trainer.strip() == " x ".join(f"{k}{v}" for k, v in zip(("TP", "PP", "DP"), layout)
+                                             if k != "PP" or v != "1"), (trainer, layout)
+        total = float(re.search(r"  total +([\d.]+) GiB", out).group(1))
+        assert gib == f"{total:.1f}", (recipe.name, gib, total)
 
 
 def test_moe_stage_state_at_ep2_pp2_equals_megatrons(tmp_path):

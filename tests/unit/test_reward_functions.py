@@ -169,6 +169,19 @@ def test_a_call_that_hangs_or_raises_gets_the_failure_value(function, bad, why, 
         scorer.close()
 
 
+def test_a_reward_that_keeps_failing_stops_the_run_naming_the_setting():
+    scorer = _scorer(f"{HERE}:raise_or_length", max_consecutive_failures=5)
+    assert scorer(["raise"] * 4 + ["ab"], [""] * 5) == [0.0] * 4 + [2.0]  # a success resets
+    assert scorer(["raise"] * 4, [""] * 4) == [0.0] * 4
+    with pytest.raises(ConfigError, match=r"raise_or_length' failed on each of the last 5 "
+                                          r"responses \(the latest: ZeroDivisionError: division by "
+                                          r"zero\); the run stops \(reward.max_consecutive_"
+                                          r"failures=5; 0 never stops\)"):
+        scorer(["raise"], [""])
+    never = _scorer(f"{HERE}:raise_or_length", max_consecutive_failures=0)
+    assert never(["raise"] * 50, [""] * 50) == [0.0] * 50
+
+
 # ------------------------------------------------------------------ processes
 
 

@@ -92,8 +92,11 @@ def _ranks_environment(cmd: list[str], env: dict, cwd: Path, count: int) -> list
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             children = psutil.Process(proc.pid).children()
-            if len(children) == count:
-                return [child.environ() for child in children]
+            # A rank between fork and exec still shows the launcher's own first environment
+            # (the launcher starts its ranks with a preexec function): wait for its own (RANK).
+            envs = [child.environ() for child in children]
+            if len(envs) == count and all("RANK" in env for env in envs):
+                return envs
             assert proc.poll() is None, f"the launcher exited with {proc.returncode}"
             time.sleep(0.05)
         raise AssertionError(f"{count} ranks did not start in 120 s")

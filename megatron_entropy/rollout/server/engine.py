@@ -11,17 +11,38 @@ from __future__ import annotations
 
 import abc
 import atexit
+import json
 import logging
 import time
+from pathlib import Path
 from typing import Any, Optional
 
 from megatron_entropy.config import ServerConfig
 from megatron_entropy.rollout.base import Completion, RolloutEngine, SamplingParams
-from megatron_entropy.rollout.server.errors import ServerError
+from megatron_entropy.rollout.server.errors import RequestRejected, ServerError
 from megatron_entropy.rollout.server.pool import Server, ServerPool
 from megatron_entropy.runtime.seeds import sample_seed
 
 log = logging.getLogger(__name__)
+
+
+def vocab_size(hf_dir: str) -> Optional[int]:
+    """The model's vocabulary size (config.json of its HF folder; None if it does not say)."""
+    path = Path(hf_dir) / "config.json"
+    return json.loads(path.read_text()).get("vocab_size") if path.is_file() else None
+
+
+def check_token_ids(prompts: list[list[int]], vocab: Optional[int]) -> None:
+    """Every prompt id inside [0, vocab): an SGLang server's scheduler crashes on one outside
+    it, and the whole server with it, so none is sent."""
+    if vocab is None:
+        return
+    for i, prompt in enumerate(prompts):
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise RequestRejected(f"prompt {i} holds token ids {bad[:5]} outside the model's "
+                                  f"vocabulary [0, {vocab}): not sent (the tokenizer does not "
+                                  "belong to the served model)")
 
 
 class ServerEngine(RolloutEngine):
@@ -49,8 +70,15 @@ class ServerEngine(RolloutEngine):
         self.pool.start()
         atexit.register(self.shutdown)
         self.version: Optional[int] = None  # the weight version last synced
+        self.vocab_size = vocab_size(self.hf_dir)
         self._tokens = 0
         self._seconds = 0.0
+
+    @property
+    def logprob_dtype(self) -> str:
+        """The servers' dtype; ``auto`` (the checkpoint's) counts as bf16, the coarsest it can
+        be."""
+        return "bf16" if self.cfg.dtype == "auto" else self.cfg.dtype
 
     def _command(self, port: int, model_dir: str) -> list[str]:
         return self._server_argv(self.cfg, model_dir, port, self.pool.launch_version)
@@ -80,6 +108,7 @@ class ServerEngine(RolloutEngine):
                   targets: Optional[list[Server]]) -> list[list[Completion]]:
         """``generate`` on ``targets`` (None: every server, or the router)."""
         extra_meta = self._sampling_meta(sampling)
+        check_token_ids(prompts, self.vocab_size)
         self.pool.ensure_up()
         seed = sampling.seed
         payloads = [self._payload(prompt, sampling,

@@ -9,4 +9,5 @@ class ServerError(RuntimeError):
 
 
 class RequestRejected(ServerError):
-    """The server answered 4xx: the request itself is wrong, so it is not retried."""
+    """The request itself is wrong (the server answered 4xx, or the engine found it so before
+    sending it), so it is not retried."""

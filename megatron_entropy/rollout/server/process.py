@@ -1,8 +1,10 @@
 """One inference server process: its command line, port, environment and log; started in a
 session of its own and stopped with all its workers.
 
-No asyncio or HTTP here: the pool (pool.py) decides when a server starts or stops, this module
-only does it.
+The one place that starts a server and signals or kills its process group, for the
+servers an engine launches (supervisor.py decides when) and for the one a Slurm task runs in
+the foreground (launch/slurm.py, with its own signal mask and parent-death signal as
+``preexec_fn``). No asyncio here.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from megatron_entropy.runtime.launch_env import server_environment
 LaunchCommand = Callable[[int, str], list[str]]
 
 
-def server_command(c: ServerConfig, own_argv: list[str], max_model_len_flag: str,
+def compose_argv(c: ServerConfig, own_argv: list[str], max_model_len_flag: str,
                    model_dir: str, port: int, weight_version: Optional[str]) -> list[str]:
     """The command line of one server: the user's ``rollout.server.launch_command`` with its
     {python}, {model}, {host}, {port}, {weight_version} placeholders filled when there is one,
@@ -73,29 +75,45 @@ def parse_extra_env(items: list[str]) -> dict[str, str]:
     return env
 
 
-def start_process(argv: list[str], extra_env: dict[str, str], log_path: Path, reason: str,
-                  name: str) -> subprocess.Popen:
-    """Start server ``name`` (its description, for the error) as ``argv``, its output appended
-    to ``log_path`` after a line with the time, ``reason`` and the command."""
-    env = server_environment(extra_env)  # not the trainer rank's RANK, MASTER_PORT, ...
-    with open(log_path, "a") as log:
-        log.write(f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} launch ({reason}): "
-                  f"{shlex.join(argv)}\n")
-        log.flush()
-        try:
-            # Own session: stopping the server stops its worker processes too.
-            return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                    start_new_session=True)
-        except OSError as e:
-            raise ServerError(f"cannot start {name}: {shlex.join(argv)}: {e}") from e
+def start_process(argv: list[str], extra_env: dict[str, str], log_path: Optional[Path],
+                  reason: str, name: str, preexec_fn: Optional[Callable[[], None]] = None,
+                  env: Optional[dict[str, str]] = None) -> subprocess.Popen:
+    """Start server ``name`` (its description, for the error) as ``argv`` in a session of its
+    own, its output appended to ``log_path`` after a line with the time, ``reason`` and the
+    command (None: this process's stdout). ``env`` replaces the server environment built from
+    ``extra_env``; ``preexec_fn`` runs in the child before exec."""
+    env = server_environment(extra_env) if env is None else env  # not the rank's RANK, ...
+    log = open(log_path, "a") if log_path is not None else None
+    try:
+        if log is not None:
+            log.write(f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} launch ({reason}): "
+                      f"{shlex.join(argv)}\n")
+            log.flush()
+        # Own session: stopping the server stops its worker processes too.
+        return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT if log else None,
+                                env=env, start_new_session=True, preexec_fn=preexec_fn)
+    except OSError as e:
+        raise ServerError(f"cannot start {name}: {shlex.join(argv)}: {e}") from e
+    finally:
+        if log is not None:
+            log.close()
 
 
-def kill_process_group(proc: Optional[subprocess.Popen], grace_s: float = 10.0) -> None:
-    """Stop the server's whole process group (its workers outlive a killed leader): SIGTERM,
-    then SIGKILL after ``grace_s``."""
+def signal_group(proc: subprocess.Popen, sig: int) -> None:
+    """Send ``sig`` to the server's whole process group (nothing if it is gone)."""
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def kill_process_group(proc: Optional[subprocess.Popen], grace_s: float = 10.0,
+                       first: int = signal.SIGTERM) -> None:
+    """Stop the server's whole process group (its workers outlive a killed leader): ``first``
+    (SIGTERM), then SIGKILL after ``grace_s``."""
     if proc is None:
         return
-    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+    for sig, wait in ((first, grace_s), (signal.SIGKILL, 10.0)):
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:

@@ -10,10 +10,15 @@ reject the key); it makes samples reproducible only on servers started with
 
 A completion answered with finish reason ``abort`` (truncated: another client paused the server
 with mode ``abort``) is issued again, never returned. With ``rollout.inflight_at_sync: abort``
-each request carries our ``rid``; a weight push aborts ours with ``/abort_request {rid}`` (a
-running request stops after one more decode step, a waiting one at once with no tokens), the
-answer holds the partial ``output_ids``/``output_token_logprobs`` and ``weight_version``, and
-the pool resumes it: ``input_ids`` = prompt + those tokens, ``max_new_tokens`` what is left.
+each request carries our ``rid`` (ended by a dot: SGLang aborts every rid the given one is a
+prefix of); a weight push aborts ours with ``/abort_request {rid}`` (a running request stops
+after one more decode step, a waiting one at once with no tokens, except on a server another
+client paused in place: that one is not aborted and runs on after the continue, so the push
+sends the abort again every second and waits until it is answered, each request bounded by
+``request_timeout_s``), the answer holds the partial ``output_ids``/``output_token_logprobs``
+and ``weight_version``, and the pool resumes it: ``input_ids`` = prompt + those tokens,
+``max_new_tokens`` what is left; an answer that was not aborted is kept as it is, tagged with
+the version that generated it.
 Not behind a router (which picks the server: the abort would not find the request).
 
 Weight sync (driven by megatron_entropy/weight_sync), between ``/pause_generation`` (mode
@@ -39,6 +44,7 @@ import contextlib
 import ipaddress
 import logging
 import socket
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -55,7 +61,7 @@ from megatron_entropy.rollout.server.errors import RequestRejected, ServerError
 from megatron_entropy.rollout.server.partial import (AbortApi, RequestAborted, eos_token_ids,
                                                      finished_before_resume)
 from megatron_entropy.rollout.server.pool import Server
-from megatron_entropy.rollout.server.process import free_port, server_command
+from megatron_entropy.rollout.server.process import compose_argv, free_port
 from megatron_entropy.runtime.dtypes import long_name
 
 log = logging.getLogger(__name__)
@@ -120,7 +126,7 @@ def server_argv(c: ServerConfig, model_dir: str, port: int,
     argv = [c.server_python, "-m", "sglang.launch_server", "--model-path", model_dir,
             "--host", c.host, "--port", str(port), "--dtype", long_name(c.dtype),
             "--weight-version", str(weight_version)]
-    return server_command(c, argv, "--context-length", model_dir, port, weight_version)
+    return compose_argv(c, argv, "--context-length", model_dir, port, weight_version)
 
 
 class SGLangEngine(ServerEngine):
@@ -190,8 +196,8 @@ class SGLangEngine(ServerEngine):
 
     def _aborted(self, response: Any, server: Server) -> RequestAborted:
         """An answer with finish reason abort: SGLang returns what the request had generated
-        (nothing for one still waiting: "Abort in waiting queue"), tagged with the version it
-        ran on; the partial is None if its ids and log-probs do not match."""
+        (nothing for one still waiting), tagged with the version it ran on; the partial is None
+        if its ids and log-probs do not match."""
         meta = response.get("meta_info", {})
         try:
             ids = [int(t) for t in response.get("output_ids", [])]
@@ -274,17 +280,28 @@ class SGLangEngine(ServerEngine):
                 "abort_all_requests": False, "weight_version": v}, targets=stale),
                 "/update_weights_from_disk")
 
+    FLUSH_TRIES = 3  # an idle server may refuse a flush once, right after a request returned
+    FLUSH_AGAIN_S = 0.5
+
     def _flush_cache(self, targets: list[Server]) -> None:
         """SGLang answers 400 while requests wait (another client's, kept by the pause): they
-        keep their prefixes cached, which the next sync's flush drops."""
+        keep their prefixes cached, which the next sync's flush drops. An idle server may also
+        refuse once ("Flush cache failed.", a race right after a request returned): each
+        server is asked up to FLUSH_TRIES times."""
         for server in targets:
-            if server.state != "up":
-                continue  # died under the update; a restart starts with an empty cache
-            try:
-                self.pool.call_all("/flush_cache", targets=[server])
-            except RequestRejected as e:
-                log.warning("%s: prefix cache not flushed after the weight sync: %s",
-                            server.describe(), str(e).splitlines()[-1][:300])
+            for attempt in range(1, self.FLUSH_TRIES + 1):
+                if server.state != "up":
+                    break  # died under the update; a restart starts with an empty cache
+                try:
+                    self.pool.call_all("/flush_cache", targets=[server])
+                    break
+                except RequestRejected as e:
+                    if attempt == self.FLUSH_TRIES:
+                        log.warning("%s: prefix cache not flushed after the weight sync "
+                                    "(%d tries): %s", server.describe(), attempt,
+                                    str(e).splitlines()[-1][:300])
+                    else:
+                        time.sleep(self.FLUSH_AGAIN_S)
 
     @staticmethod
     def _check(results: dict[int, Any], path: str) -> None:

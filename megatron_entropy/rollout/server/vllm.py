@@ -35,7 +35,7 @@ from megatron_entropy.rollout.server.errors import ServerError
 from megatron_entropy.rollout.server.partial import (AbortApi, RequestAborted, eos_token_ids,
                                                      finished_before_resume)
 from megatron_entropy.rollout.server.pool import Server
-from megatron_entropy.rollout.server.process import server_command
+from megatron_entropy.rollout.server.process import compose_argv
 from megatron_entropy.runtime.dtypes import long_name
 
 log = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ def server_argv(c: ServerConfig, model_dir: str, port: int,
     argv = [c.server_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
             "--served-model-name", SERVED_NAME, "--host", c.host, "--port", str(port),
             "--dtype", long_name(c.dtype), "--logprobs-mode", "processed_logprobs", "--seed", "0"]
-    return server_command(c, argv, "--max-model-len", model_dir, port, weight_version)
+    return compose_argv(c, argv, "--max-model-len", model_dir, port, weight_version)
 
 
 class VLLMEngine(ServerEngine):
