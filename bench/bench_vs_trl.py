@@ -109,7 +109,11 @@ def _watch(cmd: list[str], env: dict, lines: Path, steps: int, log: Path,
                 seen.append((now, cpu, record))
             time.sleep(0.05)
     finally:
-        for p in [*ps_proc.children(recursive=True), ps_proc]:
+        try:
+            left = [*ps_proc.children(recursive=True), ps_proc]
+        except psutil.NoSuchProcess:  # the run had already finished
+            left = []
+        for p in left:
             try:
                 p.kill()
             except psutil.NoSuchProcess:
@@ -151,7 +155,7 @@ def run_ours(threads: Optional[dict], nproc: int, tensor: int, steps: int, work:
            f"data.prompts_per_step={PROMPTS}", f"rollout.n_samples={SAMPLES}",
            f"rollout.max_new_tokens={NEW_TOKENS}", f"trainer.mini_batches_per_step={UPDATES}",
            f"trainer.lr={LR}", "data.dynamic_sampling=false", "trainer.val_before_train=false",
-           "trainer.val_interval=0", "trainer.save_interval=0", "rollout.weight_check=false",
+           "trainer.val_interval=0", "trainer.save_interval=0", "rollout.weight_check.enabled=false",
            f"logging.runs_dir={work}", f"logging.name={name}", "logging.progress_bar=false"]
     marks = _watch(cmd, _env(threads, repo), work / name / "metrics.jsonl", steps,
                    work / f"{name}.log", timeout=900, cwd=repo)

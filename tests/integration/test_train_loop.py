@@ -270,7 +270,8 @@ def test_dp2_counts_the_tokens_of_every_engine(model_dir, tmp_path):
     and rates count both engines' work, not rank 0's half. No validation and no weight check:
     the engines generate only the step's rollouts, every sample of which is kept."""
     cfg = _config(model_dir, tmp_path, "dp2tok", parallel={"tensor": 1},
-                  rollout={"weight_check": False}, trainer={"steps": 2, "save_interval": 0})
+                  rollout={"weight_check": {"enabled": False}},
+                  trainer={"steps": 2, "save_interval": 0})
     run_distributed(train_from_dict, 2, cfg, timeout=300)
     rows = _metrics(tmp_path, "dp2tok")
     samples = cfg["data"]["prompts_per_step"] * cfg["rollout"]["n_samples"]
