@@ -67,7 +67,7 @@ def run(cmd: list[str]) -> tuple[float, float, str]:
 def import_baseline() -> float:
     """Peak RSS of a process that imports what the tools import and starts Megatron, no data."""
     code = ("import os; os.environ['CUDA_VISIBLE_DEVICES']=''\n"
-            "from megatron_entropy.models import megatron_checkpoint as m\n"
+            "from megatron_entropy.models import conversion as m\n"
             "with m.single_process_megatron(): pass\n"
             "print(m.peak_rss_bytes())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,

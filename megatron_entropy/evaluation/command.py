@@ -43,8 +43,8 @@ def model_folder(path: Path, scratch: Path) -> tuple[Path, Optional[Path]]:
     """(HF folder to serve, the dist checkpoint it was converted from or None)."""
     if (path / "config.json").is_file():
         return path, None
-    from megatron_entropy.models.megatron_checkpoint import (convert_checkpoint_to_hf,
-                                                             resolve_checkpoint_dir)
+    from megatron_entropy.models.conversion import convert_checkpoint_to_hf
+    from megatron_entropy.models.megatron_checkpoint import resolve_checkpoint_dir
 
     if (path / "checkpoints").is_dir():
         path = path / "checkpoints"

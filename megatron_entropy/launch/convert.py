@@ -86,9 +86,8 @@ def run_convert(args: argparse.Namespace) -> int:
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     silence_harmless_warnings()  # the megatron-core notes `train` hides
     # Here, not at the top: `megatron-entropy --help` and the other commands start without torch.
-    from megatron_entropy.models.megatron_checkpoint import (convert_checkpoint_to_hf,
-                                                             convert_hf_to_checkpoint,
-                                                             run_conversion)
+    from megatron_entropy.models.conversion import (convert_checkpoint_to_hf,
+                                                    convert_hf_to_checkpoint, run_conversion)
 
     if args.convert_command == "hf-to-mcore":
         return run_conversion(

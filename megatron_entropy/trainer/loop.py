@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -46,9 +45,12 @@ from megatron_entropy.trainer.metrics import MetricsLogger, PhaseTimer
 from megatron_entropy.trainer.model_setup import (build_optimizer, build_trainable_model,
                                                   gather_params)
 from megatron_entropy.trainer.preemption import PREEMPTED_EXIT_CODE
-from megatron_entropy.trainer.run_folder import save_run_config
 from megatron_entropy.trainer.rollouts import (collect_step_groups, generate_round,
                                                groups_to_samples, rollout_metrics)
+from megatron_entropy.trainer.run_folder import save_run_config
+from megatron_entropy.trainer.step_metrics import (LOSS_METRIC_NAMES, device,
+                                                    every_engines_tokens, reduce_token_metrics,
+                                                    summed_over_ranks)
 from megatron_entropy.trainer.weight_check import (check_engine_weights, check_rollout_weights,
                                                    probe_sampling, tolerances)
 from megatron_entropy.weight_sync import build_weight_sync
@@ -78,7 +80,7 @@ class _SignalFlag:
     def any_rank(self, time_up: bool = False) -> Optional[str]:
         """Why the run must stop (a signal on some rank, or the job's clock on some rank), or
         None; every rank gets the same answer."""
-        flag = torch.tensor([float(preemption.requested()), float(time_up)], device=_device())
+        flag = torch.tensor([float(preemption.requested()), float(time_up)], device=device())
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         signalled, late = flag.tolist()
         return "signal received" if signalled else "the job's end is near" if late else None
@@ -86,72 +88,6 @@ class _SignalFlag:
 
 class _StepAbandoned(Exception):
     """A stop request inside a step: nothing of the step is applied."""
-
-
-def _device() -> torch.device:
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-
-
-def _summed_over_ranks(value: float) -> float:
-    total = torch.tensor([float(value)], dtype=torch.float64, device=_device())
-    dist.all_reduce(total)
-    return float(total)
-
-
-def _every_engines_tokens(engine_metrics: dict[str, float]) -> dict[str, float]:
-    """``rollout/response_tokens`` and ``rollout/tokens_per_s`` of the job, from this rank's
-    engine's (none: zeros): tokens summed over the engines (one per DP replica in-process),
-    the rate over the longest engine's generating time, as the engines run side by side.
-    A collective: every rank calls it."""
-    tokens = engine_metrics.get("rollout/response_tokens", 0.0)
-    rate = engine_metrics.get("rollout/tokens_per_s", 0.0)
-    mine = torch.tensor([tokens, tokens / rate if rate > 0 else 0.0], dtype=torch.float64,
-                        device=_device())
-    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, mine)
-    total = float(sum(t[0] for t in every))
-    seconds = float(max(t[1] for t in every))
-    if "rollout/response_tokens" not in engine_metrics:
-        return {}  # no engine on this rank (rank 0 always has one: its numbers are logged)
-    out = {"rollout/response_tokens": total}
-    if seconds > 0:
-        out["rollout/tokens_per_s"] = total / seconds
-    return out
-
-
-def _reduce_token_metrics(samples: list, group) -> dict[str, float]:
-    """Entropy (token mean, mean of per-sequence means, per source), summed over this DP
-    rank's samples and the DP group."""
-    sums: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
-    for s in samples:
-        n = len(s.response_ids)
-        if n == 0:
-            continue
-        ent = s.entropy.double()
-        seq_mean = float(ent.mean())
-        for key, value, count in (("entropy/token_mean", float(ent.sum()), n),
-                                  ("entropy/seq_mean", seq_mean, 1),
-                                  (f"entropy/{s.source}/seq_mean", seq_mean, 1)):
-            sums[key][0] += value
-            sums[key][1] += count
-    gathered: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, dict(sums), group=group)
-    total: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
-    for part in gathered:
-        for k, (v, c) in part.items():
-            total[k][0] += v
-            total[k][1] += c
-    return {k: v / c for k, (v, c) in total.items() if c > 0}
-
-
-_LOSS_METRIC_NAMES = {"cov_mean": "cov/mean", "cov_max": "cov/max",
-                      "cov_selected_mean": "cov/selected_mean", "cov_selected_max": "cov/selected_max",
-                      "selected_frac": "loss/selected_frac", "pg_clipfrac": "loss/clip_frac",
-                      "pg_clipfrac_lower": "loss/clip_frac_lower", "ppo_kl": "loss/ppo_kl",
-                      "ppo_kl_abs": "loss/ppo_kl_abs", "pg_loss": "loss/pg", "kl_ref": "loss/kl_ref",
-                      "entropy": "entropy/train_token_mean",
-                      "entropy_seq_mean": "entropy/train_seq_mean",
-                      "update_skipped": "loss/update_skipped"}
 
 
 class Trainer:
@@ -390,7 +326,7 @@ class Trainer:
                                           self.sampling_params(step, validation=True),
                                           self.reward, self.roles.shared_engine)
         return {**rollout_metrics(groups, prefix="val/"),
-                "val/reward/failures": _summed_over_ranks(self.reward.take_failures())}
+                "val/reward/failures": summed_over_ranks(self.reward.take_failures())}
 
     def save(self, step: int) -> None:
         gather_params(self.model)
@@ -431,18 +367,18 @@ class Trainer:
                                      cfg.algorithm.norm_adv_by_std)
             metrics = {**rollout_metrics(rolled.generated), **rolled.metrics}
             if "reward/failures" not in metrics:  # async: the rollout thread counted its step's
-                metrics["reward/failures"] = _summed_over_ranks(self.reward.take_failures())
+                metrics["reward/failures"] = summed_over_ranks(self.reward.take_failures())
             if rolled.kept:
                 with timer("recompute"):
                     self.actor.recompute(mine)
-                metrics.update(_reduce_token_metrics(mine, dp_group))
+                metrics.update(reduce_token_metrics(mine, dp_group))
                 metrics.update(drift_metrics(mine, dp_group))
                 metrics.update(self.check_rollout_weights(mine, dp_group, step))
                 metrics.update(self.drift.observe(step, metrics, self.logger.write))
                 with timer("update"):
                     actor_metrics = self.actor.update(mine, step, loss_knobs(self.controller))
                 metrics.update(update_controller(self.controller, metrics))
-                metrics.update({_LOSS_METRIC_NAMES.get(k, k): v for k, v in actor_metrics.items()})
+                metrics.update({LOSS_METRIC_NAMES.get(k, k): v for k, v in actor_metrics.items()})
                 if cfg.analysis.entropy_change:
                     with timer("entropy_change"):
                         metrics.update(self.actor.entropy_change(mine))
@@ -461,7 +397,7 @@ class Trainer:
                 busy = metrics.pop("rollout/engine_busy_s", None)
                 if busy is not None:  # server engines
                     metrics["time/engine_idle"] = max(0.0, time.perf_counter() - started - busy)
-            metrics.update(_every_engines_tokens(metrics))
+            metrics.update(every_engines_tokens(metrics))
             metrics["time/trainer_idle"] = (self.async_rollouts.pop_idle_seconds()
                                             if self.async_rollouts is not None
                                             else timer.seconds["rollout"])

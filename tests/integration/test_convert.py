@@ -30,8 +30,8 @@ FAMILY_NAMES = list(FAMILIES) + ["qwen2_tied"]
 
 def _convert(jobs: list[tuple[str, Path, Path, dict]]):
     """Worker: run conversions [(direction, src, out, kwargs)]; returns their summaries."""
-    from megatron_entropy.models.megatron_checkpoint import (convert_checkpoint_to_hf,
-                                                             convert_hf_to_checkpoint)
+    from megatron_entropy.models.conversion import (convert_checkpoint_to_hf,
+                                                    convert_hf_to_checkpoint)
 
     fns = {"to_mcore": convert_hf_to_checkpoint, "to_hf": convert_checkpoint_to_hf}
     return [fns[direction](src, out, **kwargs) for direction, src, out, kwargs in jobs]
@@ -322,17 +322,17 @@ def _interrupted_conversion(src: Path, out: Path) -> int:
     """Worker: a conversion that gets SIGTERM while it writes; the tool's exit code."""
     import signal
 
-    from megatron_entropy.models import megatron_checkpoint
+    from megatron_entropy.models import conversion
 
-    convert = megatron_checkpoint.hf_to_megatron
+    convert = conversion.hf_to_megatron
 
     def terminated(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGTERM)
         return convert(*args, **kwargs)
 
-    megatron_checkpoint.hf_to_megatron = terminated
-    return megatron_checkpoint.run_conversion(
-        lambda: megatron_checkpoint.convert_hf_to_checkpoint(src, out), str)
+    conversion.hf_to_megatron = terminated
+    return conversion.run_conversion(
+        lambda: conversion.convert_hf_to_checkpoint(src, out), str)
 
 
 def test_interrupted_conversion_leaves_no_temporary_folder(tiny_hf, tmp_path, capfd):
