@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -79,3 +80,18 @@ def kill_after_first_step(victim: subprocess.Popen, metrics: Path, log: Path,
         victim.wait()
     assert "at" in killed, log.read_text()[-3000:]
     return killed["at"]
+
+
+REPO = Path(__file__).resolve().parents[2]
+# Metric keys that measure time (and what follows from it): they differ between two runs of the
+# same numbers.
+STABLE = ("time/", "perf/", "weight_sync/seconds", "weight_check/seconds",
+          "rollout/tokens_per_s")
+
+
+def train_cli(config: Path, *overrides: str, log: Path, **env: str) -> subprocess.Popen:
+    """``megatron-entropy train CONFIG OVERRIDES`` in its own session, its output in ``log``."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **env}
+    return subprocess.Popen([sys.executable, "-m", "megatron_entropy.cli", "train", str(config),
+                             *overrides], cwd=REPO, env=env, stdout=log.open("w"),
+                            stderr=subprocess.STDOUT, start_new_session=True)

@@ -4,102 +4,17 @@ whole step), in both selection modes; micro_batch scope selects per micro-batch.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 import torch
 
+from actor_updates import (RULE_TEMPERATURE, RULES, UPDATES, drift_engine_logprobs, rounding_paths,
+                           rule_reference, update_worker)
 from harness import init_megatron, run_distributed
 from loss_references import ref_aggregate, ref_corrected_terms
 from tiny_models import random_samples, tiny_hf_config
-from tolerance import grad_terms, rounding_tol, transformer_terms, update_tol
+from tolerance import rounding_tol, update_tol
 
 from megatron_entropy.models.arch import arch_from_hf_config
-
-
-def _update_worker(loss: str, scope: str, selection_logprobs: str,
-                   loss_agg_mode: str = "token-mean", empty_response: bool = False,
-                   micro_batch_tokens: int = 24, rules: dict | None = None,
-                   clip_ratio: float = 1.0, temperature: float = 1.0,
-                   distributed_optimizer: bool = False, correction: dict | None = None,
-                   overlap: bool = False, kl_cov_ratio: float = 0.1,
-                   loss_knobs: dict | None = None):
-    """One RL step's updates (2 epochs x 2 mini-batches) of the tiny model on ``random_samples(0)`` (plus
-    a sample with an empty response, last), with the token rules ``rules`` (TokenRuleSettings
-    fields) and the rollout correction ``correction`` (RolloutCorrectionSettings fields; engine
-    log-probs from ``drift_engine_logprobs``) and the step's ``loss_knobs`` (as the entropy
-    controller passes them); returns the weights after, the metrics (and this
-    rank's recompute entropies), the weights before."""
-    from megatron_entropy.algorithms.rollout_correction import RolloutCorrectionSettings
-    from megatron_entropy.algorithms.token_rules import TokenRuleSettings
-    from megatron_entropy.config import (AlgorithmConfig, ModelConfig, ParallelConfig,
-                                         TrainerConfig)
-    from megatron_entropy.models.sharding import full_state_dict
-    from megatron_entropy.trainer.actor import Actor
-    from megatron_entropy.trainer.model_setup import (build_optimizer, build_trainable_model,
-                                                      gather_params)
-    from megatron_entropy.trainer.rollouts import dp_share
-
-    init_megatron()
-    arch = arch_from_hf_config(tiny_hf_config("qwen2"))
-    chunks = build_trainable_model(
-        arch, ModelConfig(dtype="fp32", transformer_impl="local", seq_length=64),
-        ParallelConfig(), distributed_optimizer=distributed_optimizer, overlap=overlap)
-    initial = full_state_dict(chunks[0])
-    # adam_eps = 1: updates proportional to the gradients. With a tiny eps Adam turns float noise
-    # in near-zero gradients into full-size steps, and the comparison would test that noise.
-    # One step of 2 epochs x 2 mini-batches: 4 updates.
-    trainer = TrainerConfig(lr=1e-2, steps=1, grad_clip=0.0, adam_eps=1.0, weight_decay=0.0,
-                            micro_batch_tokens=micro_batch_tokens, mini_batches_per_step=2,
-                            ppo_epochs=2, seed=5)
-    optimizer, scheduler = build_optimizer(chunks, trainer,
-                                           distributed_optimizer=distributed_optimizer)
-    algorithm = AlgorithmConfig(
-        loss=loss, clip_cov_ratio=0.1, clip_cov_lb=0.0, clip_cov_ub=100.0, kl_cov_ratio=kl_cov_ratio,
-        kl_cov_coef=1.0, clip_ratio_low=clip_ratio, clip_ratio_high=clip_ratio,
-        loss_agg_mode=loss_agg_mode, logprob_impl="fused", cov_scope=scope,
-        global_selection_logprobs=selection_logprobs,
-        token_rules=TokenRuleSettings(**(rules or {})),
-        rollout_correction=RolloutCorrectionSettings(**(correction or {})))
-    actor = Actor(arch, chunks, optimizer, scheduler, algorithm, trainer, temperature)
-    samples = random_samples(0)
-    if empty_response:
-        samples.append(replace(samples[0], response_ids=[], engine_logprobs=[]))
-    mine = dp_share(samples)
-    actor.recompute(mine)
-    if correction:
-        drift_engine_logprobs(mine)
-    metrics = actor.update(mine, step=1, loss_knobs=loss_knobs)
-    # The largest |log-prob| the selection saw, the scale of its rounding.
-    metrics["max_abs_logp"] = float(torch.cat([s.old_logprobs for s in mine]).abs().max())
-    metrics["recompute_entropies"] = [s.entropy.double() for s in mine]
-    metrics["optimizers"] = [type(o).__name__
-                             for o in getattr(optimizer, "chained_optimizers", [optimizer])]
-    gather_params(chunks)
-    return full_state_dict(chunks[0]), metrics, initial
-
-
-UPDATES = 4  # ppo_epochs x mini_batches_per_step
-
-# The engine's log-probs in the correction tests: the recompute minus a shift that depends on
-# the token and its position only (so on no split of the step), rho = e^shift: kept and
-# rejected by mis's [0.5, 2] (ln 2 = 0.69) with a margin far above rounding, capped by tis's 2.
-SHIFTS = (0.0, 0.3, -0.3, 1.0, -1.0)
-
-
-def drift_engine_logprobs(samples) -> None:
-    for s in samples:
-        shift = torch.tensor([SHIFTS[(t + i) % len(SHIFTS)] for i, t in enumerate(s.response_ids)],
-                             dtype=torch.float64)
-        s.engine_logprobs = (s.old_logprobs.double() - shift).tolist()
-
-
-def _rounding_paths(samples) -> tuple:
-    """The rounding paths (tests/helpers/tolerance.py) of one log-prob of the tiny model over the
-    longest sample, and of one gradient (that path plus every response token of the step)."""
-    logp_path = transformer_terms(arch_from_hf_config(tiny_hf_config("qwen2")),
-                                  max(s.length for s in samples), log_softmax=True)
-    return logp_path, grad_terms(logp_path, sum(len(s.response_ids) for s in samples))
 
 
 @pytest.mark.parametrize("loss,selection,correction", [
@@ -111,17 +26,17 @@ def test_global_scope_update_is_independent_of_the_dp_split(loss, selection, cor
     """With mis, the rejected tokens leave the step's denominator and Cov population over the
     whole DP group, not per rank."""
     extra = {} if correction is None else {"correction": {"mode": correction}}
-    ((w1, m1, w0),) = run_distributed(_update_worker, 1, loss, "global", selection, **extra)
-    (w2, m2, _), (w2b, _, _) = run_distributed(_update_worker, 2, loss, "global", selection,
+    ((w1, m1, w0),) = run_distributed(update_worker, 1, loss, "global", selection, **extra)
+    (w2, m2, _), (w2b, _, _) = run_distributed(update_worker, 2, loss, "global", selection,
                                                **extra)
     if correction:  # the same tokens rejected: a ratio of counts
         assert 0 < m1["rollout_corr/masked_frac"] == m2["rollout_corr/masked_frac"] < 1
-    ((wp, _, _),) = run_distributed(_update_worker, 1, "ppo_clip", "micro_batch", "recompute")
+    ((wp, _, _),) = run_distributed(update_worker, 1, "ppo_clip", "micro_batch", "recompute")
     # Split over 2 DP ranks the micro-batches hold other samples (other padding, other GEMM
     # shapes) and the grads are summed in another order: the same math up to rounding along
     # the path of a log-prob (tests/helpers/tolerance.py) and of a gradient (+ every token of the step).
     samples = random_samples(0)
-    logp_path, path = _rounding_paths(samples)
+    logp_path, path = rounding_paths(samples)
     assert m1["selected_frac"] > 0
     assert m1["selected_frac"] == m2["selected_frac"]  # the same tokens: a ratio of counts
     # Cov = (A - mean A)(logp - mean logp): each logp and their mean move by rounding.
@@ -142,11 +57,11 @@ def test_distributed_optimizer_at_dp2_equals_the_plain_optimizer_at_dp1():
     updating its shard of the fp32 main weights and Adam moments, params all-gathered): 4 updates
     of one step at DP=2 give the weights the plain optimizer gives at DP=1, up to the rounding
     of a split step (as in the DP-split test above); both DP ranks hold the same weights."""
-    ((w1, m1, w0),) = run_distributed(_update_worker, 1, "kl_cov", "global", "recompute")
-    (w2, m2, _), (w2b, _, _) = run_distributed(_update_worker, 2, "kl_cov", "global", "recompute",
+    ((w1, m1, w0),) = run_distributed(update_worker, 1, "kl_cov", "global", "recompute")
+    (w2, m2, _), (w2b, _, _) = run_distributed(update_worker, 2, "kl_cov", "global", "recompute",
                                                distributed_optimizer=True)
     samples = random_samples(0)
-    _, path = _rounding_paths(samples)
+    _, path = rounding_paths(samples)
     assert set(m2["optimizers"]) == {"DistributedOptimizer"} != set(m1["optimizers"])
     assert m1["selected_frac"] == m2["selected_frac"]
     for name in w1:
@@ -161,9 +76,9 @@ def test_overlapped_grad_reduce_and_param_gather_give_the_same_update():
     grads reduce-scattered bucket by bucket during the backward and the params all-gathered
     during the next mini-batch's forward give, on both ranks, the same weights bit for bit as
     the synchronous reduce and gather (the same reductions in the same buckets)."""
-    sync = run_distributed(_update_worker, 2, "kl_cov", "global", "recompute",
+    sync = run_distributed(update_worker, 2, "kl_cov", "global", "recompute",
                            distributed_optimizer=True)
-    overlapped = run_distributed(_update_worker, 2, "kl_cov", "global", "recompute",
+    overlapped = run_distributed(update_worker, 2, "kl_cov", "global", "recompute",
                                  distributed_optimizer=True, overlap=True)
     for (ws, ms, _), (wo, mo, _) in zip(sync, overlapped):
         assert ms["selected_frac"] == mo["selected_frac"]
@@ -174,8 +89,8 @@ def test_overlapped_grad_reduce_and_param_gather_give_the_same_update():
 def test_micro_batch_scope_selects_inside_each_micro_batch():
     """Same data, same seed: choosing the top Cov tokens per micro-batch (the paper's code)
     instead of over the whole step changes which tokens are penalised, and so the update."""
-    ((wm, mm, _),) = run_distributed(_update_worker, 1, "kl_cov", "micro_batch", "recompute")
-    ((wg, mg, _),) = run_distributed(_update_worker, 1, "kl_cov", "global", "recompute")
+    ((wm, mm, _),) = run_distributed(update_worker, 1, "kl_cov", "micro_batch", "recompute")
+    ((wg, mg, _),) = run_distributed(update_worker, 1, "kl_cov", "global", "recompute")
     assert mm["selected_frac"] > 0 and mg["selected_frac"] > 0
     assert mm["cov_selected_mean"] != pytest.approx(mg["cov_selected_mean"], rel=1e-3)
     assert max((wm[n] - wg[n]).abs().max() for n in wm) > 1e-6
@@ -185,11 +100,11 @@ def test_a_loss_knob_of_the_step_acts_as_the_configured_value_would():
     """The entropy controller's knob reaches the loss as a runtime value of the step (the
     ``algorithm`` section keeps the configured one): KL-Cov at k = 0.1 given k = 0.3 for the step
     makes the update a run configured with k = 0.3 makes, bit for bit, and another than k = 0.1."""
-    ((wk, mk, _),) = run_distributed(_update_worker, 1, "kl_cov", "global", "recompute",
+    ((wk, mk, _),) = run_distributed(update_worker, 1, "kl_cov", "global", "recompute",
                                      loss_knobs={"kl_cov_ratio": 0.3})
-    ((wc, mc, _),) = run_distributed(_update_worker, 1, "kl_cov", "global", "recompute",
+    ((wc, mc, _),) = run_distributed(update_worker, 1, "kl_cov", "global", "recompute",
                                      kl_cov_ratio=0.3)
-    ((w0, m0, _),) = run_distributed(_update_worker, 1, "kl_cov", "global", "recompute")
+    ((w0, m0, _),) = run_distributed(update_worker, 1, "kl_cov", "global", "recompute")
     assert mk["selected_frac"] == mc["selected_frac"] > m0["selected_frac"]
     for name in wk:
         torch.testing.assert_close(wk[name], wc[name], rtol=0, atol=0, msg=name)
@@ -202,68 +117,22 @@ def test_a_sequence_without_response_tokens_changes_no_update(mode):
     (seq-mean-*), as ``aggregation.step_normalizer`` does: a sample with an empty response adds
     nothing to the loss and nothing to its denominator, so the update is the same without it.
     (Micro-batches of 48 tokens: the empty response shares one with another sample.)"""
-    ((w, _, w0),) = run_distributed(_update_worker, 1, "ppo_clip", "micro_batch", "recompute",
+    ((w, _, w0),) = run_distributed(update_worker, 1, "ppo_clip", "micro_batch", "recompute",
                                     mode, False, 48)
-    ((we, _, _),) = run_distributed(_update_worker, 1, "ppo_clip", "micro_batch", "recompute",
+    ((we, _, _),) = run_distributed(update_worker, 1, "ppo_clip", "micro_batch", "recompute",
                                     mode, True, 48)
     samples = random_samples(0)
-    _, path = _rounding_paths(samples)
+    _, path = rounding_paths(samples)
     for name in w:
         torch.testing.assert_close(we[name], w[name], rtol=0, msg=name,
                                    atol=update_tol(w[name], w0[name], UPDATES, path))
 
 
-# The token rules through the actor. At temperature 0.1 the tiny random model's token entropies
-# spread over ~1-4 nats (at 1.0 they all sit within 1e-3 of log V, and a rounding difference
-# between two packings could reorder them): the selections are well separated, so they are
-# compared exactly and the updates to rounding.
-RULE_TEMPERATURE = 0.1
-RULES = {
-    "minority": ("ppo_clip", "micro_batch", 1.0,
-                 dict(high_entropy_minority=True, high_entropy_scope="global")),
-    "archer": ("ppo_clip", "micro_batch", 0.02,
-               dict(entropy_clip=True, entropy_clip_scope="global", high_clip_ratio_low=0.2,
-                    high_clip_ratio_high=0.2)),
-    "shaping": ("kl_cov", "global", 1.0, dict(entropy_advantage=True,
-                                              entropy_advantage_alpha=0.05)),
-}
-
-
 def _rule_run(dp: int, rule: str, micro_batch_tokens: int, with_rule: bool = True):
     loss, scope, clip, rules = RULES[rule]
-    return run_distributed(_update_worker, dp, loss, scope, "recompute", "token-mean", False,
+    return run_distributed(update_worker, dp, loss, scope, "recompute", "token-mean", False,
                            micro_batch_tokens, rules if with_rule else None, clip,
                            RULE_TEMPERATURE)
-
-
-def _rule_reference(rule: str, entropies: list[torch.Tensor]) -> dict[str, float]:
-    """The rule's metrics over the two mini-batches (samples 0-3, 4-7; each seen in both
-    epochs, selected with the same recompute entropies), from its formula on one process."""
-    samples = random_samples(0)
-    _, _, _, rules = RULES[rule]
-    if rule == "shaping":
-        rows = [torch.minimum(0.05 * h, torch.full_like(h, abs(s.advantage) / 2))
-                for h, s in zip(entropies, samples)]
-        bonus = torch.cat(rows)
-        capped = torch.cat([(0.05 * h > abs(s.advantage) / 2).double()
-                            for h, s in zip(entropies, samples)])
-        return {"entropy_rule/adv_bonus_mean": float(bonus.mean()),
-                "entropy_rule/adv_bonus_capped_frac": float(capped.mean())}
-    chosen, total = [], 0
-    for part in (entropies[:4], entropies[4:]):
-        h = torch.cat(part)
-        total += h.numel()
-        if rule == "minority":
-            k = max(1, int(h.numel() * 0.2 + 0.9999))
-            chosen.append(torch.sort(h, descending=True).values[:k])
-        else:  # above the order statistic x_(floor(0.8 (n - 1)))
-            threshold = torch.sort(h).values[int(0.8 * (h.numel() - 1))]
-            chosen.append(h[h > threshold])
-    chosen = torch.cat(chosen)
-    if rule == "minority":
-        return {"entropy_rule/pg_token_frac": chosen.numel() / total,
-                "entropy_rule/pg_token_entropy_mean": float(chosen.mean())}
-    return {"entropy_rule/high_entropy_frac": chosen.numel() / total}
 
 
 @pytest.mark.parametrize("rule", list(RULES))
@@ -276,7 +145,7 @@ def test_token_rule_update_equals_its_formula_and_ignores_the_split(rule):
     ((w1, m1, w0),) = _rule_run(1, rule, 24)
     (w2, m2, _), (w2b, _, _) = _rule_run(2, rule, 1000)
     ((wo, _, _),) = _rule_run(1, rule, 24, with_rule=False)
-    ref = _rule_reference(rule, m1["recompute_entropies"])
+    ref = rule_reference(rule, m1["recompute_entropies"])
     # Shaping runs in fp32 (the advantages' dtype): each positive term of the mean is within one
     # fp32 rounding (2^-24 relative) of the float64 reference. The others select fp32 values
     # and average them in float64.
@@ -288,7 +157,7 @@ def test_token_rule_update_equals_its_formula_and_ignores_the_split(rule):
         assert 0 < ref["entropy_rule/adv_bonus_capped_frac"] < 1  # both branches of the min
         assert m1["selected_frac"] == m2["selected_frac"] > 0
     samples = random_samples(0)
-    _, path = _rounding_paths(samples)
+    _, path = rounding_paths(samples)
     for name in w1:
         torch.testing.assert_close(w2[name], w1[name], rtol=0, msg=name,
                                    atol=update_tol(w1[name], w0[name], UPDATES, path))
@@ -400,7 +269,7 @@ def test_rollout_correction_update_equals_its_formula(loss):
     (another packing: the path of a gradient, as the DP-split test); each correction changes
     the update; mode none equals the formula without correction."""
     out, margin, w0, samples = run_distributed(_correction_worker, 1, loss)[0]
-    logp_path, path = _rounding_paths(samples)
+    logp_path, path = rounding_paths(samples)
     max_logp = float(torch.cat([s.old_logprobs for s in samples]).abs().max())
     # Cov = (A - mean A)(logp - mean logp): each logp moves by rounding along its path.
     cov_tol = 2 * max(abs(s.advantage) for s in samples) * 2 * rounding_tol(max_logp, logp_path)

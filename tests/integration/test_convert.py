@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from harness import init_megatron, run_distributed
-from test_bridge import LAYOUTS, S, check_results, load_and_run, tiny_hf, tokens_for  # noqa: F401
+from bridge_checks import LAYOUTS, S, check_results, load_and_run, run_conversions, tokens_for
 from tiny_models import FAMILIES, save_tiny_hf_model
 
 from megatron_entropy.models.arch import load_arch
@@ -28,19 +28,10 @@ REPO = Path(__file__).resolve().parents[2]
 FAMILY_NAMES = list(FAMILIES) + ["qwen2_tied"]
 
 
-def _convert(jobs: list[tuple[str, Path, Path, dict]]):
-    """Worker: run conversions [(direction, src, out, kwargs)]; returns their summaries."""
-    from megatron_entropy.models.conversion import (convert_checkpoint_to_hf,
-                                                    convert_hf_to_checkpoint)
-
-    fns = {"to_mcore": convert_hf_to_checkpoint, "to_hf": convert_checkpoint_to_hf}
-    return [fns[direction](src, out, **kwargs) for direction, src, out, kwargs in jobs]
-
-
 def _error_of(direction: str, src: Path, out: Path, kwargs: dict) -> str:
     """Worker: the message of the error one conversion raises ('' if it succeeds)."""
     try:
-        _convert([(direction, src, out, kwargs)])
+        run_conversions([(direction, src, out, kwargs)])
     except (OSError, KeyError, ValueError) as e:
         return f"{type(e).__name__}: {e.args[0] if isinstance(e, KeyError) else e}"
     return ""
@@ -51,7 +42,7 @@ def converted(tiny_hf, tmp_path_factory):
     """family -> fp32 dist checkpoint of the tiny HF model."""
     root = tmp_path_factory.mktemp("mcore")
     jobs = [("to_mcore", tiny_hf[f][0], root / f, {}) for f in FAMILY_NAMES]
-    run_distributed(_convert, 1, jobs)
+    run_distributed(run_conversions, 1, jobs)
     return {f: root / f for f in FAMILY_NAMES}
 
 
@@ -70,7 +61,7 @@ def test_round_trip_is_bit_identical(tiny_hf, converted, family, tmp_path):
     from safetensors.torch import load_file
 
     hf_dir = tiny_hf[family][0]
-    [[stats]] = run_distributed(_convert, 1, [("to_hf", converted[family], tmp_path / "hf", {})])
+    [[stats]] = run_distributed(run_conversions, 1, [("to_hf", converted[family], tmp_path / "hf", {})])
     ref = load_file(hf_dir / "model.safetensors")
     out = load_file(tmp_path / "hf" / "model.safetensors")
     assert out.keys() == ref.keys()
@@ -183,7 +174,7 @@ def test_trainer_checkpoint_exports_trained_weights(tiny_hf, tmp_path):
     (tmp_path / "checkpoints" / "latest").write_text(ckpt.name)
     trained, _ = run_distributed(_train_and_save, 2, hf_dir, ckpt)
     # The trainer's checkpoints/ folder: its `latest` pointer names the checkpoint.
-    run_distributed(_convert, 1, [("to_hf", tmp_path / "checkpoints", tmp_path / "hf", {})])
+    run_distributed(run_conversions, 1, [("to_hf", tmp_path / "checkpoints", tmp_path / "hf", {})])
     out = load_file(tmp_path / "hf" / "model.safetensors")
     assert out.keys() == dict(trained).keys()
     changed = 0

@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from harness import run_distributed
-from test_bridge import load_and_run
-from test_convert import _convert
+from bridge_checks import load_and_run, run_conversions
 from tolerance import rounding_tol, transformer_terms
 
 from megatron_entropy.models.arch import load_arch
@@ -39,7 +38,7 @@ def real(tmp_path_factory):
                                 do_sample=False)
         logits = model(tokens).logits
     ckpt = tmp_path_factory.mktemp("smollm2") / "mcore"
-    run_distributed(_convert, 1, [("to_mcore", hf_dir, ckpt, {"dtype": "fp32"})], timeout=300)
+    run_distributed(run_conversions, 1, [("to_mcore", hf_dir, ckpt, {"dtype": "fp32"})], timeout=300)
     return hf_dir, tokens, len(prompt), logits, ckpt
 
 
@@ -63,7 +62,7 @@ def test_real_model_round_trip_is_bit_identical(real, tmp_path):
     from safetensors.torch import load_file
 
     hf_dir, _, _, _, ckpt = real
-    run_distributed(_convert, 1, [("to_hf", ckpt, tmp_path / "hf", {})], timeout=300)
+    run_distributed(run_conversions, 1, [("to_hf", ckpt, tmp_path / "hf", {})], timeout=300)
     ref = load_file(hf_dir / "model.safetensors")
     out = load_file(tmp_path / "hf" / "model.safetensors")
     assert out.keys() == ref.keys() and "lm_head.weight" not in out  # tied: stored once

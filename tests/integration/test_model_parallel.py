@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from actor_updates import weights_after
 from harness import init_megatron, run_distributed
 from tiny_models import tiny_hf_config
 from tolerance import grad_terms, rounding_tol, transformer_terms, update_tol
@@ -164,11 +165,6 @@ def _batches(n: int, vocab: int = 1000) -> list:
     return [_batch(vocab, seed=i) for i in range(n)]
 
 
-def _weights_after(results: list) -> dict[str, torch.Tensor]:
-    """The whole model from every rank's stage (TP ranks of a stage hold the same full tensors)."""
-    return {name: t for _, weights in results for name, t in weights.items()}
-
-
 def _assert_same_training(results: list, ref: tuple, initial: dict, n_batches: int) -> None:
     """Each layout's losses and its weights after two steps are the reference's up to rounding.
     Losses: the forward's path with the loss's vocab, at the loss's magnitude. Weights: the
@@ -182,7 +178,7 @@ def _assert_same_training(results: list, ref: tuple, initial: dict, n_batches: i
         assert losses == pytest.approx(ref_losses, abs=rounding_tol(ref_losses, loss_path))
     terms = (grad_terms(loss_path, n_batches * B * S) + max(t.numel() for t in initial.values())
              + len(initial))
-    weights = _weights_after(results)
+    weights = weights_after(results)
     assert weights.keys() == ref_weights.keys()
     for name, w in weights.items():
         torch.testing.assert_close(w, ref_weights[name], rtol=0, msg=name, atol=update_tol(

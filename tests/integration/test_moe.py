@@ -11,8 +11,7 @@ import pytest
 import torch
 
 from harness import run_distributed
-from test_bridge import S, forward_logits, hf_reference, tokens_for
-from test_convert import _convert
+from bridge_checks import S, forward_logits, hf_reference, run_conversions, tokens_for
 from tiny_models import save_tiny_hf_model, write_config
 from tolerance import rounding_tol, transformer_terms
 
@@ -33,7 +32,7 @@ def moe_hf(tmp_path_factory):
 def moe_ckpt(moe_hf, tmp_path_factory):
     """The tiny MoE converted to a dist checkpoint (fp32)."""
     out = tmp_path_factory.mktemp("moe_mcore") / "ckpt"
-    run_distributed(_convert, 1, [("to_mcore", moe_hf[0], out, {})])
+    run_distributed(run_conversions, 1, [("to_mcore", moe_hf[0], out, {})])
     return out
 
 
@@ -136,7 +135,7 @@ def _assert_same_hf(out_dir: Path, ref: dict) -> None:
 
 
 def test_round_trip_is_bit_identical(moe_hf, moe_ckpt, tmp_path):
-    [[stats]] = run_distributed(_convert, 1, [("to_hf", moe_ckpt, tmp_path / "hf", {})])
+    [[stats]] = run_distributed(run_conversions, 1, [("to_hf", moe_ckpt, tmp_path / "hf", {})])
     _assert_same_hf(tmp_path / "hf", moe_hf[3])
     assert stats["tensors"] == len(moe_hf[3])
 
@@ -152,7 +151,7 @@ def test_checkpoint_saved_at_one_ep_reloads_at_another(moe_hf, tmp_path, save_ep
     write_checkpoint_metadata(ckpt, load_arch(hf_dir), hf_dir)
     results = run_distributed(_logits, load_ep, hf_dir, load_ep, tokens, "ckpt", ckpt)
     _check_logits(results, ref_logits, hf_dir, load_ep)
-    run_distributed(_convert, 1, [("to_hf", ckpt, tmp_path / "hf", {})])
+    run_distributed(run_conversions, 1, [("to_hf", ckpt, tmp_path / "hf", {})])
     _assert_same_hf(tmp_path / "hf", ref_tensors)
 
 

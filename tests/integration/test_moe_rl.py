@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from harness import kill_after_first_step, metrics_rows, run_distributed, train_from_dict
-from test_train_loop import STABLE, _cli
+from harness import (STABLE, kill_after_first_step, metrics_rows, run_distributed, train_cli,
+                     train_from_dict)
 
 from megatron_entropy.testing.toy_models import save_tiny_hf_model, save_tokenizer
 
@@ -66,13 +66,13 @@ def test_killed_ep2_run_resumes_bit_identical(moe_model, tmp_path):
     cfg_path = tmp_path / "c.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg))
     threads = {"OMP_NUM_THREADS": "1"}
-    victim = _cli(cfg_path, "logging.name=victim", "--nproc", "2", log=tmp_path / "victim.log",
+    victim = train_cli(cfg_path, "logging.name=victim", "--nproc", "2", log=tmp_path / "victim.log",
                   **threads)
     metrics = tmp_path / "victim" / "metrics.jsonl"
     assert kill_after_first_step(victim, metrics, tmp_path / "victim.log",
                                  lambda: run_distributed(train_from_dict, 2, cfg, timeout=300)
                                  ) < steps
-    resumed = _cli(cfg_path, "logging.name=victim", "--nproc", "2", log=tmp_path / "resumed.log",
+    resumed = train_cli(cfg_path, "logging.name=victim", "--nproc", "2", log=tmp_path / "resumed.log",
                    **threads)
     assert resumed.wait(timeout=300) == 0, (tmp_path / "resumed.log").read_text()[-3000:]
     assert "resumed from" in (tmp_path / "resumed.log").read_text()

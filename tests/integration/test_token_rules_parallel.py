@@ -11,23 +11,23 @@ import dataclasses
 import pytest
 import torch
 
-import test_actor
+import actor_updates
+from actor_updates import (RULE_TEMPERATURE, RULES, UPDATES, rounding_paths, rule_reference,
+                           weights_after)
 from harness import init_megatron, run_distributed
-from test_actor import RULE_TEMPERATURE, RULES, UPDATES, _rounding_paths, _rule_reference
-from test_model_parallel import _weights_after
 from tiny_models import random_samples
 from tolerance import rounding_tol, update_tol
 
 
 def _rule_args(rule: str, selection_logprobs: str, micro_batch_tokens: int) -> tuple:
-    """``test_actor._update_worker``'s arguments for ``rule`` (as its ``_rule_run`` passes them)."""
+    """``actor_updates.update_worker``'s arguments for ``rule`` (as its ``_rule_run`` passes them)."""
     loss, scope, clip, rules = RULES[rule]
     return (loss, scope, selection_logprobs, "token-mean", False, micro_batch_tokens, rules, clip,
             RULE_TEMPERATURE)
 
 
 def _layout_worker(tp: int, pp: int, weights: dict, args: tuple):
-    """``test_actor._update_worker`` in another layout: Megatron's parallel state and the model at
+    """``actor_updates.update_worker`` in another layout: Megatron's parallel state and the model at
     (TP, PP), the model loaded from ``weights`` (the TP=1 run's initial weights; the initial
     shards of another layout come from other draws). Runs in a forked rank, so the two names it
     replaces stay replaced only there."""
@@ -45,8 +45,8 @@ def _layout_worker(tp: int, pp: int, weights: dict, args: tuple):
         return chunks
 
     model_setup.build_trainable_model = build_in_layout
-    test_actor.init_megatron = lambda: init_megatron(tensor=tp, pipeline=pp)
-    out = test_actor._update_worker(*args)
+    actor_updates.init_megatron = lambda: init_megatron(tensor=tp, pipeline=pp)
+    out = actor_updates.update_worker(*args)
     assert (ps.get_tensor_model_parallel_world_size(),
             ps.get_pipeline_model_parallel_world_size()) == (tp, pp)
     return out
@@ -55,7 +55,7 @@ def _layout_worker(tp: int, pp: int, weights: dict, args: tuple):
 def _entropy_tol(metrics: dict) -> float:
     """Two computations of the step's entropies: rounding along a log-prob's path (TP splits the
     vocabulary's sums, PP hands activations between stages) at the largest entropy."""
-    logp_path, _ = _rounding_paths(random_samples(0))
+    logp_path, _ = rounding_paths(random_samples(0))
     return rounding_tol(max(float(h.abs().max()) for h in metrics["recompute_entropies"]),
                         logp_path)
 
@@ -65,7 +65,7 @@ def _assert_same_step(ref: tuple, layouts: list, rule_names: list[str]) -> None:
     the entropies (and means of selected ones) to ``_entropy_tol``, the weights along a
     gradient's path (test_actor's bound)."""
     w1, m1, w0 = ref
-    _, grad_path = _rounding_paths(random_samples(0))
+    _, grad_path = rounding_paths(random_samples(0))
     entropy_tol = _entropy_tol(m1)
     for results in layouts:
         m = results[-1][1]  # the last PP stage's metrics (broadcast: every rank has them)
@@ -79,7 +79,7 @@ def _assert_same_step(ref: tuple, layouts: list, rule_names: list[str]) -> None:
                 assert m[name] == pytest.approx(m1[name], rel=0, abs=entropy_tol), name
         if "selected_frac" in m1:  # KL-Cov's choice (shaping's loss): a ratio of counts
             assert m["selected_frac"] == pytest.approx(m1["selected_frac"], rel=1e-12)
-        weights = _weights_after([(m, w) for w, m, _ in results])
+        weights = weights_after([(m, w) for w, m, _ in results])
         assert weights.keys() == w1.keys()
         for name, w in weights.items():
             torch.testing.assert_close(w, w1[name], rtol=0, msg=name,
@@ -102,13 +102,13 @@ def test_token_rule_step_at_tp2_and_pp2_equals_tp1(rule):
     the rule's formula over the step's recompute entropies in each layout, the selections the
     same, the weights the same up to rounding. (With these arguments the rule changes the update:
     test_actor's test of the rule checks that.)"""
-    ((w1, m1, w0),) = run_distributed(test_actor._update_worker, 1,
+    ((w1, m1, w0),) = run_distributed(actor_updates.update_worker, 1,
                                       *_rule_args(rule, "recompute", 24))
     layouts = _layouts(_rule_args(rule, "recompute", 1000), _rule_args(rule, "recompute", 24), w0)
-    ref = _rule_reference(rule, m1["recompute_entropies"])
+    ref = rule_reference(rule, m1["recompute_entropies"])
     rel = 2 ** -23 if rule == "shaping" else 1e-12  # as in test_actor: fp32 bonuses
     for m in [m1] + [results[-1][1] for results in layouts]:
-        for name, want in _rule_reference(rule, m["recompute_entropies"]).items():
+        for name, want in rule_reference(rule, m["recompute_entropies"]).items():
             assert m[name] == pytest.approx(want, rel=rel), name
     _assert_same_step((w1, m1, w0), layouts, list(ref))
 
@@ -118,12 +118,12 @@ def test_fresh_selection_of_the_80_20_rule_at_tp2_and_pp2_equals_tp1():
     with the current weights gives the entropies the 80/20 rule chooses by. Its selections and
     update at TP=2 and PP=2 are TP=1's; they differ from choosing by the recompute's entropies
     (after the first update the weights have moved), so the fresh pass is what is compared."""
-    ((w1, m1, w0),) = run_distributed(test_actor._update_worker, 1,
+    ((w1, m1, w0),) = run_distributed(actor_updates.update_worker, 1,
                                       *_rule_args("minority", "fresh", 24))
     layouts = _layouts(_rule_args("minority", "fresh", 1000), _rule_args("minority", "fresh", 24),
                        w0)
     names = ["entropy_rule/pg_token_frac", "entropy_rule/pg_token_entropy_mean"]
     _assert_same_step((w1, m1, w0), layouts, names)
-    recompute = _rule_reference("minority", m1["recompute_entropies"])
+    recompute = rule_reference("minority", m1["recompute_entropies"])
     # Measured: 5.822 nats fresh against 5.850 by the recompute's, ~100x the rounding bound.
     assert abs(m1[names[1]] - recompute[names[1]]) > 10 * _entropy_tol(m1)

@@ -5,17 +5,15 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import pickle
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
 
-from harness import kill_after_first_step, metrics_rows, run_distributed, train_from_dict
+from harness import (STABLE, kill_after_first_step, metrics_rows, run_distributed, train_cli,
+                     train_from_dict)
 from serving_model import make_tp2_model
 from tolerance import rounding_tol, transformer_terms
 
@@ -322,13 +320,6 @@ def test_the_configured_reward_scores_training_and_validation(model_dir, tmp_pat
     assert -1 <= rows[1]["reward/mean"] < 0 and rows[1]["reward/failures"] == 0
 
 
-def _cli(config: Path, *overrides: str, log: Path, **env: str) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **env}
-    return subprocess.Popen([sys.executable, "-m", "megatron_entropy.cli", "train", str(config),
-                             *overrides], cwd=REPO, env=env, stdout=log.open("w"),
-                            stderr=subprocess.STDOUT, start_new_session=True)
-
-
 def test_cli_first_screen_shows_the_run_not_megatrons_start_up_notes(model_dir, tmp_path):
     """One process, 2 steps with a validation before them: the progress bar ends at 2/2, and
     none of megatron-core's known-harmless notes (runtime/harmless.py) reach the console."""
@@ -342,7 +333,7 @@ def test_cli_first_screen_shows_the_run_not_megatrons_start_up_notes(model_dir, 
                   data={"arithmetic": {"num_train": 256, "num_val": 4}},
                   logging={"progress_bar": True})
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
-    run = _cli(tmp_path / "c.yaml", "--nproc", "1", log=tmp_path / "screen.log")
+    run = train_cli(tmp_path / "c.yaml", "--nproc", "1", log=tmp_path / "screen.log")
     assert run.wait(timeout=300) == 0, (tmp_path / "screen.log").read_text()[-3000:]
     screen = (tmp_path / "screen.log").read_text()
     bars = [line for line in screen.replace("\r", "\n").splitlines()
@@ -360,10 +351,6 @@ def test_cli_first_screen_shows_the_run_not_megatrons_start_up_notes(model_dir, 
     assert screen.strip().splitlines()[-1] == (
         f"finished: 2 steps; last checkpoint {run_dir / 'checkpoints' / 'step_00000002'}; "
         f"metrics {run_dir / 'metrics.jsonl'} (megatron-entropy plot {run_dir})")
-
-
-STABLE = ("time/", "perf/", "weight_sync/seconds", "weight_check/seconds",
-          "rollout/tokens_per_s")
 
 
 QUICKSTART = REPO / "examples" / "quickstart.yaml"
@@ -427,13 +414,13 @@ def test_killed_run_resumes_bit_identical(tmp_path):
     # One thread per rank, as the forked reference's ranks have (the CLI's default is cores /
     # ranks): the same kernels, so the same numbers on any machine.
     threads = {"OMP_NUM_THREADS": "1"}
-    victim = _cli(cfg_path, "logging.name=victim", overlap, "--nproc", "2",
+    victim = train_cli(cfg_path, "logging.name=victim", overlap, "--nproc", "2",
                   log=tmp_path / "victim.log", **threads)
     metrics = tmp_path / "victim" / "metrics.jsonl"
     kill_after_first_step(victim, metrics, tmp_path / "victim.log",
                           lambda: run_distributed(train_from_dict, 2, cfg, timeout=300))
     killed_at = len(metrics.read_text().splitlines())
-    resumed = _cli(cfg_path, "logging.name=victim", overlap, "--nproc", "2",
+    resumed = train_cli(cfg_path, "logging.name=victim", overlap, "--nproc", "2",
                    log=tmp_path / "resumed.log", **threads)
     assert resumed.wait(timeout=300) == 0, (tmp_path / "resumed.log").read_text()[-3000:]
     resumed_log = (tmp_path / "resumed.log").read_text()

@@ -33,7 +33,7 @@ from megatron_entropy.trainer.async_rollouts import (RolloutPrefetcher, RolloutP
 from megatron_entropy.trainer.rollouts import Group, LocalStep
 from harness import kill_marked, metrics_rows
 from serving_model import make_served_model, push_weights, reference
-from test_rollout_sglang import fake_command, greedy_reference, make_cfg, models  # noqa: F401
+from fake_sglang import fake_command, greedy_reference, make_cfg
 
 REPO = Path(__file__).resolve().parents[2]
 

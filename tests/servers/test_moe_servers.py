@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from harness import metrics_rows, run_distributed, train_from_dict
-from test_rollout_sglang import fake_command
+from fake_sglang import fake_command
 
 from megatron_entropy.testing.toy_models import SERVED_ARCH, save_tiny_hf_model, save_tokenizer
 

@@ -11,7 +11,6 @@ import json
 import os
 import re
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -22,54 +21,15 @@ import psutil
 import pytest
 import torch
 
-from megatron_entropy.config import ServerConfig
 from megatron_entropy.rollout.base import SamplingParams
 from megatron_entropy.rollout.server.errors import RequestRejected, ServerError
 from megatron_entropy.rollout.server.partial import version_runs
-from megatron_entropy.rollout.server.process import free_port
 from megatron_entropy.rollout.server.sglang import SGLangEngine, weight_sync_address
-from megatron_entropy.runtime.launch_env import healthy
 from megatron_entropy.runtime.seeds import sample_seed
-from serving_model import make_served_model, push_weights, reference
+from fake_sglang import fake_command, greedy_reference, make_cfg, start_fake
+from serving_model import push_weights, reference
 
-FAKE = str(Path(__file__).resolve().parents[1] / "helpers" / "fake_sglang_server.py")
 PROMPTS = [[5, 6, 7, 8], [40, 41], [100, 7, 3, 9, 12]]
-
-
-def fake_command(version: str = "0.5.23", delay: float = 0.0, log: str = "",
-                 busy_health_delay: float = 0.0, warmup: float = 0.0) -> list[str]:
-    cmd = [sys.executable, FAKE, "--model-path", "{model}", "--host", "{host}", "--port",
-           "{port}", "--weight-version", "{weight_version}", "--version", version,
-           "--token-delay-s", str(delay), "--busy-health-delay-s", str(busy_health_delay),
-           "--warmup-s", str(warmup)]
-    return cmd + (["--request-log", log] if log else [])
-
-
-def make_cfg(**kw) -> ServerConfig:
-    base = dict(launch=1, base_port=32100, startup_timeout_s=120, request_timeout_s=60,
-                health_check_interval_s=0.5, health_timeout_s=3, max_retries=2,
-                max_concurrency=4, weight_sync_backend="gloo",
-                launch_command=fake_command())
-    base.update(kw)
-    return ServerConfig(**base)
-
-
-def start_fake(model: Path, base_port: int, **fake_args) -> tuple[subprocess.Popen, str]:
-    """A fake SGLang server that we start ourselves (the engine connects to it, as to a server
-    it did not launch), on the first free port from ``base_port``, once it serves: its process
-    and URL."""
-    port = free_port("127.0.0.1", base_port, set())
-    cmd = [a.format(model=model, host="127.0.0.1", port=port, weight_version="v0")
-           for a in fake_command(**fake_args)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    # A server we connect to already serves (the engine gives one that refuses connections
-    # only health_timeout_s): wait for it, as `slurm wait-servers` does.
-    deadline = time.monotonic() + 120
-    while not healthy(url, 1.0):
-        assert proc.poll() is None and time.monotonic() < deadline, "the fake did not start"
-        time.sleep(0.1)
-    return proc, url
 
 
 def post(url: str, body: dict) -> tuple[int, object]:
@@ -96,24 +56,6 @@ def requests_of(log: Path, path: str) -> list[dict]:
         return []
     rows = [json.loads(line) for line in log.read_text().splitlines()]
     return [r["body"] for r in rows if r["path"] == path]
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    import transformers
-
-    root = tmp_path_factory.mktemp("sglang_models")
-    a = make_served_model(root / "a", seed=0)
-    b = make_served_model(root / "b", seed=1)
-    load = lambda d: transformers.AutoModelForCausalLM.from_pretrained(  # noqa: E731
-        d, local_files_only=True, dtype=torch.float32).eval()
-    return {"a": a, "b": b, "model_a": load(a), "model_b": load(b)}
-
-
-def greedy_reference(model, prompt: list[int], n_new: int) -> list[int]:
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=n_new, do_sample=False,
-                         eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 def assert_follows(engine, model, prompts=PROMPTS, n_new=8) -> None:
