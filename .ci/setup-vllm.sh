@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The vLLM CPU serving stack in its own virtualenv (.venv-vllm/, git-ignored): vLLM pins its own
 # torch and friends, so it never shares the package's environment. Idempotent: a venv that already
-# imports the pinned vLLM is kept. Used by tests/servers/test_rollout_vllm.py and bench/bench_rollout.py.
+# imports the pinned vLLM is kept. Used by tests/servers/test_vllm.py and bench/bench_rollout.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

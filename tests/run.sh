@@ -74,7 +74,7 @@ tests() {  # tests SELECTION... : one pytest run; "no test selected" (5) is no f
 # The second stream: the Slurm jobs and the study, then, once the venv is there, the vLLM tests.
 # Split by measured time (2 cores, quiet: everything else 473 s; Slurm jobs and study 317 s, then
 # the vLLM tests 191 s; both cores loaded by other work: 817 s; 361 s, then 307 s).
-SECOND=(tests/slurm/test_slurm_jobs.py tests/integration/test_study.py)
+SECOND=(tests/slurm/test_slurm_jobs.py tests/integration/analysis/test_study.py)
 servers() {
   local rc=0
   tests "${SECOND[@]}" -m "not vllm" "$@" || rc=$?

@@ -5,7 +5,7 @@ From the config's seeds (``rollout.seed``, ``trainer.seed``, ``data.seed``, a sy
 optimizer update, Clip-Cov draw, epoch order and task split. Each depends only on where it is
 used (step, epoch, mini-batch, micro-batch, prompt, sample), never on the order work happens in,
 so a resumed run and a run on another layout draw the same. Changing a formula changes every
-run's numbers: tests/unit/test_config.py::test_derived_seeds_are_pinned pins their values.
+run's numbers: tests/unit/config/test_loading.py::test_derived_seeds_are_pinned pins their values.
 Standard library only.
 """
 

@@ -100,7 +100,7 @@ def check_offsets(dev) -> bool:
                                                      temperature=temperature, chunk_tokens=64)
             (lp * up[0].float() + ent * up[1].float()).sum().backward()
             lp, ent, ref_lp, ref_ent = lp.detach(), ent.detach(), ref_lp.detach(), ref_ent.detach()
-            # 1e-6 relative, absolute below 1 (as tests/unit/test_ops_logprob_entropy.py).
+            # 1e-6 relative, absolute below 1 (as tests/unit/ops/test_logprob_entropy.py).
             errs = {"logp": float(((lp.double() - ref_lp).abs() / (1 + ref_lp.abs())).max()),
                     "entropy": float(((ent.double() - ref_ent).abs() / (1 + ref_ent.abs())).max())}
             if dtype == torch.float32:

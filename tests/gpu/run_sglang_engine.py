@@ -1,4 +1,4 @@
-"""The real SGLang engine on a GPU machine: what tests/servers/test_rollout_sglang.py checks against the
+"""The real SGLang engine on a GPU machine: what tests/servers/test_sglang.py checks against the
 fake server, against `python -m sglang.launch_server` (one CUDA device, TP=1).
 
     PYTHONPATH=.:tests/helpers python tests/gpu/run_sglang_engine.py [--server-python PY]  # 3-5 min

@@ -1,4 +1,4 @@
-"""Reward functions for tests/unit/test_reward_functions.py, in a module of their own: the pool's
+"""Reward functions for tests/unit/rewards/test_registry.py, in a module of their own: the pool's
 workers import it, and it imports nothing heavy (a worker starts in about a second)."""
 
 from __future__ import annotations

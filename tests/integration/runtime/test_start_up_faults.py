@@ -1,0 +1,177 @@
+"""Start-up faults of `megatron-entropy train`: a rank that dies while the job starts ends the
+whole run within seconds with one line naming the rank and the cause, and nothing is left
+running; a signal that comes before a rank has installed its handler is held for it, not fatal."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+
+from harness import kill_marked
+
+from megatron_entropy.runtime.processes import start_held, stop_all
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def _python(code: str) -> list[str]:
+    return [sys.executable, "-c", code]
+
+
+def test_stop_all_escalates_to_sigkill_for_a_process_that_only_records_sigterm():
+    stubborn = subprocess.Popen(_python(
+        "import signal, time; signal.signal(signal.SIGTERM, lambda *a: None); print('ready', "
+        "flush=True); time.sleep(120)"), stdout=subprocess.PIPE, text=True)
+    done = subprocess.Popen(_python("pass"))
+    done.wait()
+    assert stubborn.stdout.readline() == "ready\n"
+    started = time.monotonic()
+    assert stop_all([done, stubborn], grace_s=0.5) == [1]
+    assert stubborn.returncode == -signal.SIGKILL
+    assert time.monotonic() - started < 10
+
+
+def _started(start, code: str, before: str = "") -> subprocess.Popen:
+    """A Python child started by ``start`` (start_held or Popen) running ``before``, then (once
+    it has said so) ``code``."""
+    child = start(_python(f"import time\n{before}\nprint('started', flush=True)\n{code}"),
+                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                  env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert child.stdout.readline() == "started\n"
+    return child
+
+
+def test_a_signal_before_the_handler_is_installed_is_held_for_it():
+    """A rank started by the launcher sleeps (as if importing torch) before it installs the
+    preemption handler; SIGTERM and SIGINT sent meanwhile reach the handler once it is there."""
+    child = _started(start_held, "time.sleep(1.0)\nfrom megatron_entropy.trainer import "
+                     "preemption\npreemption.install(); time.sleep(0.2); "
+                     "print(sorted(preemption._received), flush=True)")
+    child.send_signal(signal.SIGTERM)
+    child.send_signal(signal.SIGINT)
+    out, err = child.communicate(timeout=60)
+    assert child.returncode == 0, err
+    assert out.strip() == str(sorted([int(signal.SIGTERM), int(signal.SIGINT)]))
+    assert "Ctrl-C: stopping after this step" in err
+
+
+def test_second_ctrl_c_stops_at_once():
+    child = _started(subprocess.Popen, "time.sleep(60)",
+                     before="from megatron_entropy.trainer import preemption\n"
+                            "preemption.install()")
+    child.send_signal(signal.SIGINT)
+    time.sleep(0.3)
+    assert child.poll() is None  # the first one only asks for a checkpoint
+    child.send_signal(signal.SIGINT)
+    _, err = child.communicate(timeout=30)
+    assert child.returncode == -signal.SIGINT
+    assert "Traceback" not in err
+
+
+def _ranks(launcher: subprocess.Popen) -> dict[int, psutil.Process]:
+    ranks = {}
+    for p in psutil.Process(launcher.pid).children():
+        try:
+            ranks[int(p.environ()["RANK"])] = p
+        except (psutil.NoSuchProcess, KeyError):
+            pass
+    return ranks
+
+
+def test_rank_0_killed_during_start_up_ends_the_run_within_seconds(tmp_path):
+    """kill -9 of rank 0 while the ranks import: rank 1 would wait for it in the c10d store for
+    parallel.timeout_minutes, recording the launcher's SIGTERM; the launcher kills it."""
+    cfg = {"model": {"hf_path": str(REPO / "examples" / "quickstart_model")},
+           "parallel": {"tensor": 1, "timeout_minutes": 30},
+           "logging": {"runs_dir": str(tmp_path / "runs"), "name": "r", "progress_bar": False}}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    mark = str(tmp_path)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "ME_TEST_MARK": mark, "OMP_NUM_THREADS": "1"}
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID"):
+        env.pop(key, None)
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "megatron_entropy.cli", "train", str(tmp_path / "c.yaml"),
+         "--nproc", "2"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while len(ranks := _ranks(launcher)) < 2:
+            assert launcher.poll() is None, launcher.communicate()
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(1.0)  # both are importing (torch, megatron)
+        ranks[0].kill()
+        killed = time.monotonic()
+        _, err = launcher.communicate(timeout=60)
+        took = time.monotonic() - killed
+        left = [p.pid for p in ranks.values() if p.is_running() and p.status() != "zombie"]
+    finally:
+        launcher.kill()
+        kill_marked(mark)
+    assert launcher.returncode == 128 + signal.SIGKILL
+    lines = err.strip().splitlines()
+    assert lines[-1].startswith("megatron-entropy train: rank 0 failed first (killed by "
+                                "SIGKILL); stopped rank 1;"), err
+    assert took < 30, took  # the grace periods (2 x 5 s), on a loaded machine
+    assert not left
+
+
+def _config(tmp_path: Path, **sections) -> Path:
+    cfg = {"model": {"hf_path": str(REPO / "examples" / "quickstart_model")},
+           "logging": {"runs_dir": str(tmp_path / "runs"), "name": "r", "progress_bar": False},
+           **sections}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    return tmp_path / "c.yaml"
+
+
+def test_second_trainer_on_a_run_folder_is_refused_naming_the_holder(tmp_path, capsys):
+    import socket
+
+    from megatron_entropy.cli import main
+
+    config = _config(tmp_path, parallel={"tensor": 1})
+    run = tmp_path / "runs" / "r"
+    run.mkdir(parents=True)
+    holder = subprocess.Popen(_python(
+        "import sys, time; from pathlib import Path\n"
+        "from megatron_entropy.runtime import run_lock\n"
+        "run_lock.acquire(Path(sys.argv[1]), 'run folder'); print('held', flush=True); "
+        "time.sleep(120)") + [str(run / "train.lock")], stdout=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        assert holder.stdout.readline() == "held\n"
+        handlers = [signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)]
+        assert main(["train", str(config)]) == 2
+        # The command's signal handlers were this process's for the command only.
+        assert [signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)] == handlers
+    finally:
+        holder.kill()
+        holder.wait()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith(f"megatron-entropy train: error: run folder {run} is in use by host "
+                             f"{socket.gethostname()}, pid {holder.pid} (since "), err
+
+
+def test_lock_of_a_dead_holder_is_taken_over_and_said(tmp_path, capsys):
+    from megatron_entropy.runtime import run_lock
+
+    lock = tmp_path / "train.lock"
+    lock.write_text("node07 4242 2026-12-01T10:00:00+0000\n")  # its holder was killed
+    fd = run_lock.acquire(lock, "run folder")
+    assert capsys.readouterr().err.strip() == (
+        f"run folder {tmp_path}: taking over the lock of host node07, pid 4242 (since "
+        "2026-12-01T10:00:00+0000), which ended without releasing it")
+    assert lock.read_text().split()[1] == str(os.getpid())
+    with pytest.raises(run_lock.RunLockError, match=f"pid {os.getpid()} "):
+        run_lock.acquire(lock, "run folder")  # another open of the file: refused while held
+    run_lock.release(fd)
+    run_lock.release(run_lock.acquire(lock, "run folder"))  # released cleanly: nothing to say
+    assert capsys.readouterr().err == ""

@@ -1,0 +1,242 @@
+"""``megatron-entropy plan``: the paper's recipes fit with their node counts, bad layouts are
+refused, and the counts behind the estimate equal what transformers and Megatron allocate."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from harness import init_megatron, run_distributed
+from tiny_models import tiny_hf_config, write_config
+
+from megatron_entropy.cli import main
+from megatron_entropy.config import load_config
+from megatron_entropy.models.arch import arch_from_hf_config
+from megatron_entropy.launch.plan import kv_bytes_per_token, make_plan, stage_params, total_params
+
+REPO = Path(__file__).resolve().parents[3]
+RECIPES = sorted((REPO / "examples").glob("qwen2.5-*.yaml"))
+
+
+def run_plan(capsys, *args: str) -> tuple[int, str]:
+    code = main(["plan", *args])
+    return code, capsys.readouterr().out
+
+
+def documented_nodes(recipe: Path) -> str:
+    """The node count the recipe's header tells users to plan and submit with."""
+    return re.search(r"megatron-entropy plan \S+ --nodes (\d+)", recipe.read_text()).group(1)
+
+
+def test_all_six_recipes_are_there():
+    assert [p.name for p in RECIPES] == sorted(
+        f"qwen2.5-{size}-{loss}.yaml" for size in ("7b", "32b")
+        for loss in ("grpo", "clip_cov", "kl_cov"))
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
+def test_recipe_fits_on_its_documented_nodes(recipe, capsys):
+    code, out = run_plan(capsys, str(recipe), "--nodes", documented_nodes(recipe),
+                         "--gpus-per-node", "8")
+    assert code == 0, out
+    cfg = yaml.safe_load(recipe.read_text())
+    tp, pp = cfg["parallel"]["tensor"], cfg["parallel"]["pipeline"]
+    trainer_gpus = (int(documented_nodes(recipe)) - cfg["cluster"]["server_nodes"]) * 8
+    assert f"{trainer_gpus} GPUs = TP {tp} x PP {pp} x DP {trainer_gpus // (tp * pp)}" in out
+    share = int(re.search(r"total .* GiB \((\d+)% of 80 GiB\)", out).group(1))
+    assert 30 < share < 90, out
+    assert "KV capacity per server" in out and out.rstrip().endswith("verdict: fits")
+
+
+@pytest.mark.parametrize("recipe,args,message", [
+    ("7b-kl_cov", ["--nodes", "2"], r"the job has 2 nodes .* needs 3: 2 for rollout servers"),
+    ("7b-kl_cov", ["--nodes", "4", "parallel.tensor=2", "trainer.distributed_optimizer=false"],
+     r"needs ~7\d\.\d GiB .* over 90%"),
+    ("7b-grpo", ["--nodes", "4", "model.recompute_activations=false"], r"needs ~\d+\.\d GiB"),
+    ("7b-clip_cov", ["--nodes", "4", "parallel.tensor=8"], r"does not divide the model's 28 "
+                                                           r"attention heads"),
+    ("32b-kl_cov", ["--nodes", "8", "parallel.pipeline=1", "trainer.distributed_optimizer=false"],
+     r"needs ~8\d\.\d GiB"),
+    ("32b-grpo", ["--nodes", "8", "parallel.pipeline=3"], r"does not divide the model's 64 layers"),
+    ("32b-clip_cov", ["--nodes", "8", "--gpus-per-node", "4"], r"tensor=8 exceeds "
+                                                               r"cluster.gpus_per_node=4"),
+    ("7b-kl_cov", ["--nodes", "4", "trainer.micro_batch_tokens=4096"], r"cannot hold one full "
+                                                                        r"sequence of 10240"),
+    ("32b-kl_cov", ["--nodes", "8", "cluster.server_gpus=1", "--gpu-memory-gb", "64"],
+     r"a server of 1 GPU\(s\) has room for 0 KV tokens"),
+])
+def test_layouts_that_do_not_fit_are_refused(recipe, args, message, capsys):
+    code, out = run_plan(capsys, str(REPO / "examples" / f"qwen2.5-{recipe}.yaml"), *args)
+    assert code == 1
+    assert re.search(r"refused: .*" + message, out), out
+
+
+def test_options_may_follow_overrides_and_bad_input_is_named(capsys, tmp_path):
+    recipe = str(RECIPES[0])
+    def bad(*args: str) -> str:  # one line on stderr, exit 2, as every command's bad input
+        assert main(["plan", *args]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("megatron-entropy plan: error: "), err
+        return err[0]
+
+    assert "unknown config key 'cluster.x'" in bad(recipe, "parallel.tensor=8", "--nodes", "8",
+                                                   "cluster.x=1")
+    assert "--nodes must be given and >= 1 (got None)" in bad(recipe)
+    assert "--nodes must be given and >= 1 (got 0)" in bad(recipe, "--nodes", "0")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"model: {{hf_path: {tmp_path / 'nowhere'}}}\n")
+    assert "has no config.json; pass --model-config" in bad(str(cfg), "--nodes", "1")
+
+
+def test_plan_reads_the_models_config_json(capsys, tmp_path):
+    model = write_config("qwen3", tmp_path / "m")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"model: {{hf_path: {model}, seq_length: 2048}}\n"
+                   "rollout: {max_new_tokens: 512}\ncluster: {gpus_per_node: 2}\n")
+    code, out = run_plan(capsys, str(cfg), "--nodes", "1", "rollout.dtype=bf16")
+    assert code == 0, out
+    assert f"[{model / 'config.json'}]" in out and "in-process engine weights (bf16)" in out
+
+
+@pytest.mark.parametrize("family,tied", [("qwen2", False), ("qwen2", True), ("qwen3", False),
+                                         ("llama", True), ("mistral", False),
+                                         ("qwen3_moe", False)])
+def test_parameter_count_equals_transformers(family, tied):
+    import transformers
+
+    hf = tiny_hf_config(family, tie_word_embeddings=tied)
+    config = transformers.AutoConfig.for_model(hf["model_type"], **{
+        k: v for k, v in hf.items() if k != "model_type"})
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    assert total_params(arch_from_hf_config(hf)) == sum(p.numel() for p in model.parameters())
+
+
+def test_kv_cache_bytes_equal_transformers_cache():
+    import transformers
+
+    hf = tiny_hf_config("qwen3")
+    config = transformers.AutoConfig.for_model(hf["model_type"], **{
+        k: v for k, v in hf.items() if k != "model_type"})
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    seq = 10
+    with torch.no_grad():
+        cache = model(torch.arange(seq)[None], use_cache=True).past_key_values
+    cached = sum(layer.keys.numel() * 4 + layer.values.numel() * 4 for layer in cache.layers)
+    assert cached == seq * kv_bytes_per_token(arch_from_hf_config(hf), 4)
+
+
+def _allocated(arch, tensor, pipeline, expert=1):
+    """Parameters and fp32 training state (weights, DDP grad buffers, Adam) on this rank, and
+    the weight decays of the optimizer's parameter groups, built with the trainer section's
+    defaults (a mixture of experts: the dense and the expert-parallel buffers and optimizers)."""
+    init_megatron(tensor, pipeline, expert=expert)
+    from megatron_entropy.config import ModelConfig, ParallelConfig, TrainerConfig
+    from megatron_entropy.trainer.model_setup import build_optimizer, build_trainable_model
+
+    chunks = build_trainable_model(arch, ModelConfig(dtype="fp32", seq_length=64),
+                                   ParallelConfig(tensor=tensor, pipeline=pipeline,
+                                                  expert=expert))
+    optimizer, _ = build_optimizer(chunks, TrainerConfig(), dtype="fp32")
+    model = chunks[0]
+    for p in model.parameters():
+        p.main_grad.normal_()
+    optimizer.step()  # Adam's moments exist after the first step
+    adam = sum(t.numel() * t.element_size()
+               for opt in getattr(optimizer, "chained_optimizers", [optimizer])
+               for state in opt.optimizer.state.values()
+               for t in state.values() if torch.is_tensor(t) and t.dim() > 0)
+    buffers = list(model.buffers) + list(getattr(model, "expert_parallel_buffers", []))
+    return (sum(p.numel() for p in model.parameters()),
+            sum(p.numel() * p.element_size() for p in model.parameters()),
+            sum(b.grad_data.numel() * b.grad_data.element_size() for b in buffers), adam,
+            sorted({g["weight_decay"] for g in optimizer.param_groups}))
+
+
+@pytest.mark.parametrize("family,tied,tensor,pipeline", [("qwen3", False, 2, 2),
+                                                         ("llama", True, 2, 2),
+                                                         ("qwen2", True, 2, 1)])
+def test_fullest_gpu_state_equals_megatrons(family, tied, tensor, pipeline, tmp_path):
+    hf = tiny_hf_config(family, tie_word_embeddings=tied)
+    arch = arch_from_hf_config(hf)
+    ranks = run_distributed(_allocated, tensor * pipeline, arch, tensor, pipeline, timeout=200)
+    params, weights, grads, adam, decays = max(ranks)
+    # One default: trainer.weight_decay's 0.1 reaches the optimizer (the old OptimSettings mirror
+    # had 0.0); biases and norms keep none, as Megatron decides.
+    assert decays == [0.0, 0.1]
+    assert params == stage_params(arch, tensor, pipeline)
+    cfg_dir = write_config(family, tmp_path / "m", tie_word_embeddings=tied)
+    cfg = load_config(overrides=[f"model.hf_path={cfg_dir}", "model.dtype=fp32",
+                                 f"parallel.tensor={tensor}", f"parallel.pipeline={pipeline}",
+                                 f"cluster.gpus_per_node={tensor * pipeline}"])
+    items = dict(make_plan(cfg, arch, nodes=1).trainer)
+    assert items["weights (fp32)"] == weights
+    assert items["grad buffer (fp32)"] == grads
+    assert items["Adam moments (fp32)"] == adam
+
+
+def test_a_layout_with_few_server_gpus_for_its_trainer_is_called_rollout_bound(capsys):
+    recipe = str(REPO / "examples" / "qwen2.5-7b-kl_cov.yaml")
+    code, out = run_plan(capsys, recipe, "--nodes", "32")  # 2 server nodes for 30 trainer nodes
+    assert code == 0 and "verdict: fits" in out
+    assert re.search(r"warning: rollout-bound: 240 trainer GPUs wait on 16 rollout server GPUs "
+                     r"\(15 to 1; .*raise cluster.server_nodes \(e.g. 16", out), out
+    code, out = run_plan(capsys, recipe, "--nodes", documented_nodes(Path(recipe)))
+    assert code == 0 and "rollout-bound" not in out
+
+
+def test_the_recipe_table_of_examples_readme_is_what_plan_says(capsys):
+    """examples/README.md's recipe table: nodes, servers, trainer layout and trainer GPU memory
+    of each recipe, as `megatron-entropy plan` prints them at the recipe's documented nodes."""
+    text = (REPO / "examples" / "README.md").read_text()
+    rows = re.findall(r"^\| (7B|32B) (GRPO|Clip-Cov|KL-Cov) \| [^|]+ \| (\d+) \| (\d+) x TP(\d+) "
+                      r"on (\d+) nodes \| ([^|]+) \| ([\d.]+) GiB \|$", text, re.M)
+    assert len(rows) == 6, rows
+    for size, loss, nodes, servers, server_tp, server_nodes, trainer, gib in rows:
+        name = {"GRPO": "grpo", "Clip-Cov": "clip_cov", "KL-Cov": "kl_cov"}[loss]
+        recipe = REPO / "examples" / f"qwen2.5-{size.lower()}-{name}.yaml"
+        assert nodes == documented_nodes(recipe)
+        code, out = run_plan(capsys, str(recipe), "--nodes", nodes)
+        assert code == 0, out
+        assert f"rollout servers: {servers} x {server_tp} GPU(s) on {server_nodes} node(s)" in out
+        layout = re.search(r"= TP (\d+) x PP (\d+) x DP (\d+)", out).groups()
+        assert trainer.strip() == " x ".join(f"{k}{v}" for k, v in zip(("TP", "PP", "DP"), layout)
+                                             if k != "PP" or v != "1"), (trainer, layout)
+        total = float(re.search(r"  total +([\d.]+) GiB", out).group(1))
+        assert gib == f"{total:.1f}", (recipe.name, gib, total)
+
+
+def test_moe_stage_state_at_ep2_pp2_equals_megatrons(tmp_path):
+    """Each GPU holds its EP rank's experts of its stage's layers and the router: parameters,
+    weights, both grad buffers and Adam's moments as Megatron allocates them."""
+    arch = arch_from_hf_config(tiny_hf_config("qwen3_moe"))
+    ranks = run_distributed(_allocated, 4, arch, 1, 2, 2, timeout=200)
+    params, weights, grads, adam, _ = max(ranks)
+    assert params == stage_params(arch, 1, 2, 2) < stage_params(arch, 1, 2, 1)
+    cfg_dir = write_config("qwen3_moe", tmp_path / "m")
+    cfg = load_config(overrides=[f"model.hf_path={cfg_dir}", "model.dtype=fp32",
+                                 "parallel.pipeline=2", "parallel.expert=2",
+                                 "trainer.distributed_optimizer=false", "cluster.gpus_per_node=4"])
+    items = dict(make_plan(cfg, arch, nodes=1).trainer)
+    assert items["weights (fp32)"] == weights
+    assert items["grad buffer (fp32)"] == grads
+    assert items["Adam moments (fp32)"] == adam
+
+
+def test_qwen3_moe_recipe_fits_and_the_built_in_models_have_their_published_sizes(capsys):
+    recipe = REPO / "examples" / "qwen3-30b-a3b-kl_cov.yaml"
+    code, out = run_plan(capsys, str(recipe), "--nodes", documented_nodes(recipe))
+    assert code == 0, out
+    assert "32 GPUs = TP 1 x PP 1 x DP 32 (EP 8" in out and "MoE all-to-all" in out
+    # Qwen's model cards: 30.5B total / 3.3B active, 235B / 22B.
+    assert "30.53B params (3.35B active: 128 experts, top-8)" in out
+    code, out = run_plan(capsys, str(recipe), "--nodes", "40",
+                         "model.hf_path=models/Qwen3-235B-A22B", "parallel.pipeline=2",
+                         "parallel.expert=64", "cluster.server_nodes=8", "cluster.server_gpus=8",
+                         "trainer.micro_batch_tokens=10240")
+    assert code == 0 and "235.09B params (22.19B active" in out, out
+    code, out = run_plan(capsys, str(recipe), "--nodes", "8", "parallel.expert=3")
+    assert code == 1 and "parallel.expert=3 does not divide the model's 128 experts" in out
