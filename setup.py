@@ -10,6 +10,8 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_entropy", "megatron_entropy.*"]),
+    # Not a package: a folder put on a vLLM CPU server's PYTHONPATH (rollout/server/vllm.py).
+    package_data={"megatron_entropy.rollout.server": ["vllm_cpu_site/sitecustomize.py"]},
     # Ranges a GPU cluster can meet with its own builds; CPU machines pin exact versions through
     # constraints-cpu.txt (see README).
     install_requires=[

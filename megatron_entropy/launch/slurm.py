@@ -272,7 +272,7 @@ def server_command(cfg: Config, host: str, port: int) -> tuple[list[str], dict[s
     env = parse_extra_env(s.extra_env)
     if cfg.rollout.engine == "vllm":
         argv = vllm.server_argv(s, cfg.model.hf_path, port)
-        env["VLLM_SERVER_DEV_MODE"] = "1"  # the weight reload endpoints
+        env = vllm.server_env(env)  # the weight reload endpoints; AMX permission on CPU
         tp_flag = ["--tensor-parallel-size", str(tp)]
     elif cfg.rollout.engine == "sglang":
         argv = sglang.server_argv(s, cfg.model.hf_path, port)

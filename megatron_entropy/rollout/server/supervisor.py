@@ -83,7 +83,8 @@ class Supervisor:
         self.kind = kind
         self.model_dir = model_dir  # folder a (re)started server loads: the latest weights
         self.launch_command = launch_command
-        self.env = {**(env or {}), **parse_extra_env(cfg.extra_env)}
+        # The engine's own (built from extra_env), or extra_env as it is.
+        self.env = parse_extra_env(cfg.extra_env) if env is None else env
         self.health_path = health_path
         self.dir = Path(run_dir) / "servers"
         self.dir.mkdir(parents=True, exist_ok=True)

@@ -25,8 +25,11 @@ tokens and ``max_tokens`` what is left.
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Any, Optional
+
+import torch
 
 from megatron_entropy.config import ServerConfig
 from megatron_entropy.rollout.base import Completion, SamplingParams
@@ -35,13 +38,29 @@ from megatron_entropy.rollout.server.errors import ServerError
 from megatron_entropy.rollout.server.partial import (AbortApi, RequestAborted, eos_token_ids,
                                                      finished_before_resume)
 from megatron_entropy.rollout.server.pool import Server
-from megatron_entropy.rollout.server.process import compose_argv
+from megatron_entropy.rollout.server.process import compose_argv, parse_extra_env
 from megatron_entropy.runtime.dtypes import long_name
 
 log = logging.getLogger(__name__)
 
 SERVED_NAME = "policy"  # constant across restarts from new weight folders
 FINISH_REASONS = ("stop", "length", "abort")
+# A sitecustomize that asks Linux for AMX permission in every process of a CPU server (its
+# docstring says why).
+CPU_SITE = Path(__file__).resolve().parent / "vllm_cpu_site"
+
+
+def server_env(extra_env: dict[str, str], on_cpu: Optional[bool] = None) -> dict[str, str]:
+    """The environment a vLLM server gets beyond ours, from ``rollout.server.extra_env``: the
+    weight reload endpoints on (dev mode) and, on a CPU server (``on_cpu``; default: no CUDA
+    here), CPU_SITE first on its PYTHONPATH (before extra_env's own, or else ours)."""
+    env = {**extra_env, "VLLM_SERVER_DEV_MODE": "1"}
+    if on_cpu is None:
+        on_cpu = not torch.cuda.is_available()
+    if on_cpu:
+        rest = extra_env.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(CPU_SITE), rest) if p)
+    return env
 
 
 def server_argv(c: ServerConfig, model_dir: str, port: int,
@@ -65,7 +84,8 @@ class VLLMEngine(ServerEngine):
         if server_cfg.weight_sync != "disk":
             raise ServerError("rollout.server.weight_sync=distributed is SGLang-only; vLLM takes "
                               "weights from disk (set rollout.server.weight_sync=disk)")
-        super().__init__(server_cfg, hf_dir, run_dir, env={"VLLM_SERVER_DEV_MODE": "1"})
+        super().__init__(server_cfg, hf_dir, run_dir,
+                         env=server_env(parse_extra_env(server_cfg.extra_env)))
         self.model_name = self._served_name()
         self._eos = eos_token_ids(self.hf_dir)
         # /v1/completions runs our request_id R as "cmpl-R-0" (one prompt); /abort_requests
