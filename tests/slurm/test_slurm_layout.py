@@ -2,6 +2,7 @@
 
 import http.server
 import json
+import os
 import re
 import shlex
 import subprocess
@@ -10,6 +11,7 @@ import threading
 from pathlib import Path
 
 import pytest
+import torch
 
 from megatron_entropy.cli import main as cli_main
 from megatron_entropy.config import ConfigError, load_config
@@ -19,6 +21,7 @@ from megatron_entropy.launch.slurm import (NotEnoughNodesError, _visible_gpus, a
                                            step_gpus, wait_for_servers, write_url)
 from megatron_entropy.runtime import ParallelLayoutError, expand_nodelist
 from megatron_entropy.rollout.server.errors import ServerError
+from megatron_entropy.rollout.server.vllm import CPU_SITE
 from megatron_entropy.runtime.launch_env import UrlFileError, read_urls_file
 
 REPO = Path(__file__).resolve().parents[2]
@@ -242,7 +245,11 @@ def test_server_command_is_the_engines_own_with_server_tp():
                         ("--logprobs-mode", "processed_logprobs"),
                         ("--tensor-parallel-size", "2")):
         assert argv[argv.index(flag) + 1] == value
-    assert env == {"A": "1", "VLLM_SERVER_DEV_MODE": "1"}
+    expected = {"A": "1", "VLLM_SERVER_DEV_MODE": "1"}
+    if not torch.cuda.is_available():  # a CPU server asks for AMX permission (vllm.server_env)
+        expected["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(CPU_SITE), os.environ.get("PYTHONPATH", "")) if p)
+    assert env == expected
     argv, _ = server_command(cfg("rollout.engine=sglang", "rollout.server.urls_file=u",
                                  "model.hf_path=/m", "cluster.server_gpus=4"), "h", 1)
     assert argv[argv.index("--tp-size") + 1] == "4" and "--weight-version" in argv
