@@ -46,6 +46,7 @@ TORCH_USER_ERRORS = (("megatron_entropy.data.dataset", "DatasetError"),
                      ("megatron_entropy.trainer.weight_check", "WeightCheckError"),
                      ("megatron_entropy.rollout.server.errors", "ServerError"))
 
+
 def _user_errors() -> tuple[type[BaseException], ...]:
     return USER_ERRORS + tuple(getattr(sys.modules[module], name)
                                for module, name in TORCH_USER_ERRORS if module in sys.modules)
@@ -103,10 +104,10 @@ def _spawn_local(args: argparse.Namespace, nproc: int, run_dir: Path) -> int:
     for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, forward)
     for rank in range(nproc):
+        # Threads per rank: already in our environment (runtime/threads.py, set before torch).
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(nproc), "LOCAL_RANK": str(rank),
                "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port), "OMP_NUM_THREADS": os.environ.get(
-                   "OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))}
+               "MASTER_PORT": str(port)}
         out = None if rank == 0 else _open_rank_log(run_dir / "logs" / f"rank_{rank}.log")
         procs.append(start_held(cmd, env=env, stdout=out,
                                 stderr=subprocess.STDOUT if out else None))
