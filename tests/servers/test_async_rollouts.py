@@ -247,6 +247,47 @@ def _check_aborted_and_resumed(eng, models, log: Path) -> None:
     assert metrics["rollout/aborted_reissued"] == 0
 
 
+
+def test_a_request_aborted_before_its_first_token_is_sent_again_whole(models, tmp_path):
+    """inflight_at_sync=abort with requests still waiting in the server at the push (here it
+    is paused, as a busy vLLM or SGLang scheduler holds requests before their first token):
+    they are aborted with no tokens. Each is sent again whole on the new weights, one version
+    and its full budget, and is not counted as resumed (a real vLLM server answered one so)."""
+    log = tmp_path / "requests.jsonl"
+    cfg = make_cfg(launch=1, max_concurrency=4,
+                   launch_command=fake_command(delay=0.05, log=str(log)))
+    eng = SGLangEngine(cfg, str(models["a"]), str(tmp_path))
+    eng.pool.run_in_background()
+    eng.pool.inflight_at_sync = "abort"
+    [server] = eng.pool.servers
+    prompts = [[10 + i, 20 + i, 30 + i] for i in range(3)]
+    try:
+        urllib.request.urlopen(urllib.request.Request(
+            f"{server.url}/pause_generation", data=json.dumps({"mode": "abort"}).encode(),
+            headers={"Content-Type": "application/json"}))
+        result: dict = {}
+        rollout = threading.Thread(target=lambda: result.update(out=eng.generate(
+            prompts, SamplingParams(temperature=0.0, max_new_tokens=6))))
+        rollout.start()
+        deadline = time.monotonic() + 60
+        while json.load(urllib.request.urlopen(f"{server.url}/fake/state"))["waiting"] < 3:
+            assert time.monotonic() < deadline and rollout.is_alive()
+            time.sleep(0.01)
+        push_weights(eng, models["model_b"].state_dict().items(), 1, tmp_path)
+        rollout.join(timeout=120)
+        assert not rollout.is_alive()
+        metrics = eng.metrics()
+    finally:
+        eng.shutdown()
+    for prompt, (c,) in zip(prompts, result["out"]):
+        assert version_runs(c) == [("1", 6)] and "resumed" not in c.meta, c.meta
+        assert c.token_ids == greedy_reference(models["model_b"], prompt, 6)
+    sent = [json.loads(line) for line in log.read_text().splitlines()]
+    generates = [e["body"]["input_ids"] for e in sent if e["path"] == "/generate"]
+    assert sorted(generates) == sorted(prompts * 2)  # each sent twice, whole
+    assert metrics["rollout/aborted_resumed"] == 0 and metrics["rollout/aborted_reissued"] == 0
+
+
 @pytest.mark.slow
 def test_rollouts_in_flight_at_pushes_resume_or_finish_tagged_and_survive_a_kill(
         models, tmp_path):  # noqa: F811

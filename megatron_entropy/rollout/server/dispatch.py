@@ -186,7 +186,8 @@ class Dispatcher:
                     attempts += 1
                     self.retries += 1
                     self.aborted += 1
-                if self.aborting_enabled and e.partial is not None:
+                kept = e.partial is not None and (e.partial.token_ids or prefix is not None)
+                if self.aborting_enabled and kept:  # an empty first partial: sent again whole
                     prefix = e.partial if prefix is None else join_completions(prefix, e.partial)
                     rest = self.aborts.resume(payload, prefix)
                     if isinstance(rest, str):  # it had already finished
