@@ -92,13 +92,16 @@ def main() -> None:
     ap.add_argument("--report-samples", type=int, default=4, help="samples per problem at the end")
     ap.add_argument("--measure", type=Path, default=None, metavar="MODEL_DIR",
                     help="train nothing: print the T=1 report of this HF model folder")
+    ap.add_argument("--guess-error", choices=["ten", "random"], default=task.guess_error,
+                    help="how a wrong guess is off (data.hinted.guess_error)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=1234)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     started = time.time()
 
-    sizes = (task.min_terms, task.max_terms, task.max_operand, task.guess_right, task.seed)
+    sizes = (task.min_terms, task.max_terms, task.max_operand, task.guess_right, task.seed,
+             args.guess_error)
     splits = hinted_splits(args.num_train, args.held_out, args.held_out, *sizes)
     val = [Worked(p, "") for p in splits["val"][:args.eval_problems]]
     for w, p in zip(val, splits["val"]):

@@ -280,8 +280,10 @@ class HintedConfig(Settings):
     min_terms: int = _f(3, ge=2)
     max_terms: int = _f(4, ge=2)
     max_operand: int = _f(20, ge=1)
-    guess_right: float = _f(0.6, ge=0, le=1, help="chance that the guess is the total; a "
-                                                  "wrong one is off by 10")
+    guess_right: float = _f(0.6, ge=0, le=1, help="chance that the guess is the total")
+    guess_error: Literal["ten", "random"] = _f(
+        "ten", help="how far a wrong guess is off: by 10 up or down (its last digit matches), "
+                    "or by a random 1 to 10 up or down (setting it right takes the exact total)")
     seed: int = 0
 
     def validate(self) -> None:

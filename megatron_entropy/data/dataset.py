@@ -172,7 +172,8 @@ def sums_rows(cfg: SumsConfig, split: Literal["train", "val"]) -> list[PromptRow
 def hinted_rows(cfg: HintedConfig, split: Literal["train", "val", "test"]) -> list[PromptRow]:
     problems = hinted_splits(cfg.num_train if split == "train" else 0, cfg.num_val,
                              cfg.num_test if split == "test" else 0, cfg.min_terms,
-                             cfg.max_terms, cfg.max_operand, cfg.guess_right, cfg.seed)[split]
+                             cfg.max_terms, cfg.max_operand, cfg.guess_right, cfg.seed,
+                             cfg.guess_error)[split]
     return [PromptRow(prompt=p.question, answer=p.answer, source=p.source,
                       where=f"hinted {split} problem {i}") for i, p in enumerate(problems)]
 

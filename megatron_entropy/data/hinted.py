@@ -3,8 +3,10 @@ working the sum out.
 
 A problem is a sum of ``min_terms``..``max_terms`` positive integers with a guess of its total,
 e.g. ``What is 13 + 7 + 18? Guess: 38``. The guess is right with probability ``guess_right``;
-a wrong guess is off by 10 (up or down), so that its last digit always matches and the guess
-cannot be told wrong at a glance. A response solves it in one of two modes:
+a wrong guess is off (``guess_error``) by 10 up or down, so that its last digit always matches
+and the guess cannot be told wrong at a glance, or by a random 1 to 10 up or down, so that
+setting it right takes the exact total, not a coarse estimate of it. A response solves it in
+one of two modes:
 
 - ``direct``: ``\\boxed{38}``, the guess taken as it is. Short, and right exactly when the guess
   is: its ceiling is ``guess_right`` whatever the policy learns, short of adding up first.
@@ -33,6 +35,7 @@ from megatron_entropy.runtime.seeds import task_split_seeds
 
 MODES = ("direct", "worked", "other")
 Split = Literal["train", "val", "test"]
+GuessError = Literal["ten", "random"]
 _DIRECT = re.compile(r"\s*\\boxed\{-?\d+\}\s*")
 _LINE = re.compile(r"-?\d+(?:[+-]\d+)+=")
 
@@ -90,27 +93,31 @@ def response_mode(source: str, text: str) -> Optional[str]:
 
 
 def make_hinted_problem(rng: random.Random, min_terms: int, max_terms: int, max_operand: int,
-                        guess_right: float) -> HintedProblem:
+                        guess_right: float, guess_error: GuessError = "ten") -> HintedProblem:
     terms = make_problem(rng, min_terms, max_terms, max_operand).terms
     total = sum(terms)
     if rng.random() < guess_right:
         return HintedProblem(terms, total)
-    # Off by 10; down only where that stays positive.
-    down = total > 10 and rng.random() < 0.5
-    return HintedProblem(terms, total - 10 if down else total + 10)
+    off = 10 if guess_error == "ten" else rng.randint(1, 10)
+    # Down only where that stays positive.
+    down = total > off and rng.random() < 0.5
+    return HintedProblem(terms, total - off if down else total + off)
 
 
 def generate_hinted_problems(num: int, min_terms: int, max_terms: int, max_operand: int,
                              guess_right: float, seed: int,
-                             exclude: frozenset[str] = frozenset()) -> list[HintedProblem]:
+                             exclude: frozenset[str] = frozenset(),
+                             guess_error: GuessError = "ten") -> list[HintedProblem]:
     """``num`` problems whose sums (the terms, in order) are distinct and not in ``exclude``
     (sums, not questions: a problem does not reappear in another split with another guess)."""
     check_sizes(min_terms, max_terms, max_operand)
     if not 0.0 <= guess_right <= 1.0:
         raise ValueError(f"guess_right must be in [0, 1], got {guess_right}")
+    if guess_error not in ("ten", "random"):
+        raise ValueError(f"guess_error must be 'ten' or 'random', got {guess_error!r}")
     rng = random.Random(seed)
     return draw_distinct(num, lambda: make_hinted_problem(rng, min_terms, max_terms, max_operand,
-                                                          guess_right),
+                                                          guess_right, guess_error),
                          lambda p: sum_key(p.terms), exclude,
                          f"max_terms={max_terms}, max_operand={max_operand}")
 
@@ -120,20 +127,23 @@ def sum_key(terms: tuple[int, ...]) -> str:
 
 
 def hinted_splits(num_train: int, num_val: int, num_test: int, min_terms: int, max_terms: int,
-                  max_operand: int, guess_right: float, seed: int
-                  ) -> dict[str, list[HintedProblem]]:
+                  max_operand: int, guess_right: float, seed: int,
+                  guess_error: GuessError = "ten") -> dict[str, list[HintedProblem]]:
     """Disjoint train, validation and test problems; each depends only on the arguments, and a
     smaller validation or test set is a prefix of a larger one."""
     train_seed, val_seed = task_split_seeds(seed)
     sizes = (min_terms, max_terms, max_operand, guess_right)
-    val = generate_hinted_problems(num_val, *sizes, seed=val_seed)
+    val = generate_hinted_problems(num_val, *sizes, seed=val_seed, guess_error=guess_error)
     # The test set avoids every possible validation problem of up to 4096 (a prefix), so that
     # growing num_val never moves a test problem into validation.
     val_pool = frozenset(sum_key(p.terms) for p in generate_hinted_problems(
-        max(num_val, 4096), *sizes, seed=val_seed)) if num_test else frozenset()
-    test = generate_hinted_problems(num_test, *sizes, seed=test_seed(seed), exclude=val_pool)
+        max(num_val, 4096), *sizes, seed=val_seed, guess_error=guess_error)
+    ) if num_test else frozenset()
+    test = generate_hinted_problems(num_test, *sizes, seed=test_seed(seed), exclude=val_pool,
+                                    guess_error=guess_error)
     held = frozenset(sum_key(p.terms) for p in val + test)
-    train = generate_hinted_problems(num_train, *sizes, seed=train_seed, exclude=held)
+    train = generate_hinted_problems(num_train, *sizes, seed=train_seed, exclude=held,
+                                     guess_error=guess_error)
     return {"train": train, "val": val, "test": test}
 
 

@@ -32,6 +32,23 @@ def test_guesses_are_right_at_the_set_rate_and_wrong_ones_off_by_ten():
     assert {p.source for p in problems} == {"hinted_3terms", "hinted_4terms"}
 
 
+def test_a_random_guess_error_is_off_by_one_to_ten_with_any_last_digit():
+    problems = generate_hinted_problems(4000, 3, 4, 20, 0.6, seed=1, guess_error="random")
+    right = sum(p.guess_is_right for p in problems)
+    assert abs(right - 0.6 * 4000) <= 5 * (4000 * 0.6 * 0.4) ** 0.5
+    offs = [p.guess - p.total for p in problems if not p.guess_is_right]
+    assert all(p.guess > 0 for p in problems) and set(map(abs, offs)) == set(range(1, 11))
+    # Either way and each size about equally often: no coarse rule sets a wrong guess right.
+    assert abs(sum(o > 0 for o in offs) - len(offs) / 2) <= 5 * (len(offs) / 4) ** 0.5
+    assert max(offs.count(o) + offs.count(-o) for o in range(1, 11)) <= 1.5 * len(offs) / 10
+    with pytest.raises(ValueError, match="guess_error"):
+        generate_hinted_problems(10, 3, 4, 20, 0.6, seed=1, guess_error="five")
+    cfg = load_config(None, ["data.task=hinted", "data.hinted.guess_error=random"])
+    assert cfg.data.hinted.guess_error == "random"
+    with pytest.raises(ConfigError, match="guess_error"):
+        load_config(None, ["data.task=hinted", "data.hinted.guess_error=five"])
+
+
 def test_splits_are_disjoint_deterministic_and_prefix_stable():
     a = hinted_splits(3000, 100, 200, 3, 4, 20, 0.6, seed=5)
     assert a == hinted_splits(3000, 100, 200, 3, 4, 20, 0.6, seed=5)
