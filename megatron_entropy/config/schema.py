@@ -282,7 +282,7 @@ class HintedConfig(Settings):
     max_operand: int = _f(20, ge=1)
     guess_right: float = _f(0.6, ge=0, le=1, help="chance that the guess is the total")
     guess_error: Literal["ten", "random"] = _f(
-        "ten", help="how far a wrong guess is off: by 10 up or down (its last digit matches), "
+        "random", help="how far a wrong guess is off: by 10 up or down (its last digit matches), "
                     "or by a random 1 to 10 up or down (setting it right takes the exact total)")
     seed: int = 0
 

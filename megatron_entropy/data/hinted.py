@@ -93,7 +93,7 @@ def response_mode(source: str, text: str) -> Optional[str]:
 
 
 def make_hinted_problem(rng: random.Random, min_terms: int, max_terms: int, max_operand: int,
-                        guess_right: float, guess_error: GuessError = "ten") -> HintedProblem:
+                        guess_right: float, guess_error: GuessError = "random") -> HintedProblem:
     terms = make_problem(rng, min_terms, max_terms, max_operand).terms
     total = sum(terms)
     if rng.random() < guess_right:
@@ -107,7 +107,7 @@ def make_hinted_problem(rng: random.Random, min_terms: int, max_terms: int, max_
 def generate_hinted_problems(num: int, min_terms: int, max_terms: int, max_operand: int,
                              guess_right: float, seed: int,
                              exclude: frozenset[str] = frozenset(),
-                             guess_error: GuessError = "ten") -> list[HintedProblem]:
+                             guess_error: GuessError = "random") -> list[HintedProblem]:
     """``num`` problems whose sums (the terms, in order) are distinct and not in ``exclude``
     (sums, not questions: a problem does not reappear in another split with another guess)."""
     check_sizes(min_terms, max_terms, max_operand)
@@ -128,7 +128,7 @@ def sum_key(terms: tuple[int, ...]) -> str:
 
 def hinted_splits(num_train: int, num_val: int, num_test: int, min_terms: int, max_terms: int,
                   max_operand: int, guess_right: float, seed: int,
-                  guess_error: GuessError = "ten") -> dict[str, list[HintedProblem]]:
+                  guess_error: GuessError = "random") -> dict[str, list[HintedProblem]]:
     """Disjoint train, validation and test problems; each depends only on the arguments, and a
     smaller validation or test set is a prefix of a larger one."""
     train_seed, val_seed = task_split_seeds(seed)

@@ -22,7 +22,7 @@ HINTED_MODEL = Path(__file__).resolve().parents[3] / "examples" / "hinted_model"
 
 
 def test_guesses_are_right_at_the_set_rate_and_wrong_ones_off_by_ten():
-    problems = generate_hinted_problems(4000, 3, 4, 20, 0.6, seed=1)
+    problems = generate_hinted_problems(4000, 3, 4, 20, 0.6, seed=1, guess_error="ten")
     right = sum(p.guess_is_right for p in problems)
     assert abs(right - 0.6 * 4000) <= 5 * (4000 * 0.6 * 0.4) ** 0.5
     for p in problems:
@@ -33,7 +33,7 @@ def test_guesses_are_right_at_the_set_rate_and_wrong_ones_off_by_ten():
 
 
 def test_a_random_guess_error_is_off_by_one_to_ten_with_any_last_digit():
-    problems = generate_hinted_problems(4000, 3, 4, 20, 0.6, seed=1, guess_error="random")
+    problems = generate_hinted_problems(4000, 3, 4, 20, 0.6, seed=1)
     right = sum(p.guess_is_right for p in problems)
     assert abs(right - 0.6 * 4000) <= 5 * (4000 * 0.6 * 0.4) ** 0.5
     offs = [p.guess - p.total for p in problems if not p.guess_is_right]
@@ -108,10 +108,10 @@ def test_the_hinted_model_held_out_the_default_validation_and_test_sets():
     cfg = HintedConfig()
     n = summary["held_out"]
     held = hinted_splits(0, n, n, cfg.min_terms, cfg.max_terms, cfg.max_operand,
-                         cfg.guess_right, cfg.seed)
+                         cfg.guess_right, cfg.seed, cfg.guess_error)
     questions = [p.question for p in held["val"] + held["test"]]
     assert hashlib.sha256("\n".join(questions).encode()).hexdigest() == summary["held_out_sha256"]
     default = hinted_splits(0, cfg.num_val, cfg.num_test, cfg.min_terms, cfg.max_terms,
-                            cfg.max_operand, cfg.guess_right, cfg.seed)
+                            cfg.max_operand, cfg.guess_right, cfg.seed, cfg.guess_error)
     assert default["val"] == held["val"][:cfg.num_val]
     assert default["test"] == held["test"][:cfg.num_test]
