@@ -14,7 +14,7 @@ from matplotlib.figure import Figure
 from megatron_entropy.analysis.plots import series
 from megatron_entropy.analysis.study import StudyPlan
 from megatron_entropy.analysis.study_report import (COV, DELTA, DIRECT_SHARE, ENTROPY, VAL,
-                                                    RunResult, delta_vs_cov)
+                                                    WORKED_ACC, RunResult, delta_vs_cov)
 
 
 def _aligned(records: Sequence[Sequence[dict]], key: str
@@ -85,6 +85,9 @@ def plot_study(plan: StudyPlan, results: Sequence[RunResult], summary: dict, out
     arm_bands(VAL, "val_accuracy", "validation accuracy", "validation accuracy", marker=True)
     arm_bands(DIRECT_SHARE, "mode_share", "share of direct answers",
               "share of the direct mode among the sampled responses; band: min-max over seeds")
+    arm_bands(WORKED_ACC, "worked_accuracy", "accuracy of worked answers",
+              "accuracy of the worked mode's sampled responses (while it is sampled); band: "
+              "min-max over seeds")
     # pass@k of each arm on the test split (eval of each run's last checkpoint), mean of seeds.
     fig, ax = _subplots(figsize=(7, 4.2))
     tested = {a: arm["test"] for a, arm in arms.items() if arm.get("test")}

@@ -15,7 +15,9 @@ Definitions (also stated in the report):
   predicts its later validation accuracy from their entropy; the error at the last point is the
   one the target judges (mean of |error| over seeds);
 - dH against Cov: the Pearson correlation of ``entropy/delta`` with ``-cov/step`` over every
-  step of every seed of the arm.
+  step of every seed of the arm;
+- a plateau (an arm): over the last third of the steps, the rise of a least-squares line through
+  each seed's validation points, averaged over seeds, within 2 standard errors of zero.
 """
 
 from __future__ import annotations
@@ -39,12 +41,15 @@ ENTROPY = "entropy/seq_mean"
 VAL = "val/acc/mean"
 TRAIN_ACC = "acc/mean"
 DIRECT_SHARE = "modes/direct_frac"  # tasks with solution modes (data/hinted.py)
+WORKED_ACC = "modes/worked_acc"
 REWARD = "reward/mean"
 LENGTH = "response/length_mean"
 DELTA = "entropy/delta"
 COV = "cov/step"
 COV_LOSSES = ("clip_cov", "kl_cov")
 MIN_SEEDS = 3  # the targets compare means over at least 3 seeds
+PLATEAU_PART = 1 / 3  # a plateau is judged over the last third of the steps
+MAX_CEILING = 0.9  # the baseline's fitted ceiling b - a below this: entropy limits it
 
 
 @dataclass
@@ -148,6 +153,34 @@ def pooled_law(results: Sequence[RunResult], perf: str, resamples: int, seed: in
     return out
 
 
+def plateau(results: Sequence[RunResult], part: float = PLATEAU_PART) -> Optional[dict]:
+    """Whether validation accuracy has stopped rising over the last ``part`` of the steps: per
+    seed, a least-squares line through its points there gives the rise across the window and
+    that rise's standard error; the arm's rise is the seeds' mean, its standard error theirs
+    combined. Flat: |rise| <= 2 standard errors. None with fewer than 3 points a seed."""
+    rises, variances, levels, first = [], [], [], []
+    for res in results:
+        steps, vals = series(res.records, VAL)
+        cut = res.steps - part * res.steps  # (1 - part) * steps rounds 40 up to 40.000001
+        pts = [(s, v) for s, v in zip(steps, vals) if s >= cut]
+        if len(pts) < 3:
+            return None
+        x, y = np.array(pts, dtype=float).T
+        slope, intercept = np.polyfit(x, y, 1)
+        resid = y - (slope * x + intercept)
+        sxx = float(((x - x.mean()) ** 2).sum())
+        sd = math.sqrt(float((resid ** 2).sum()) / (len(x) - 2)) if len(x) > 2 else 0.0
+        span = float(x[-1] - x[0])
+        rises.append(slope * span)
+        variances.append((sd / math.sqrt(sxx) * span) ** 2 if sxx else 0.0)
+        levels.append(float(y.mean()))
+        first.append(float(x[0]))
+    rise = float(np.mean(rises))
+    se = math.sqrt(sum(variances)) / len(variances)
+    return {"rise": rise, "se": se, "level": float(np.mean(levels)), "from_step": min(first),
+            "flat": abs(rise) <= 2 * se}
+
+
 def correlation(x: Sequence[float], y: Sequence[float]) -> Optional[float]:
     if len(x) < 3 or np.std(x) == 0 or np.std(y) == 0:
         return None
@@ -204,6 +237,7 @@ def summarize(plan: StudyPlan, results: Sequence[RunResult]) -> dict:
             "early_abs_final_error": spread([abs(e) for e in early]),
             "early_final_errors": early,
             "delta_vs_cov": delta_vs_cov(members),
+            "plateau": plateau(members),
             "test": arm_test([n["test"] for n in nums], spread),
         }
     sweeps = {}
@@ -260,8 +294,8 @@ def _fmt(v: Optional[float], digits: int = 3) -> str:
 
 
 def targets(summary: dict, plan: StudyPlan) -> list[dict]:
-    """Each target of the study (the baseline's collapse, length, law fit, early prediction and
-    dH-vs-Cov correlation; each Cov arm's entropy and accuracy against the baseline; the threshold
+    """Each target of the study (the baseline's collapse, length, law fit, early prediction,
+    plateau, ceiling and dH-vs-Cov correlation; each Cov arm's entropy and accuracy against the baseline; the threshold
     sweep's order; the time budget): what it asks, the measured value, hit / missed / not judged."""
     st, arms = plan.study, summary["arms"]
     base_name = st.baseline
@@ -303,6 +337,19 @@ def targets(summary: dict, plan: StudyPlan) -> list[dict]:
             f"not fitted: {'; '.join(whys)}" if early is None else
             f"|error| {early['mean']:.3f} (mean over {early['n']} seed(s))",
             None if early is None else early["mean"] <= 0.03)
+        flat = base["plateau"]
+        best = max(((_mean(a["val_end"]), n) for n, a in arms.items()
+                    if _mean(a["val_end"]) is not None), default=None)
+        add(f"{base_name}: on a plateau over the last {PLATEAU_PART:.0%} of its steps "
+            "(validation accuracy's fitted rise there within 2 standard errors of zero)",
+            "fewer than 3 validation points a seed there" if flat is None else
+            f"level {flat['level']:.3f} from step {flat['from_step']:.0f}, rise "
+            f"{flat['rise'] * 100:+.1f} points (2 SE {2 * flat['se'] * 100:.1f}); the best "
+            f"arm's final validation accuracy {best[0]:.3f} ({best[1]})",
+            None if flat is None else flat["flat"])
+        add(f"{base_name}: the fitted ceiling b - a < {MAX_CEILING:g}",
+            "not fitted" if fit is None else f"{fit['ceiling']:.3f}",
+            None if fit is None else fit["ceiling"] < MAX_CEILING)
         corr = base["delta_vs_cov"]["corr_delta_minus_cov"]
         add(f"{base_name}: correlation of per-step entropy/delta with -cov/step >= 0.7",
             "n/a" if corr is None else f"{corr:.3f} over {base['delta_vs_cov']['n']} steps",
@@ -359,7 +406,9 @@ def render_report(summary: dict, figures: dict[str, Path]) -> str:
         f"Start / end: mean over a run's first / last {summary['window']} steps; entropy is the "
         "mean of per-sequence mean token entropies (`entropy/seq_mean`); initial / final "
         "validation accuracy: a run's first / last validation point; ± is the standard "
-        "deviation over seeds. The law uses "
+        "deviation over seeds. A plateau: over the last third of the steps, the fitted rise "
+        "of each seed's validation points (mean over seeds) within 2 standard errors of zero. "
+        "The law uses "
         f"`{summary['performance_key']}` against `entropy/seq_mean` at the same steps.", "",
         "## Targets", "", "| target | measured | status |", "| --- | --- | --- |"]
     lines += [f"| {t['target']} | {t['measured']} | {t['status']} |" for t in summary["targets"]]
@@ -413,6 +462,7 @@ FIGURE_TITLES = {
     "entropy": "Entropy against step per loss (paper Figs. 1, 8)",
     "val_accuracy": "Validation accuracy against step per loss",
     "mode_share": "Share of the direct mode against step per loss",
+    "worked_accuracy": "Accuracy of the worked mode against step per loss",
     "pass_at_k": "Test pass@k at the end per loss",
     "entropy_law": "Performance against entropy with the fitted law (Figs. 1, 2)",
     "early_prediction": "Early prediction: the law fitted on the first steps predicts the rest "
