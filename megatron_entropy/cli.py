@@ -294,6 +294,10 @@ DESCRIPTION = "megatron-entropy COMMAND: one entry point for every user-facing t
 
 def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] != "train":  # train sets its ranks' own (their count is in the config)
+        # Every other command computes in this one process (eval generates, convert reshards):
+        # the same defaults as a one-process run, before a command's module loads torch.
+        apply_thread_defaults(1)
     parser = argparse.ArgumentParser(prog="megatron-entropy", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True)
     commands = _commands()

@@ -83,6 +83,22 @@ def test_one_process_run_loads_openmp_with_the_defaults(tmp_path, user):
         assert (seen["OMP_NUM_THREADS"], seen["GOMP_SPINCOUNT"]) == (str(CPUS), "0")
 
 
+def test_eval_loads_openmp_with_the_one_process_defaults(tmp_path):
+    """Every command but train computes in its own process (eval generates, convert reshards)
+    and loads OpenMP with the defaults of a one-process run: a study's eval of each run spun
+    its threads without them. The checkpoint is missing, so eval stops (exit 2) after loading
+    torch."""
+    config = _config(tmp_path, str(tmp_path / "no_model"))
+    out = subprocess.run([sys.executable, "-m", "megatron_entropy.cli", "eval", str(config),
+                          "--checkpoint", str(tmp_path / "no_checkpoint")],
+                         env=_env(OMP_DISPLAY_ENV="VERBOSE"), cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert "no_checkpoint" in out.stderr
+    seen = _openmp_settings(out.stdout + out.stderr)
+    assert (seen["OMP_NUM_THREADS"], seen["GOMP_SPINCOUNT"]) == (str(CPUS), "0")
+
+
 def _ranks_environment(cmd: list[str], env: dict, cwd: Path, count: int) -> list[dict]:
     """The environment of the ``count`` ranks ``cmd`` starts, read from the running ranks; then
     the command and its ranks are stopped."""
