@@ -191,7 +191,11 @@ def write_run_state(run: StudyRun, state: dict) -> None:
 
 def _differences(old: dict, new: dict) -> str:
     a, b = _flat(old), _flat(new)
-    keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+    # A key added to the config after the run was recorded, at its default, is the behaviour
+    # the run had: a newer version of the package reads an older study folder.
+    defaults = _flat(json.loads(json.dumps(settings_of(Config()), default=str)))
+    keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k)
+                  and not (k not in a and k in defaults and b[k] == defaults[k]))
     shown = ", ".join(f"{k} ({a.get(k)!r} -> {b.get(k)!r})" for k in keys[:5])
     return shown + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
 
@@ -203,7 +207,9 @@ def check_same_run(run: StudyRun, state: dict) -> None:
         return
     diff = _differences(state.get("settings", {}), json.loads(json.dumps(
         settings_of(run.config), default=str)))
-    raise StudyError(f"{run.run_dir} holds a run made with other settings: {diff or 'unknown'}; "
+    if not diff:
+        return
+    raise StudyError(f"{run.run_dir} holds a run made with other settings: {diff}; "
                      "remove that folder (or choose another --out) to run it with these")
 
 

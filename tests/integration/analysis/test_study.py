@@ -17,9 +17,10 @@ import numpy as np
 import pytest
 import yaml
 
-from megatron_entropy.analysis.study import StudyError, plan_study, settings_of
+from megatron_entropy.analysis.study import (StudyError, check_same_run, plan_study,
+                                             read_run_state, settings_of)
 from megatron_entropy.analysis.study_runner import execute
-from megatron_entropy.config import ConfigError
+from megatron_entropy.config import Config, ConfigError
 
 REPO = Path(__file__).resolve().parents[3]
 FIGURES = ["entropy", "val_accuracy", "entropy_law", "early_prediction", "covariance",
@@ -124,6 +125,24 @@ def test_a_run_folder_with_other_settings_is_refused(tmp_path):
     with pytest.raises(StudyError, match=r"grpo-seed1 holds a run made with other settings: "
                                          r"trainer.lr \(0.0005 -> 0.0001\)"):
         execute(new, echo=lambda line: None)
+
+
+def test_a_run_recorded_before_a_key_existed_is_the_same_run_at_its_default(tmp_path):
+    """A newer package adds a config key (at the default that keeps the old behaviour): a study
+    folder recorded before it still resumes; the key at another value is a difference."""
+    cfg = _study_config(tmp_path / "s.yaml")
+    plan = plan_study(str(cfg), [], str(tmp_path / "out"), seeds=[1])
+    run = plan.runs[0]
+    run.run_dir.mkdir(parents=True)
+    settings = settings_of(run.config)
+    del settings["trainer"]["lr"]  # as if trainer.lr were new, the run at its default
+    (run.run_dir / "study_run.json").write_text(json.dumps(
+        {"fingerprint": "older", "settings": settings, "attempts": [], "finished": True}))
+    default_lr = plan_study(str(cfg), [f"trainer.lr={Config().trainer.lr!r}"],
+                            str(tmp_path / "out"), seeds=[1])
+    check_same_run(default_lr.runs[0], read_run_state(run))
+    with pytest.raises(StudyError, match=r"trainer.lr \(None -> 0.0001\)"):
+        check_same_run(run, read_run_state(run))
 
 
 def _study(cfg: Path, out: Path, log: Path) -> subprocess.Popen:
