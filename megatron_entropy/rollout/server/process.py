@@ -5,6 +5,9 @@ The one place that starts a server and signals or kills its process group, for t
 servers an engine launches (supervisor.py decides when) and for the one a Slurm task runs in
 the foreground (launch/slurm.py, with its own signal mask and parent-death signal as
 ``preexec_fn``). No asyncio here.
+
+Also the blocking wait for a server's /health (``wait_healthy``), for the Slurm task's server;
+supervisor.py waits for the engines' servers on its event loop.
 """
 
 from __future__ import annotations
@@ -136,9 +139,7 @@ def wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float,
                  should_stop: Callable[[], bool] = lambda: False,
                  interval_s: float = 0.5) -> str:
     """Poll GET ``url``/health until the server answers 200 ("up"), its process exits
-    ("exited"), ``should_stop()`` turns true ("stopped") or ``timeout_s`` passes ("timeout").
-    The blocking wait, for a server run in the foreground; supervisor.py waits on its event
-    loop."""
+    ("exited"), ``should_stop()`` turns true ("stopped") or ``timeout_s`` passes ("timeout")."""
     deadline = time.monotonic() + timeout_s
     while True:
         if proc.poll() is not None:
