@@ -28,7 +28,7 @@ from megatron_entropy.trainer import preemption
 from megatron_entropy.trainer.preemption import PREEMPTED_EXIT_CODE as PREEMPTED
 
 # Torch-free above. What needs torch loads inside the function that uses it: `--help` and the
-# config checks run without torch (tests/slurm/test_slurm_layout.py), and `train` loads torch
+# config checks run without torch (tests/unit/launch/test_slurm.py), and `train` loads torch
 # and Megatron only after installing the preemption handler. Of the other commands' modules only
 # the one named on the command line loads (the Slurm helpers start without numpy and the
 # analysis modules).

@@ -50,11 +50,13 @@ class EntropyControlSettings(Settings):
     """The controller's settings; the knob starts at its value in the loss settings."""
 
     target: float = setting(0.5, gt=0, help="nats, or a fraction of the first step's entropy")
-    target_type: Literal["nats", "fraction_of_first"] = "nats"
+    target_type: Literal["nats", "fraction_of_first"] = setting(
+        "nats", help="nats: target is the entropy itself; fraction_of_first: target x the first "
+                     "step's entropy")
     knob: Literal["kl_cov_ratio", "clip_cov_ratio", "kl_cov_coef", "entropy_coef"] = setting(
         "kl_cov_ratio", help="the algorithm setting it drives (the loss must have it)")
-    knob_min: float = setting(1e-4, gt=0)
-    knob_max: float = setting(5e-2, gt=0)
+    knob_min: float = setting(1e-4, gt=0, help="the knob's lower bound")
+    knob_max: float = setting(5e-2, gt=0, help="the knob's upper bound (ratios: at most 1)")
     kp: float = setting(1.0, ge=0, help="proportional gain on the log-entropy error")
     ki: float = setting(0.3, ge=0, help="integral gain")
     max_step_factor: float = setting(1.5, gt=1, help="the knob changes at most x/÷ this per "

@@ -32,18 +32,19 @@ KL_TYPES = typing.get_args(KlType)
 class PolicyLossSettings(Settings):
     """The loss's knobs (``algorithms/policy_loss.py``)."""
 
-    loss: LossName = "kl_cov"
-    clip_ratio_low: float = setting(0.2, ge=0)
-    clip_ratio_high: float = setting(0.28, ge=0)
+    loss: LossName = setting("kl_cov", help="the policy loss (algorithms/policy_loss.py)")
+    clip_ratio_low: float = setting(0.2, ge=0, help="the ratio's clip floor is 1 - it")
+    clip_ratio_high: float = setting(0.28, ge=0, help="the ratio's clip ceiling is 1 + it")
     dual_clip_c: Optional[float] = setting(None, gt=1, help="ppo_clip dual-clip constant (>1), "
                                                             "null=off")
     clip_cov_ratio: float = setting(2e-4, gt=0, le=1, help="fraction of tokens detached by "
                                                            "Clip-Cov")
-    clip_cov_lb: float = 1.0
-    clip_cov_ub: float = 5.0
+    clip_cov_lb: float = setting(1.0, help="Clip-Cov: candidates have Cov above it")
+    clip_cov_ub: float = setting(5.0, help="Clip-Cov: candidates have Cov below it")
     kl_cov_ratio: float = setting(2e-3, gt=0, le=1, help="fraction of tokens KL-penalised by "
                                                          "KL-Cov")
-    kl_cov_coef: float = setting(1.0, ge=0)
+    kl_cov_coef: float = setting(1.0, ge=0, help="KL-Cov: weight of |logp - old_logp| on the "
+                                                 "selected tokens")
     cov_modifier: CovModifier = setting(
         "none", help="Clip-Cov's detach or KL-Cov's penalty on top of a token-level loss "
                      "(clip_cov_*/kl_cov_* settings); not for gspo, gmpo, clip_cov, kl_cov")
@@ -55,10 +56,15 @@ class PolicyLossSettings(Settings):
                                                    "above 1 + clip_ratio_high")
     dppo_ratio_cap: float = setting(20.0, ge=1, help="dppo_tv/dppo_kl: cap of the detached IS "
                                                      "ratio")
-    loss_agg_mode: AggMode = "token-mean"
-    entropy_coef: float = setting(0.0, ge=0)
+    loss_agg_mode: AggMode = setting("token-mean", help="token-mean: over the step's tokens; "
+                                                        "seq-mean-token-*: each sequence's token "
+                                                        "mean (or sum), then the mean over "
+                                                        "sequences")
+    entropy_coef: float = setting(0.0, ge=0, help="weight of the entropy bonus (subtracted from "
+                                                  "the loss); 0 = none")
     kl_coef: float = setting(0.0, ge=0, help="> 0 loads a frozen reference model")
-    kl_type: KlType = "k3"
+    kl_type: KlType = setting("k3", help="estimator of the KL to the reference: k1, |k1| or k3 "
+                                         "(low variance)")
 
     def validate(self) -> None:
         super().validate()
@@ -88,16 +94,22 @@ class TokenRuleSettings(Settings):
     high_entropy_minority: bool = setting(False, help="policy gradient on the top-rho tokens by "
                                                       "entropy only (80/20 rule; ppo_clip)")
     high_entropy_rho: float = setting(0.2, gt=0, le=1, help="the fraction of tokens kept")
-    high_entropy_scope: Literal["micro_batch", "global"] = "micro_batch"
+    high_entropy_scope: Literal["micro_batch", "global"] = setting(
+        "micro_batch", help="the tokens ranked together: each micro-batch's, or the whole "
+                            "optimizer step's")
     entropy_clip: bool = setting(False, help="wider clip range, weaker KL above the entropy "
                                              "quantile (Archer; ppo_clip)")
-    entropy_clip_quantile: float = setting(0.8, gt=0, lt=1)
-    entropy_clip_scope: Literal["response", "micro_batch", "global"] = "response"
+    entropy_clip_quantile: float = setting(0.8, gt=0, lt=1, help="tokens above this entropy "
+                                                                 "quantile are high-entropy")
+    entropy_clip_scope: Literal["response", "micro_batch", "global"] = setting(
+        "response", help="where the quantile is taken: each response, each micro-batch or the "
+                         "whole optimizer step")
     high_clip_ratio_low: float = setting(0.5, ge=0, lt=1, help="the ratio's floor is 1 - it")
-    high_clip_ratio_high: float = setting(0.5, ge=0)
-    high_entropy_kl_coef: float = setting(0.0, ge=0)
+    high_clip_ratio_high: float = setting(0.5, ge=0, help="the ratio's ceiling is 1 + it")
+    high_entropy_kl_coef: float = setting(0.0, ge=0, help="KL coefficient of the high-entropy "
+                                                          "tokens (kl_coef: the others)")
     entropy_advantage: bool = setting(False, help="A <- A + min(alpha H, |A| / kappa)")
-    entropy_advantage_alpha: float = setting(0.4, gt=0)
+    entropy_advantage_alpha: float = setting(0.4, gt=0, help="alpha: weight of the entropy term")
     entropy_advantage_kappa: float = setting(2.0, ge=1, help="below 1 the entropy term could "
                                                              "turn a negative advantage positive")
 

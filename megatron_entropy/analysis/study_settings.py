@@ -53,9 +53,10 @@ def _default_study_losses() -> list[StudyLoss]:
 class StudyConfig(Settings):
     """The run matrix of ``megatron-entropy study`` (ignored by ``train``)."""
 
-    losses: list[StudyLoss] = _f(default_factory=_default_study_losses)
+    losses: list[StudyLoss] = _f(default_factory=_default_study_losses,
+                                 help="the arms compared, each with its overrides")
     baseline: str = _f("grpo", help="the arm the targets compare the others with")
-    seeds: list[int] = _f(default_factory=lambda: [1, 2, 3])
+    seeds: list[int] = _f(default_factory=lambda: [1, 2, 3], help="each arm runs once per seed")
     seed_keys: list[str] = _f(default_factory=lambda: ["trainer.seed", "rollout.seed",
                                                        "data.seed"],
                               help="config keys each run sets to its seed")
@@ -67,7 +68,7 @@ class StudyConfig(Settings):
     early_fraction: float = _f(1 / 3, gt=0, lt=1, help="early prediction: the law fitted on "
                                                        "this first fraction of the steps")
     bootstrap: int = _f(1000, ge=0, help="resamples of the ceiling's interval; 0 = none")
-    bootstrap_seed: int = 0
+    bootstrap_seed: int = _f(0, help="seed of the bootstrap resamples")
     time_budget_minutes: float = _f(90.0, gt=0, help="target wall time of the whole study")
     quick: list[str] = _f(default_factory=list, help="overrides applied with --quick (toy "
                                                      "length: steps, batch, validation set)")

@@ -29,12 +29,16 @@ from megatron_entropy.settings import setting as _f  # a field with bounds and h
 @dataclass
 class ModelConfig(Settings):
     hf_path: str = _f("", help="HF folder: config.json, tokenizer files and (optionally) weights")
-    megatron_ckpt: Optional[str] = _f(None, help="dist checkpoint from tools/convert_hf_to_mcore.py; "
-                                                 "if null, weights are read from hf_path")
-    dtype: DtypeName = _f("bf16", aliases=DTYPE_ALIASES)
+    megatron_ckpt: Optional[str] = _f(
+        None, help="dist checkpoint from tools/convert_hf_to_mcore.py; if null, weights are "
+                   "read from hf_path")
+    dtype: DtypeName = _f("bf16", aliases=DTYPE_ALIASES,
+                          help="the trained model's weights and compute (bf16/fp16 keep fp32 "
+                               "main weights)")
     transformer_impl: Literal["auto", "local", "transformer_engine"] = _f(
         "auto", help="auto: Transformer Engine when installed with CUDA, else the local spec")
-    recompute_activations: bool = False
+    recompute_activations: bool = _f(False, help="recompute every layer's activations in the "
+                                                 "backward: less memory, one more forward")
     seq_length: int = _f(4096, ge=16, help="the longest sequence the model is built for; must "
                                            "hold rollout.max_prompt_tokens + max_new_tokens")
     moe_aux_loss_coeff: Optional[float] = _f(
@@ -47,8 +51,10 @@ class ModelConfig(Settings):
 
 @dataclass
 class ParallelConfig(Settings):
-    tensor: int = _f(1, ge=1)
-    pipeline: int = _f(1, ge=1)
+    tensor: int = _f(1, ge=1, help="tensor-parallel size (TP): each layer split over this many "
+                                   "ranks")
+    pipeline: int = _f(1, ge=1, help="pipeline-parallel size (PP): the layers split into this "
+                                     "many stages")
     expert: int = _f(1, ge=1, help="expert parallelism (mixture of experts): the experts are "
                                    "split over this many data-parallel ranks; must divide the "
                                    "data-parallel size")
@@ -56,7 +62,8 @@ class ParallelConfig(Settings):
     backend: Literal["auto", "nccl", "gloo"] = _f(
         "auto", help="auto: nccl where CUDA is, else gloo (under Slurm a task without a visible "
                      "GPU is an error: CPU runs say gloo)")
-    timeout_minutes: float = _f(30.0, gt=0)
+    timeout_minutes: float = _f(30.0, gt=0, help="minutes a collective may wait for the other "
+                                                 "ranks before the run fails")
     socket_ifname: Optional[str] = _f(
         None, help="network interface(s) of NCCL's and gloo's sockets, set as NCCL_SOCKET_IFNAME "
                    "and GLOO_SOCKET_IFNAME (e.g. ib0, or ^lo,docker0 to exclude); null: the "
@@ -73,20 +80,27 @@ class ServerConfig(Settings):
     """Inference servers for rollout.engine = vllm | sglang."""
 
     urls: list[str] = _f(default_factory=list, help="servers that already run (http://host:port)")
-    urls_file: Optional[str] = _f(None, help="file with one URL per line (written by slurm/ scripts)")
+    urls_file: Optional[str] = _f(None, help="file with one URL per line (written by slurm/ "
+                                             "scripts)")
     launch: int = _f(0, ge=0, help="number of servers to start ourselves on this node")
     server_python: str = _f("python", help="interpreter of the serving stack's own environment")
-    host: str = "127.0.0.1"
-    base_port: int = _f(30000, ge=1024, le=65535)
+    host: str = _f("127.0.0.1", help="address the launched servers listen on")
+    base_port: int = _f(30000, ge=1024, le=65535, help="first port tried for launched server k: "
+                                                       "base_port + k, or the next free one")
     extra_args: list[str] = _f(default_factory=list, help="extra command-line args for each server")
-    startup_timeout_s: float = _f(600.0, gt=0)
-    request_timeout_s: float = _f(600.0, gt=0)
+    startup_timeout_s: float = _f(600.0, gt=0, help="seconds a server gets to answer /health "
+                                                    "after its start, and to warm up after it")
+    request_timeout_s: float = _f(600.0, gt=0, help="seconds one generation request or control "
+                                                    "call may take")
     max_concurrency: int = _f(64, ge=1, help="requests in flight per server")
     max_connections: int = _f(1024, ge=1, help=(
         "open connections to all servers together (one process, one socket each); requests "
         "beyond it wait for one"))
-    max_retries: int = _f(3, ge=0)
-    weight_sync: Literal["disk", "distributed"] = "disk"
+    max_retries: int = _f(3, ge=0, help="tries again of a failed request; restarts of a dead "
+                                        "launched server over the run")
+    weight_sync: Literal["disk", "distributed"] = _f(
+        "disk", help="how new weights reach the servers: files in weight_sync_dir, or a broadcast "
+                     "over a process group with them (weight_sync_backend)")
     weight_sync_dir: Optional[str] = _f(None, help="shared folder for disk sync (default: run dir)")
     launch_command: list[str] = _f(default_factory=list, help=(
         "replaces the engine's server command; {python} {model} {host} {port} {weight_version} "
@@ -140,20 +154,26 @@ class RolloutConfig(Settings):
         "weight_check_tokens": "weight_check.tokens",
         "weight_check_tolerance": "weight_check.tolerance"}
 
-    engine: Literal["inprocess", "vllm", "sglang"] = "inprocess"
+    engine: Literal["inprocess", "vllm", "sglang"] = _f(
+        "inprocess", help="who generates: the trainer's own ranks (inprocess) or vLLM/SGLang "
+                          "servers (rollout.server)")
     n_samples: int = _f(8, ge=1, help="responses per prompt (group size)")
-    temperature: float = _f(1.0, gt=0)
-    top_p: float = _f(1.0, gt=0, le=1)
+    temperature: float = _f(1.0, gt=0, help="sampling temperature of the training rollouts; the "
+                                            "actor's log-probs use it too")
+    top_p: float = _f(1.0, gt=0, le=1, help="nucleus sampling of the training rollouts; 1 disables")
     top_k: int = _f(-1, ge=-1, help="-1 disables")
-    max_new_tokens: int = _f(1024, ge=1)
-    max_prompt_tokens: int = _f(1024, ge=1)
-    stop: list[str] = _f(default_factory=list)
-    stop_token_ids: list[int] = _f(default_factory=list)
+    max_new_tokens: int = _f(1024, ge=1, help="longest response, in tokens")
+    max_prompt_tokens: int = _f(1024, ge=1, help="longest prompt, in tokens (longer ones: "
+                                                 "data.overlong_prompts)")
+    stop: list[str] = _f(default_factory=list, help="strings that end a response")
+    stop_token_ids: list[int] = _f(default_factory=list, help="token ids that end a response, "
+                                                              "beside the tokenizer's end of "
+                                                              "sequence")
     routing_replay: Literal["none", "recompute"] = _f(
         "none", help="mixture of experts: recompute = every update forward routes each token to "
                      "the experts the actor's recompute chose (R2); none = the update routes "
                      "afresh (the mismatch is logged as moe/routing_mismatch)")
-    seed: int = 0
+    seed: int = _f(0, help="base of every rollout's and validation's sampling seed")
     dtype: DtypeName = _f("fp32", aliases=DTYPE_ALIASES, help="in-process engine's dtype")
     batch_size: int = _f(64, ge=1, help="in-process engine: sequences decoded together")
     val_n_samples: int = _f(4, ge=1, help="k of pass@1 averaged over k samples")
@@ -179,7 +199,7 @@ class EntropyControlConfig(EntropyControlSettings):
     """A PI controller on log entropy that sets one knob of the loss each step
     (algorithms/entropy_control.py); the knob starts at its value in the algorithm section."""
 
-    enabled: bool = False
+    enabled: bool = _f(False, help="run the controller; off, the knob keeps its configured value")
 
     def validate(self) -> None:
         if self.enabled:  # off: its settings are not used, so their rules are not checked
@@ -191,15 +211,18 @@ class AlgorithmConfig(PolicyLossSettings):
     """The policy loss's settings (algorithms/settings.py: loss, clip ranges, Clip-Cov/KL-Cov,
     regularisers, aggregation), the advantage and the actor's log-prob and Cov-scope keys."""
 
-    advantage: AdvantageName = "grpo"
+    advantage: AdvantageName = _f("grpo", help="the advantage estimator (algorithms/advantages.py)")
     norm_adv_by_std: bool = _f(True, help="GRPO: divide by the group std (+1e-6)")
     cov_scope: Literal["micro_batch", "global"] = _f(
         "micro_batch", help="micro_batch = paper code/verl; global = the whole optimizer step")
     global_selection_logprobs: Literal["recompute", "fresh"] = _f(
         "recompute", help="global scope: select with the old-logprob recompute (free) or with a "
                           "forward-only pass of the current policy per mini-batch (exact, +1 fwd)")
-    logprob_impl: Literal["chunked", "fused"] = "fused"
-    logprob_chunk_tokens: int = _f(1024, ge=1)
+    logprob_impl: Literal["chunked", "fused"] = _f(
+        "fused", help="fused: log-prob and entropy computed with the output layer, chunk by "
+                      "chunk, no full logits; chunked: from the model's logits")
+    logprob_chunk_tokens: int = _f(1024, ge=1, help="tokens per chunk of the log-prob and entropy "
+                                                    "computation (peak memory)")
     entropy_control: EntropyControlConfig = _f(default_factory=EntropyControlConfig)
     token_rules: TokenRuleSettings = _f(default_factory=TokenRuleSettings)
     rollout_correction: RolloutCorrectionSettings = _f(default_factory=RolloutCorrectionSettings)
@@ -229,12 +252,12 @@ class AlgorithmConfig(PolicyLossSettings):
 class ArithmeticConfig(Settings):
     """The synthetic multi-step integer arithmetic task for CPU runs."""
 
-    num_train: int = _f(20000, ge=1)
-    num_val: int = _f(64, ge=1)
-    min_ops: int = _f(1, ge=1)
-    max_ops: int = _f(2, ge=1)
-    max_operand: int = _f(20, ge=1)
-    seed: int = 0
+    num_train: int = _f(20000, ge=1, help="training problems")
+    num_val: int = _f(64, ge=1, help="validation problems")
+    min_ops: int = _f(1, ge=1, help="fewest operations in a problem")
+    max_ops: int = _f(2, ge=1, help="most operations in a problem")
+    max_operand: int = _f(20, ge=1, help="numbers are drawn from 1 to it")
+    seed: int = _f(0, help="seed of the generated problems")
 
     def validate(self) -> None:
         super().validate()
@@ -253,14 +276,14 @@ class SumsConfig(Settings):
     """The study task: sums of several numbers, whose worked solutions may add the terms in any
     order and two to four numbers a line (megatron_entropy/data/sums.py)."""
 
-    num_train: int = _f(20000, ge=1)
-    num_val: int = _f(128, ge=1)
-    min_terms: int = _f(3, ge=2)
-    max_terms: int = _f(5, ge=2)
-    max_operand: int = _f(20, ge=1)
+    num_train: int = _f(20000, ge=1, help="training problems")
+    num_val: int = _f(128, ge=1, help="validation problems")
+    min_terms: int = _f(3, ge=2, help="fewest numbers in a sum")
+    max_terms: int = _f(5, ge=2, help="most numbers in a sum")
+    max_operand: int = _f(20, ge=1, help="numbers are drawn from 1 to it")
     subtract_prob: float = _f(0.0, ge=0, le=1, help="chance that a term after the first is "
                                                    "subtracted")
-    seed: int = 0
+    seed: int = _f(0, help="seed of the generated problems")
 
     def validate(self) -> None:
         super().validate()
@@ -273,18 +296,18 @@ class HintedConfig(Settings):
     (right with probability guess_right) or by working the sum out
     (megatron_entropy/data/hinted.py)."""
 
-    num_train: int = _f(20000, ge=1)
-    num_val: int = _f(256, ge=1)
+    num_train: int = _f(20000, ge=1, help="training problems")
+    num_val: int = _f(256, ge=1, help="validation problems")
     num_test: int = _f(512, ge=0, help="problems of the test split (megatron-entropy eval); "
                                        "disjoint from train and validation")
-    min_terms: int = _f(3, ge=2)
-    max_terms: int = _f(4, ge=2)
-    max_operand: int = _f(20, ge=1)
+    min_terms: int = _f(3, ge=2, help="fewest numbers in a sum")
+    max_terms: int = _f(4, ge=2, help="most numbers in a sum")
+    max_operand: int = _f(20, ge=1, help="numbers are drawn from 1 to it")
     guess_right: float = _f(0.6, ge=0, le=1, help="chance that the guess is the total")
     guess_error: Literal["ten", "random"] = _f(
         "random", help="how far a wrong guess is off: by 10 up or down (its last digit matches), "
                     "or by a random 1 to 10 up or down (setting it right takes the exact total)")
-    seed: int = 0
+    seed: int = _f(0, help="seed of the generated problems")
 
     def validate(self) -> None:
         super().validate()
@@ -297,20 +320,26 @@ class DataConfig(Settings):
     task: Literal["arithmetic", "sums", "hinted"] = _f(
         "arithmetic", help="the synthetic task without train_files: data.arithmetic, data.sums "
                            "or data.hinted")
-    val_files: list[str] = _f(default_factory=list)
-    prompt_key: str = "prompt"
-    answer_key: str = "answer"
-    source_key: str = "data_source"
-    apply_chat_template: bool = True
-    prompt_suffix: str = _f("default", help="'default' = the paper's \\boxed{} instruction; '' = none")
+    val_files: list[str] = _f(default_factory=list, help="jsonl/parquet validation files; empty "
+                                                         "with train_files = no validation")
+    prompt_key: str = _f("prompt", help="field of a row holding the prompt (dotted: nested)")
+    answer_key: str = _f("answer", help="field holding the reference answer the reward checks")
+    source_key: str = _f("data_source", help="field naming the row's data source (per-source "
+                                             "metrics; rewards may read it)")
+    apply_chat_template: bool = _f(True, help="render prompts with the tokenizer's chat template")
+    prompt_suffix: str = _f("default", help="'default' = the paper's \\boxed{} instruction; '' = "
+                                            "none")
     overlong_prompts: Literal["drop", "truncate_left", "error"] = _f(
         "drop", help="prompts over rollout.max_prompt_tokens: drop them, keep their last tokens, "
                      "or stop with an error naming the row")
-    shuffle: bool = True
-    seed: int = 0
-    prompts_per_step: int = _f(256, ge=1)
+    shuffle: bool = _f(True, help="a new order of the training prompts each epoch")
+    seed: int = _f(0, help="seed of the training prompts' order")
+    prompts_per_step: int = _f(256, ge=1, help="prompts per RL step (each gets rollout.n_samples "
+                                               "responses)")
     dynamic_sampling: bool = _f(True, help="drop groups whose rewards are all equal and refill")
-    max_refill_rounds: int = _f(3, ge=0)
+    max_refill_rounds: int = _f(3, ge=0, help="dynamic sampling: rounds of more prompts to "
+                                              "replace dropped groups; then the step trains on "
+                                              "what it has")
     arithmetic: ArithmeticConfig = _f(default_factory=ArithmeticConfig)
     sums: SumsConfig = _f(default_factory=SumsConfig)
     hinted: HintedConfig = _f(default_factory=HintedConfig)
@@ -336,18 +365,20 @@ class RewardConfig(Settings):
 
 @dataclass
 class TrainerConfig(Settings):
-    steps: int = _f(100, ge=1)
-    lr: float = _f(1e-6, gt=0)
-    min_lr: float = _f(0.0, ge=0)
-    lr_schedule: Literal["constant", "cosine"] = "constant"
-    warmup_steps: int = _f(0, ge=0)
-    weight_decay: float = _f(0.1, ge=0)
+    steps: int = _f(100, ge=1, help="RL steps of the run (rollout + update each)")
+    lr: float = _f(1e-6, gt=0, help="peak learning rate (Adam)")
+    min_lr: float = _f(0.0, ge=0, help="cosine schedule: the rate it decays to")
+    lr_schedule: Literal["constant", "cosine"] = _f(
+        "constant", help="after warm-up: constant at lr, or cosine from lr to min_lr over the "
+                         "run's optimizer steps")
+    warmup_steps: int = _f(0, ge=0, help="optimizer steps of linear warm-up from 0 to lr")
+    weight_decay: float = _f(0.1, ge=0, help="AdamW's decoupled weight decay")
     grad_clip: float = _f(1.0, ge=0, help="0 disables")
-    adam_beta1: float = _f(0.9, ge=0, lt=1)
-    adam_beta2: float = _f(0.999, ge=0, lt=1)
-    adam_eps: float = _f(1e-8, gt=0)
+    adam_beta1: float = _f(0.9, ge=0, lt=1, help="Adam's first-moment decay")
+    adam_beta2: float = _f(0.999, ge=0, lt=1, help="Adam's second-moment decay")
+    adam_eps: float = _f(1e-8, gt=0, help="Adam's denominator epsilon")
     mini_batches_per_step: int = _f(1, ge=1, help="optimizer steps per rollout batch (per epoch)")
-    ppo_epochs: int = _f(1, ge=1)
+    ppo_epochs: int = _f(1, ge=1, help="passes over each step's rollouts")
     micro_batch_tokens: int = _f(16384, ge=1, help="token budget of one micro-batch (dynamic bsz)")
     distributed_optimizer: Union[bool, Literal["auto"]] = _f(
         "auto", help="Megatron's distributed optimizer: fp32 main weights and Adam moments "
@@ -356,14 +387,15 @@ class TrainerConfig(Settings):
         "auto", help="overlap the DP grad reduce with the backward (bucket by bucket) and, with "
                      "the distributed optimizer, the param all-gather with the next forward; "
                      "'auto' = on GPUs (NCCL). Same update either way")
-    seed: int = 42
+    seed: int = _f(42, help="seed of torch's and Megatron's RNGs and of the update's draws "
+                                  "(Clip-Cov)")
     save_interval: int = _f(0, ge=0, help="steps between checkpoints; 0 = only at the end")
-    keep_last: int = _f(2, ge=1)
+    keep_last: int = _f(2, ge=1, help="checkpoints kept; older ones are deleted")
     resume: str = _f("auto", aliases={"None": "none", "NONE": "none", "Auto": "auto"},
                      help="'auto' (latest in the run dir), 'none', or a checkpoint: its folder, "
                           "a checkpoints/ folder (its latest) or a run folder")
     val_interval: int = _f(0, ge=0, help="steps between validations; 0 = never")
-    val_before_train: bool = False
+    val_before_train: bool = _f(False, help="validate once before the first step")
     exit_duration_minutes: float = _f(0.0, ge=0, help=(
         "checkpoint and exit 75 (to be requeued) before this many minutes since the start would "
         "be passed; 0 = no limit of its own. Under Slurm the job's end time is always one"))
@@ -395,12 +427,12 @@ class TrainerConfig(Settings):
 
 @dataclass
 class LoggingConfig(Settings):
-    name: str = "run"
-    runs_dir: str = "runs"
-    progress_bar: bool = True
-    tensorboard: bool = False
-    wandb: bool = False
-    wandb_project: str = "megatron-entropy"
+    name: str = _f("run", help="the run's folder under runs_dir (and its wandb name)")
+    runs_dir: str = _f("runs", help="folder of the run folders")
+    progress_bar: bool = _f(True, help="rank 0 prints a progress bar with the step's metrics")
+    tensorboard: bool = _f(False, help="also write TensorBoard events to the run's tensorboard/")
+    wandb: bool = _f(False, help="also log to Weights & Biases")
+    wandb_project: str = _f("megatron-entropy", help="the wandb project")
 
 
 @dataclass

@@ -20,11 +20,11 @@ class EvalConfig(Settings):
                                                      "name their fields); replace the split")
     n_samples: int = _f(16, ge=1, help="samples per problem: pass@k for k = 1, 2, 4, ... n")
     temperature: float = _f(0.6, gt=0, help="of the n samples")
-    top_p: float = _f(0.95, gt=0, le=1)
+    top_p: float = _f(0.95, gt=0, le=1, help="nucleus sampling of the n samples")
     greedy: bool = _f(True, help="also one greedy answer per problem (pass@1 greedy)")
     max_new_tokens: int = _f(0, ge=0, help="0 = rollout.max_new_tokens")
     num_problems: int = _f(0, ge=0, help="the first N problems of the split; 0 = all")
-    seed: int = 0
+    seed: int = _f(0, help="sampling seed of the n samples")
 
     def validate(self) -> None:
         super().validate()

@@ -346,7 +346,8 @@ def serve(cfg: Config, urls_dir: os.PathLike, task: int, local_id: int,
     trainer's to act on). Any other end of the server is a failure (non-zero).
     """
     # Here, not at the top: the server modules import torch (see server_command).
-    from megatron_entropy.rollout.server.process import signal_group, start_process
+    from megatron_entropy.rollout.server.process import (kill_process_group, start_process,
+                                                         wait_healthy)
 
     s = cfg.rollout.server
     port = s.base_port + local_id
@@ -367,39 +368,28 @@ def serve(cfg: Config, urls_dir: os.PathLike, task: int, local_id: int,
 
     for sig in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, ignored)
+    stop_requested: list[int] = []
+    # The handler only takes note: the stop itself (a blocking wait) runs in the loop below.
+    for sig in (STOP_SIGNAL, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: stop_requested.append(signum))
     proc = start_process(cmd, {}, None, "slurm task", f"server task {task}", env=env,
                          preexec_fn=functools.partial(_server_process_setup, os.getpid()))
-    stop_requested: list[float] = []
-
-    def stop(signum: Optional[int], frame: object) -> None:
-        if not stop_requested:
-            stop_requested.append(time.monotonic())
-            signal_group(proc, signal.SIGINT)
-
-    signal.signal(STOP_SIGNAL, stop)
-    signal.signal(signal.SIGINT, stop)
     url = f"http://{url_host}:{port}"
-    deadline = time.monotonic() + s.startup_timeout_s
-    published = timed_out = False
     try:
-        while proc.poll() is None:
-            if stop_requested:
-                if time.monotonic() - stop_requested[0] > SERVER_STOP_GRACE_S:
-                    signal_group(proc, signal.SIGKILL)
-            elif not published and healthy(url):
-                write_url(urls_dir, task, url)
-                print(f"[serve {task}] ready at {url}", flush=True)
-                published = True
-            elif not published and time.monotonic() > deadline:
-                print(f"[serve {task}] no answer on {url}/health within "
-                      f"{s.startup_timeout_s:.0f} s", flush=True)
-                timed_out = True
-                stop(None, None)
-            time.sleep(0.5)
+        state = wait_healthy(proc, url, s.startup_timeout_s, lambda: bool(stop_requested))
+        if state == "up":
+            write_url(urls_dir, task, url)
+            print(f"[serve {task}] ready at {url}", flush=True)
+            while proc.poll() is None and not stop_requested:
+                time.sleep(0.5)
+        elif state == "timeout":
+            print(f"[serve {task}] no answer on {url}/health within "
+                  f"{s.startup_timeout_s:.0f} s", flush=True)
     finally:
-        signal_group(proc, signal.SIGKILL)  # whatever of the server's group is left
+        # SIGINT is the serving stacks' clean stop; what is left of the group gets SIGKILL.
+        kill_process_group(proc, SERVER_STOP_GRACE_S, first=signal.SIGINT)
         proc.wait()
-    if stop_requested and not timed_out:
+    if stop_requested and state != "timeout":
         return 0
     print(f"[serve {task}] the server exited with {proc.returncode}", flush=True)
     return proc.returncode if proc.returncode and proc.returncode > 0 else 1

@@ -5,6 +5,9 @@ The one place that starts a server and signals or kills its process group, for t
 servers an engine launches (supervisor.py decides when) and for the one a Slurm task runs in
 the foreground (launch/slurm.py, with its own signal mask and parent-death signal as
 ``preexec_fn``). No asyncio here.
+
+Also the blocking wait for a server's /health (``wait_healthy``), for the Slurm task's server;
+supervisor.py waits for the engines' servers on its event loop.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from typing import Callable, Optional
 
 from megatron_entropy.config import ServerConfig
 from megatron_entropy.rollout.server.errors import ServerError
-from megatron_entropy.runtime.launch_env import server_environment
+from megatron_entropy.runtime.launch_env import healthy, server_environment
 
 # A server's command for a port and a model folder (the latest weights); env added on launch.
 LaunchCommand = Callable[[int, str], list[str]]
@@ -130,3 +133,21 @@ def kill_process_group(proc: Optional[subprocess.Popen], grace_s: float = 10.0,
             continue
         break
     proc.poll()
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float,
+                 should_stop: Callable[[], bool] = lambda: False,
+                 interval_s: float = 0.5) -> str:
+    """Poll GET ``url``/health until the server answers 200 ("up"), its process exits
+    ("exited"), ``should_stop()`` turns true ("stopped") or ``timeout_s`` passes ("timeout")."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            return "exited"
+        if should_stop():
+            return "stopped"
+        if healthy(url):
+            return "up"
+        if time.monotonic() > deadline:
+            return "timeout"
+        time.sleep(interval_s)

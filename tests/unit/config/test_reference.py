@@ -1,6 +1,7 @@
 """docs/configuration.md is generated from the settings classes
-(megatron_entropy.config.reference.py): it must equal the generator's output, name every key of the config tree, and show each key's
-default, bounds and help as the field defines them."""
+(megatron_entropy/config/reference.py): it must equal the generator's output, name every key
+of the config tree, and show each key's default, bounds and help as the field defines them; a
+key without a help line fails."""
 
 from __future__ import annotations
 
@@ -40,6 +41,9 @@ def test_every_key_is_documented_with_its_default_bounds_and_help():
     assert len(keys) > 150
     missing = [k for k in keys if f"| `{k}` |" not in text]
     assert not missing, missing
+    rows = [line for line in text.splitlines() if line.startswith("| `")]
+    no_help = [row.split(" | ")[0][2:] for row in rows if row.endswith("|  |")]
+    assert not no_help, f"keys without a help line (add help= to the setting): {no_help}"
     row = next(line for line in text.splitlines() if line.startswith("| `model.seq_length` |"))
     f = next(f for f in dataclasses.fields(type(Config().model)) if f.name == "seq_length")
     assert f"`{f.default}`" in row and f">= {f.metadata['ge']}" in row

@@ -1,4 +1,5 @@
-"""Node splitting, the layout the sbatch scripts eval, URL files, waiting for servers (no Slurm)."""
+"""launch/slurm.py without a Slurm cluster: node splitting, the layout the sbatch scripts eval (and
+the scripts themselves), URL files, waiting for servers, the server command."""
 
 import http.server
 import json
@@ -24,7 +25,7 @@ from megatron_entropy.rollout.server.errors import ServerError
 from megatron_entropy.rollout.server.vllm import CPU_SITE
 from megatron_entropy.runtime.launch_env import UrlFileError, read_urls_file
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 SERVED = ["rollout.engine=sglang", "rollout.server.urls_file=urls.txt"]
 
 

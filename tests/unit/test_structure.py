@@ -1,0 +1,145 @@
+"""The package's shape, held by the code itself: no module over MAX_LINES lines, imports point
+down the layer order of docs/architecture.md, and product text speaks of the product (no tracker
+numbers or words of the work that made it)."""
+
+from __future__ import annotations
+
+import ast
+import re
+import sys
+from pathlib import Path
+from typing import Iterator
+
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "megatron_entropy"
+MAX_LINES = 500
+
+# Bottom to top (docs/architecture.md#layout): a package imports only those before it.
+LAYERS = ("settings", "runtime", "ops", "algorithms", "models", "weight_sync", "config", "data",
+          "rewards", "rollout", "trainer", "evaluation", "analysis", "launch", "cli", "testing")
+# The config tree composes two higher packages' settings classes; both are torch-free leaf
+# modules that import only settings.py.
+COMPOSED = {("config", "megatron_entropy.analysis.study_settings"),
+            ("config", "megatron_entropy.evaluation.settings")}
+
+PRODUCT_TEXT = ("megatron_entropy", "docs", "examples", "bench", "README.md")
+TEXT_SUFFIXES = {".py", ".md", ".yaml", ".yml", ".sh", ".sbatch", ".txt", ".toml"}
+TRACKER_WORDS = re.compile(
+    r"\bissue\s*#?\d+"                       # a tracker number
+    r"|\b(?:this|that|the|last|previous|next)\s+session(?:'s)?\b(?!\s+(?:of|leader|id)\b)"
+    r"|\bsubmission\b",                      # a round of work, not a process session
+    re.IGNORECASE)
+
+
+def _modules() -> list[Path]:
+    return sorted(p for p in PACKAGE.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def _layer(path: Path) -> str:
+    """The top-level part of the package a file belongs to (``cli`` for cli.py)."""
+    rel = path.relative_to(PACKAGE)
+    return rel.parts[0] if len(rel.parts) > 1 else rel.stem
+
+
+def _imported(tree: ast.AST, path: Path) -> Iterator[str]:
+    """Every ``megatron_entropy`` module a file imports, at the top or inside a function."""
+    package = ".".join(("megatron_entropy",) + path.relative_to(PACKAGE).parent.parts)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield from (a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if node.level:  # relative: resolved against the file's package
+                base = package.split(".")[:len(package.split(".")) - node.level + 1]
+                module = ".".join(base + ([module] if module else []))
+            if module == "megatron_entropy":  # `from megatron_entropy import trainer`
+                yield from (f"{module}.{a.name}" for a in node.names)
+            else:
+                yield module
+
+
+def upward_imports(files: list[Path]) -> list[str]:
+    """``file: imports module`` for each import of a package at or above the file's own layer
+    (its own package excepted)."""
+    found = []
+    for path in files:
+        layer = _layer(path)
+        for module in _imported(ast.parse(path.read_text()), path):
+            parts = module.split(".")
+            if parts[0] != "megatron_entropy" or len(parts) < 2 or parts[1] == layer:
+                continue
+            if (layer, module) in COMPOSED:
+                continue
+            if LAYERS.index(parts[1]) > LAYERS.index(layer):
+                found.append(f"{path.relative_to(ROOT)}: imports {module}")
+    return found
+
+
+def long_modules(files: list[Path]) -> list[str]:
+    lengths = {p: len(p.read_text().splitlines()) for p in files}
+    return [f"{p.relative_to(ROOT)}: {n} lines" for p, n in lengths.items() if n > MAX_LINES]
+
+
+def tracker_words(files: list[Path]) -> list[str]:
+    found = []
+    for path in files:
+        for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            for m in TRACKER_WORDS.finditer(line):
+                found.append(f"{path.relative_to(ROOT)}:{number}: {m.group(0)!r}")
+    return found
+
+
+def _product_text() -> list[Path]:
+    files = []
+    for name in PRODUCT_TEXT:
+        top = ROOT / name
+        paths = [top] if top.is_file() else top.rglob("*")
+        files += [p for p in paths if p.is_file() and p.suffix in TEXT_SUFFIXES
+                  and "__pycache__" not in p.parts]
+    return sorted(files)
+
+
+def test_every_package_has_a_layer():
+    unknown = sorted({_layer(p) for p in _modules()} - set(LAYERS) - {"__init__"})
+    assert not unknown, f"add {unknown} to LAYERS (and to docs/architecture.md#layout)"
+
+
+def test_no_module_is_over_500_lines():
+    found = long_modules(_modules())
+    assert not found, "split these by job:\n" + "\n".join(found)
+
+
+def test_imports_point_down():
+    found = upward_imports(_modules())
+    assert not found, "imports of a higher layer (LAYERS):\n" + "\n".join(found)
+
+
+def test_product_text_has_no_tracker_words():
+    found = tracker_words(_product_text())
+    assert not found, "say what the product does instead:\n" + "\n".join(found)
+
+
+def test_the_checks_find_planted_violations(tmp_path, monkeypatch):
+    package = tmp_path / "megatron_entropy"
+    for sub in ("ops", "runtime", "trainer"):
+        (package / sub).mkdir(parents=True)
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", package)
+    up = package / "ops" / "up.py"
+    up.write_text("def f():\n    from megatron_entropy.trainer import loop\n")
+    relative = package / "runtime" / "rel.py"
+    relative.write_text("from ..config import schema\nfrom megatron_entropy import trainer\n")
+    down = package / "trainer" / "down.py"
+    down.write_text("from megatron_entropy.ops import covariance\nfrom . import loop\n")
+    assert upward_imports([up, relative, down]) == [
+        "megatron_entropy/ops/up.py: imports megatron_entropy.trainer",
+        "megatron_entropy/runtime/rel.py: imports megatron_entropy.config",
+        "megatron_entropy/runtime/rel.py: imports megatron_entropy.trainer"]
+    long = package / "runtime" / "long.py"
+    long.write_text("x = 1\n" * (MAX_LINES + 1))
+    assert long_modules([long, down]) == ["megatron_entropy/runtime/long.py: 501 lines"]
+    text = tmp_path / "notes.md"
+    text.write_text("Fixed in issue 12.\nOn this session's machine.\nIn a session of its own.\n"
+                    "aiohttp.ClientSession() as session\n")
+    assert [f.split(":")[1] for f in tracker_words([text])] == ["1", "2"]  # lines 3-4: technical
