@@ -434,7 +434,7 @@ def test_every_loss_and_estimator_is_a_study_arm(tmp_path):
     arms += [("cispo_kl_cov", ["algorithm.loss=cispo", "algorithm.cov_modifier=kl_cov"])]
     arms += [(adv, ["algorithm.loss=ppo_clip", f"algorithm.advantage={adv}"])
              for adv in ("reinforce_plus_plus", "reinforce_plus_plus_baseline", "opo",
-                         "grpo_passk")]
+                         "grpo_passk", "remax")]
     listed = ", ".join(f"{{name: {n}, overrides: [{', '.join(o)}]}}" for n, o in arms)
     config = Path(__file__).resolve().parents[3] / "examples" / "study.yaml"
     plan = plan_study(str(config), [f"study.losses=[{listed}]", "study.seeds=[1]",
