@@ -6,7 +6,9 @@
 - ``reinforce_plus_plus`` (Hu, "REINFORCE++", arXiv 2501.03262): r whitened over the batch's
   response tokens (every token of a response carries its return r, discount 1):
   (r - mu) / sqrt(var + 1e-8), mu and the unbiased var over tokens, so each response weighs
-  by its length, as verl's ``masked_whiten``.
+  by its length, as verl's ``masked_whiten``. The paper's per-token KL penalty in the reward
+  is not here: r is the outcome reward alone, and a KL to the reference model goes into the
+  loss (``kl_coef``, ``kl_type``).
 - ``reinforce_plus_plus_baseline`` (same paper): r - mean_g, then whitened as above.
 - ``opo`` (Hao et al., "On-Policy RL with Optimal Reward Baseline", arXiv 2505.23585):
   r - sum_g(len r) / sum_g(len), the length-weighted group mean.

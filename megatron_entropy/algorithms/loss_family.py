@@ -167,15 +167,16 @@ def _dppo(s: PolicyLossSettings, b: LossBatch, metrics: dict, kind: str) -> Tens
 
 
 def dppo_tv(s: PolicyLossSettings, b: LossBatch, metrics: dict) -> Tensor:
-    """DPPO-Binary-TV (arXiv 2602.04879, as verl's ``dppo_tv``): -A sg(min(ratio, cap)) logp
-    on the tokens with pi - pi_old <= eps_high (A > 0) or >= -eps_low (A <= 0), 0 elsewhere."""
+    """DPPO-Binary-TV (Qi et al., "Rethinking the Trust Region in LLM Reinforcement Learning",
+    arXiv 2602.04879, as verl's ``dppo_tv``): -A sg(min(ratio, cap)) logp on the tokens with
+    pi - pi_old <= eps_high (A > 0) or >= -eps_low (A <= 0), 0 elsewhere."""
     return _dppo(s, b, metrics, "tv")
 
 
 def dppo_kl(s: PolicyLossSettings, b: LossBatch, metrics: dict) -> Tensor:
-    """DPPO-Binary-KL (arXiv 2602.04879, as verl's ``dppo_kl``): as dppo_tv, the region being
-    the binary KL(pi_old || pi) of the token <= eps_high (A > 0) / eps_low (A <= 0), or a move
-    of pi against the advantage's direction."""
+    """DPPO-Binary-KL (Qi et al., arXiv 2602.04879, as verl's ``dppo_kl``): as dppo_tv, the
+    region being the binary KL(pi_old || pi) of the token <= eps_high (A > 0) / eps_low
+    (A <= 0), or a move of pi against the advantage's direction."""
     return _dppo(s, b, metrics, "kl")
 
 

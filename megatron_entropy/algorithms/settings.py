@@ -7,6 +7,7 @@ library only: the config validates them without loading torch.
 
 from __future__ import annotations
 
+import dataclasses
 import typing
 from dataclasses import dataclass
 from typing import Literal, Optional
@@ -22,7 +23,8 @@ AdvantageName = Literal["grpo", "drgrpo", "rloo", "reinforce_plus_plus",
 # selection (a per-token rule) is not defined on them.
 SEQUENCE_LOSSES = ("gspo", "gmpo")
 COV_LOSSES = ("clip_cov", "kl_cov")
-AggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
+AggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                  "seq-mean-token-sum-norm"]
 KlType = Literal["k1", "abs", "k3"]
 AGG_MODES = typing.get_args(AggMode)
 KL_TYPES = typing.get_args(KlType)
@@ -56,10 +58,14 @@ class PolicyLossSettings(Settings):
                                                    "above 1 + clip_ratio_high")
     dppo_ratio_cap: float = setting(20.0, ge=1, help="dppo_tv/dppo_kl: cap of the detached IS "
                                                      "ratio")
-    loss_agg_mode: AggMode = setting("token-mean", help="token-mean: over the step's tokens; "
-                                                        "seq-mean-token-*: each sequence's token "
-                                                        "mean (or sum), then the mean over "
-                                                        "sequences")
+    loss_agg_mode: AggMode = setting(
+        "token-mean", help="token-mean: over the step's tokens; seq-mean-token-*: each "
+                           "sequence's token mean (or sum), then the mean over sequences; "
+                           "seq-mean-token-sum-norm: the token sum / (sequences x "
+                           "loss_scale_factor), Dr. GRPO's constant normaliser")
+    loss_scale_factor: Optional[int] = setting(
+        None, ge=1, help="seq-mean-token-sum-norm: the constant L (verl's name); null = "
+                         "rollout.max_new_tokens; the other modes ignore it")
     entropy_coef: float = setting(0.0, ge=0, help="weight of the entropy bonus (subtracted from "
                                                   "the loss); 0 = none")
     kl_coef: float = setting(0.0, ge=0, help="> 0 loads a frozen reference model")
@@ -78,6 +84,14 @@ class PolicyLossSettings(Settings):
             raise SettingError("cov_modifier", f"{self.cov_modifier} cannot modify the "
                                f"{self.loss} loss: {why}; use a token-level loss (ppo_clip, "
                                "cispo, sapo, ce_gppo, dppo_tv, dppo_kl, gpg)")
+
+    def with_response_budget(self, max_new_tokens: int) -> "PolicyLossSettings":
+        """These settings with ``loss_scale_factor`` null replaced by ``max_new_tokens``: the
+        longest response, the constant L of seq-mean-token-sum-norm (verl's default, the padded
+        response length, is that maximum)."""
+        if self.loss_scale_factor is not None:
+            return self
+        return dataclasses.replace(self, loss_scale_factor=max_new_tokens)
 
     @property
     def cov_rule(self) -> Optional[str]:

@@ -325,7 +325,8 @@ class Actor:
                 shaping = self._shape_advantages(mbs, samples)
                 normalizer = step_normalizer([mb.mask for mb in mbs],
                                              self.algorithm.loss_agg_mode,
-                                             self.ps.get_data_parallel_group())
+                                             self.ps.get_data_parallel_group(),
+                                             self.algorithm.loss_scale_factor)
                 if normalizer == 0 and self.algorithm.rollout_correction.mode == "mis":
                     raise RuntimeError(
                         f"step {step}: algorithm.rollout_correction.mode=mis rejected every "

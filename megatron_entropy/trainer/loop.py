@@ -151,7 +151,9 @@ class Trainer:
                                         expert=cfg.parallel.expert)
             self._load_initial_weights(ref_model)
             ref_model.requires_grad_(False)
-        self.actor = Actor(self.arch, self.model, optimizer, scheduler, cfg.algorithm,
+        # seq-mean-token-sum-norm's constant defaults to the longest response the rollout allows.
+        self.actor = Actor(self.arch, self.model, optimizer, scheduler,
+                           cfg.algorithm.with_response_budget(cfg.rollout.max_new_tokens),
                            cfg.trainer, cfg.rollout.temperature, ref_model=ref_model,
                            routing_replay=replay)
         self.controller = build_controller(cfg.algorithm, self.arch.vocab_size)

@@ -21,13 +21,13 @@ def update_worker(loss: str, scope: str, selection_logprobs: str,
                    clip_ratio: float = 1.0, temperature: float = 1.0,
                    distributed_optimizer: bool = False, correction: dict | None = None,
                    overlap: bool = False, kl_cov_ratio: float = 0.1,
-                   loss_knobs: dict | None = None):
+                   loss_knobs: dict | None = None, algorithm_extra: dict | None = None):
     """One RL step's updates (2 epochs x 2 mini-batches) of the tiny model on ``random_samples(0)`` (plus
     a sample with an empty response, last), with the token rules ``rules`` (TokenRuleSettings
     fields) and the rollout correction ``correction`` (RolloutCorrectionSettings fields; engine
     log-probs from ``drift_engine_logprobs``) and the step's ``loss_knobs`` (as the entropy
-    controller passes them); returns the weights after, the metrics (and this
-    rank's recompute entropies), the weights before."""
+    controller passes them), ``algorithm_extra`` any other AlgorithmConfig fields; returns the
+    weights after, the metrics (and this rank's recompute entropies), the weights before."""
     from megatron_entropy.algorithms.rollout_correction import RolloutCorrectionSettings
     from megatron_entropy.algorithms.token_rules import TokenRuleSettings
     from megatron_entropy.config import (AlgorithmConfig, ModelConfig, ParallelConfig,
@@ -58,7 +58,8 @@ def update_worker(loss: str, scope: str, selection_logprobs: str,
         loss_agg_mode=loss_agg_mode, logprob_impl="fused", cov_scope=scope,
         global_selection_logprobs=selection_logprobs,
         token_rules=TokenRuleSettings(**(rules or {})),
-        rollout_correction=RolloutCorrectionSettings(**(correction or {})))
+        rollout_correction=RolloutCorrectionSettings(**(correction or {})),
+        **(algorithm_extra or {}))
     actor = Actor(arch, chunks, optimizer, scheduler, algorithm, trainer, temperature)
     samples = random_samples(0)
     if empty_response:

@@ -9,6 +9,11 @@ from megatron_entropy.algorithms.policy_loss import PolicyLossSettings
 from megatron_entropy.algorithms.rollout_correction import RolloutCorrectionSettings
 
 
+# The constant L of seq-mean-token-sum-norm in the tests that run every aggregation mode (the
+# other modes ignore it): not 1, so that a normaliser without it changes the loss.
+LOSS_SCALE = 7
+
+
 def ref_select(s: PolicyLossSettings, lp, old, adv, seed: int):
     """Selected flags over a 1-D list of valid tokens (population = the whole list)."""
     lp, old, adv = lp.detach(), old.detach(), adv.detach()
@@ -62,7 +67,8 @@ def ref_kl(lp, ref, kind):
 
 
 def ref_aggregate(values, rows, mode, normalizer):
-    """values: 1-D over valid tokens; rows: the sequence id of each."""
+    """values: 1-D over valid tokens; rows: the sequence id of each. seq-mean-token-sum-norm
+    sums like seq-mean-token-sum: its constant L is part of ``normalizer``."""
     if mode == "token-mean":
         return values.sum() / normalizer
     total = 0.0

@@ -1,15 +1,17 @@
 """The sequence-level losses (GSPO, GMPO) through the actor and Megatron: their ratio spans a
 whole response, so the update must be the same whether the step runs at TP=1, TP=2, PP=2 or
-DP=2, with responses spread over many micro-batches."""
+DP=2, with responses spread over many micro-batches. And a token-level loss of the family with
+the Cov modifier at global scope: the same update at DP=1 and DP=2."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from actor_updates import rounding_paths, update_worker
 from harness import init_megatron, run_distributed
 from tiny_models import hf_weights, random_samples, tiny_actor, tiny_hf_config
-from tolerance import grad_terms, transformer_terms, update_tol
+from tolerance import grad_terms, rounding_tol, transformer_terms, update_tol
 
 from megatron_entropy.models.arch import arch_from_hf_config
 
@@ -74,4 +76,36 @@ def test_sequence_loss_update_is_the_same_at_tp2_pp2_and_dp2(loss):
     # The loss changes the update (against PPO-clip at the same clip range; the first update is
     # the same for both, ratio 1) far beyond the tolerance, so the comparisons above can fail.
     assert max(float((w1[n] - wp[n]).abs().max()) / update_tol(w1[n], w0[n], UPDATES, path)
+               for n in w1) > 10
+
+
+def test_cov_modifier_on_a_family_loss_at_global_scope_is_the_same_at_dp2():
+    """SAPO with KL-Cov's penalty, cov_scope global, selecting with a fresh forward of the
+    current weights, aggregated with the constant normaliser (L = 12): at DP=2 the selection
+    (over both ranks' tokens), the normaliser (sequences of both ranks x L) and the summed
+    gradients are those of the whole step at DP=1, so the update is the same up to rounding;
+    both ranks hold the same weights."""
+    extra = dict(loss_agg_mode="seq-mean-token-sum-norm",
+                 algorithm_extra={"cov_modifier": "kl_cov", "loss_scale_factor": 12})
+    ((w1, m1, w0),) = run_distributed(update_worker, 1, "sapo", "global", "fresh", **extra)
+    (w2, m2, _), (w2b, _, _) = run_distributed(update_worker, 2, "sapo", "global", "fresh",
+                                               **extra)
+    samples = random_samples(0)
+    logp_path, path = rounding_paths(samples)
+    assert m1["selected_frac"] > 0
+    assert m1["selected_frac"] == m2["selected_frac"]  # the same tokens: a ratio of counts
+    # Cov = (A - mean A)(logp - mean logp): each logp and their mean move by rounding.
+    cov_tol = 4 * max(abs(s.advantage) for s in samples) * rounding_tol(m1["max_abs_logp"],
+                                                                         logp_path)
+    assert m1["cov_selected_mean"] == pytest.approx(m2["cov_selected_mean"], abs=cov_tol)
+    for name in w1:
+        torch.testing.assert_close(w2[name], w1[name], rtol=0, msg=name,
+                                   atol=update_tol(w1[name], w0[name], UPDATES, path))
+        torch.testing.assert_close(w2b[name], w2[name], rtol=0, atol=0, msg=name)
+    # The penalty changes the update (against SAPO alone) far beyond the tolerance, so the
+    # comparison above can fail.
+    ((wn, _, _),) = run_distributed(update_worker, 1, "sapo", "global", "fresh",
+                                    loss_agg_mode="seq-mean-token-sum-norm",
+                                    algorithm_extra={"loss_scale_factor": 12})
+    assert max(float((w1[n] - wn[n]).abs().max()) / update_tol(w1[n], w0[n], UPDATES, path)
                for n in w1) > 10

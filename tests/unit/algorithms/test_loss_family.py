@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from harness import run_distributed
-from loss_references import policy_logp
+from loss_references import LOSS_SCALE, policy_logp
 
 from megatron_entropy.algorithms.aggregation import AGG_MODES, step_normalizer
 from megatron_entropy.algorithms.loss_family import FAMILY_LOSSES
@@ -129,7 +129,7 @@ def reference(s: PolicyLossSettings, d: dict, normalizer: float, seed: int = 7):
     mode = s.loss_agg_mode
     if mode == "token-mean":
         total = per.sum()
-    else:
+    else:  # seq-mean-token-sum-norm's constant L is part of the normalizer
         total = sum((per[rows == r].mean() if mode == "seq-mean-token-mean"
                      else per[rows == r].sum()) for r in rows.unique())
     loss = total / normalizer
@@ -197,10 +197,44 @@ def test_each_loss_equals_its_formula_at_each_aggregation(loss, mode):
     assert want_grad.abs().max() > 0
 
 
+@pytest.mark.parametrize("loss", ["ppo_clip", *FAMILY])
+def test_fixed_normaliser_divides_the_token_sum_by_sequences_times_the_constant(loss):
+    """seq-mean-token-sum-norm (Dr. GRPO's constant normaliser, as verl's agg_loss): the step's
+    token losses summed over every response, divided by N L, N the step's non-empty sequences
+    (7: row 1 is empty) and L the constant; over two micro-batches, values and gradients."""
+    length = 20
+    s = PolicyLossSettings(loss=loss, loss_agg_mode="seq-mean-token-sum-norm",
+                           loss_scale_factor=length)
+    d = make_batch("random", seed=9, rows=8)
+    parts = [[0, 1, 2], [3, 4, 5, 6, 7]]
+    normalizer = step_normalizer([d["mask"][p] for p in parts], s.loss_agg_mode, None,
+                                 s.loss_scale_factor)
+    assert normalizer == 7 * length
+    runs = [run_loss(s, {k: d[k][p] for k in d}, normalizer) for p in parts]
+    want, want_grad, _ = reference(s, d, 7 * length)
+    _close(sum(r[0] for r in runs), want)
+    _close(torch.cat([r[1] for r in runs])[d["mask"].bool()], want_grad)
+    assert want_grad.abs().max() > 0
+    with pytest.raises(ValueError, match="seq-mean-token-sum-norm .* got None"):
+        step_normalizer([d["mask"]], s.loss_agg_mode)
+
+
+def test_the_fixed_normalisers_constant_defaults_to_the_response_budget():
+    s = PolicyLossSettings(loss_agg_mode="seq-mean-token-sum-norm")
+    assert s.with_response_budget(512).loss_scale_factor == 512
+    fixed = PolicyLossSettings(loss_agg_mode="seq-mean-token-sum-norm", loss_scale_factor=64)
+    assert fixed.with_response_budget(512).loss_scale_factor == 64
+    cfg = load_config(overrides=["algorithm.loss_agg_mode=seq-mean-token-sum-norm",
+                                 "algorithm.loss_scale_factor=300"])
+    assert (cfg.algorithm.loss_agg_mode, cfg.algorithm.loss_scale_factor) == (
+        "seq-mean-token-sum-norm", 300)
+
+
+@pytest.mark.parametrize("mode", AGG_MODES)
 @pytest.mark.parametrize("kind", ["far", "single", "ties"])
 @pytest.mark.parametrize("loss", FAMILY)
-def test_edge_cases_equal_the_formula(loss, kind):
-    s = PolicyLossSettings(loss=loss, loss_agg_mode="seq-mean-token-mean", dual_clip_c=3.0)
+def test_edge_cases_equal_the_formula(loss, kind, mode):
+    s = PolicyLossSettings(loss=loss, loss_agg_mode=mode, dual_clip_c=3.0)
     d = make_batch(kind, seed=3)
     got, grad, metrics = run_loss(s, d, 5.0)
     want, want_grad, _ = reference(s, d, 5.0)
@@ -217,17 +251,18 @@ def test_far_ratios_really_clip():
         assert reduce_metrics([metrics])["pg_clipfrac"] > 0, loss
 
 
+@pytest.mark.parametrize("mode", AGG_MODES)
 @pytest.mark.parametrize("loss", FAMILY)
-def test_global_scope_gives_the_same_loss_and_the_steps_cov(loss):
+def test_global_scope_gives_the_same_loss_and_the_steps_cov(loss, mode):
     """Without a Cov rule the global selection chooses nothing: the loss is the micro-batch
     scope's, and Cov's metrics are those of the whole step (here two micro-batches)."""
-    s = PolicyLossSettings(loss=loss, loss_agg_mode="seq-mean-token-sum")
+    s = PolicyLossSettings(loss=loss, loss_agg_mode=mode, loss_scale_factor=LOSS_SCALE)
     d = make_batch("random", seed=8, rows=8)
     parts = [[0, 1, 2], [3, 4, 5, 6, 7]]
     split = {k: [d[k][p] for p in parts] for k in ("logp", "old", "adv", "mask")}
     sels = select_tokens_global(s, split["logp"], split["old"], split["adv"], split["mask"],
                                 dp_group=None, seed=0)
-    normalizer = step_normalizer(split["mask"], s.loss_agg_mode)
+    normalizer = step_normalizer(split["mask"], s.loss_agg_mode, None, s.loss_scale_factor)
     metrics = []
     for p, sel in zip(parts, sels):
         part = {k: d[k][p] for k in d}
@@ -278,8 +313,8 @@ def _split_grad(loss: str, mode: str, splits, dp_group=None):
     with torch.no_grad():
         old = policy_logp(theta, x, targets) + 0.2 * torch.randn(8, 9, generator=g,
                                                                   dtype=torch.float64)
-    s = PolicyLossSettings(loss=loss, loss_agg_mode=mode)
-    normalizer = step_normalizer([mask[r] for r in splits], mode, dp_group)
+    s = PolicyLossSettings(loss=loss, loss_agg_mode=mode, loss_scale_factor=LOSS_SCALE)
+    normalizer = step_normalizer([mask[r] for r in splits], mode, dp_group, LOSS_SCALE)
     for r in splits:
         out, _ = policy_loss(s, policy_logp(theta, x[r], targets[r]), old[r], adv[r], mask[r],
                              normalizer=normalizer)
@@ -337,8 +372,9 @@ def test_ppo_clip_with_the_clip_cov_modifier_is_clip_cov():
 
 
 @pytest.mark.parametrize("modifier", ["clip_cov", "kl_cov"])
-def test_cov_modifier_global_scope_does_not_depend_on_the_split(modifier):
-    s = PolicyLossSettings(loss="cispo", cov_modifier=modifier, clip_cov_ratio=0.2,
+@pytest.mark.parametrize("loss", TOKEN_LEVEL)
+def test_cov_modifier_global_scope_does_not_depend_on_the_split(loss, modifier):
+    s = PolicyLossSettings(loss=loss, cov_modifier=modifier, clip_cov_ratio=0.2,
                            clip_cov_lb=0.0, kl_cov_ratio=0.1)
     d = make_batch("random", seed=6, rows=8)
     parts = [[0, 1, 2], [3, 4, 5, 6, 7]]
@@ -398,7 +434,7 @@ def test_every_loss_and_estimator_is_a_study_arm(tmp_path):
     arms += [("cispo_kl_cov", ["algorithm.loss=cispo", "algorithm.cov_modifier=kl_cov"])]
     arms += [(adv, ["algorithm.loss=ppo_clip", f"algorithm.advantage={adv}"])
              for adv in ("reinforce_plus_plus", "reinforce_plus_plus_baseline", "opo",
-                         "grpo_passk")]
+                         "grpo_passk", "remax")]
     listed = ", ".join(f"{{name: {n}, overrides: [{', '.join(o)}]}}" for n, o in arms)
     config = Path(__file__).resolve().parents[3] / "examples" / "study.yaml"
     plan = plan_study(str(config), [f"study.losses=[{listed}]", "study.seeds=[1]",

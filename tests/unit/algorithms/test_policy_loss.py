@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from harness import run_distributed
-from loss_references import (agg_data, make_batch, policy_logp, ref_aggregate, ref_kl, ref_select,
-                             ref_token_losses, valid_list)
+from loss_references import (LOSS_SCALE, agg_data, make_batch, policy_logp, ref_aggregate, ref_kl,
+                             ref_select, ref_token_losses, valid_list)
 
 from megatron_entropy.algorithms.aggregation import AGG_MODES, step_normalizer
 from megatron_entropy.algorithms.policy_loss import (PolicyLossSettings, policy_loss,
@@ -248,10 +248,11 @@ def test_tp2_ranks_select_the_same_tokens():
 
 def _split_grad(setting: str, mode: str, splits: list[list[int]], dp_group=None,
                 naive: bool = False):
-    s = PolicyLossSettings(**{**SETTINGS[setting].__dict__, "loss_agg_mode": mode})
+    s = PolicyLossSettings(**{**SETTINGS[setting].__dict__, "loss_agg_mode": mode,
+                              "loss_scale_factor": LOSS_SCALE})
     x, targets, theta0, old, adv, mask = agg_data()
     theta = theta0.clone().requires_grad_()
-    normalizer = step_normalizer([mask[r] for r in splits], mode, dp_group)
+    normalizer = step_normalizer([mask[r] for r in splits], mode, dp_group, LOSS_SCALE)
     sels = None
     if s.loss != "ppo_clip":  # the step's population, so that the split cannot matter
         with torch.no_grad():
@@ -260,7 +261,7 @@ def _split_grad(setting: str, mode: str, splits: list[list[int]], dp_group=None,
                                     [adv[r] for r in splits], [mask[r] for r in splits],
                                     dp_group=dp_group, seed=1)
     for i, r in enumerate(splits):
-        norm = float(step_normalizer([mask[r]], mode)) if naive else normalizer
+        norm = float(step_normalizer([mask[r]], mode, None, LOSS_SCALE)) if naive else normalizer
         loss, _ = policy_loss(s, policy_logp(theta, x[r], targets[r]), old[r], adv[r], mask[r],
                               normalizer=norm, selection=None if sels is None else sels[i])
         loss.backward()

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from harness import run_distributed
-from loss_references import (agg_data, make_batch, policy_logp, ref_aggregate, ref_kl,
-                             ref_select, ref_token_losses, valid_list)
+from loss_references import (LOSS_SCALE, agg_data, make_batch, policy_logp, ref_aggregate,
+                             ref_kl, ref_select, ref_token_losses, valid_list)
 
 from megatron_entropy.algorithms.aggregation import AGG_MODES, step_normalizer
 from megatron_entropy.settings import SettingError
@@ -52,7 +52,8 @@ def ref_order_statistic(h: torch.Tensor, q: float) -> torch.Tensor:
 
 
 def ref_pg_over(per, rows, chosen, mode, pg_normalizer, num_rows):
-    """The policy-gradient term over the chosen tokens only (the 80/20 rule)."""
+    """The policy-gradient term over the chosen tokens only (the 80/20 rule); ``num_rows`` is
+    the seq-mean-* denominator (times L for seq-mean-token-sum-norm)."""
     if mode == "token-mean":
         return per[chosen].sum() / pg_normalizer
     total = 0.0
@@ -100,13 +101,14 @@ MINORITY = TokenRuleSettings(high_entropy_minority=True, high_entropy_rho=0.2)
 @pytest.mark.parametrize("mode", AGG_MODES)
 @pytest.mark.parametrize("discrete", [False, True])
 def test_high_entropy_minority_micro_batch_equals_reference(mode, discrete):
-    s = PolicyLossSettings(**{**PPO.__dict__, "loss_agg_mode": mode})
+    s = PolicyLossSettings(**{**PPO.__dict__, "loss_agg_mode": mode,
+                              "loss_scale_factor": LOSS_SCALE})
     d = make_batch(6, 20, seed=1)
     mask = d["mask"]
     h = _entropy(6, 20, seed=2, discrete=discrete)
     h[mask == 0] = float("nan")  # garbage where masked must not matter
     selected = select_high_entropy(MINORITY, h, mask)
-    normalizer = step_normalizer([mask], mode)
+    normalizer = step_normalizer([mask], mode, None, s.loss_scale_factor)
     pg_norm = high_entropy_normalizer(MINORITY, [mask], mode, None)
     logp = d["logp"].clone().requires_grad_()
     loss, metrics = policy_loss(s, logp, d["old"], d["adv"], mask, normalizer=normalizer,
@@ -119,7 +121,8 @@ def test_high_entropy_minority_micro_batch_equals_reference(mode, discrete):
     rows = mask.nonzero()[:, 0]
     chosen = ref_top_fraction(valid_list(h, mask), 0.2)
     per = ref_token_losses(s, lp, old, adv, None)
-    expected = ref_pg_over(per, rows, chosen, mode, float(chosen.sum()), len(rows.unique())) \
+    sequences = len(rows.unique()) * (LOSS_SCALE if mode == "seq-mean-token-sum-norm" else 1)
+    expected = ref_pg_over(per, rows, chosen, mode, float(chosen.sum()), sequences) \
         - s.entropy_coef * ref_aggregate(en, rows, mode, normalizer) \
         + s.kl_coef * ref_aggregate(ref_kl(lp, ref, s.kl_type), rows, mode, normalizer)
     expected.backward()
