@@ -44,7 +44,9 @@ source states it
 Test knobs (not SGLang's): ``--token-delay-s`` slows decoding; ``--request-log`` appends every
 request body to a JSONL file; ``--busy-health-delay-s`` makes ``/health`` answer that late while a
 request runs and ``--warmup-s`` holds the first request that long before decoding (a busy server,
-and one warming up, that still make progress). Endpoints under ``/fake/`` set faults at run time:
+and one warming up, that still make progress); ``--exit-after PATH`` makes the server exit
+(code 1, as if killed) once it has answered its first request to PATH (a server that dies right
+after a client first spoke to it). Endpoints under ``/fake/`` set faults at run time:
 ``/fake/corrupt_syncs`` {noise}: later weight updates answer success but add Gaussian noise of
 that std to every weight (a silently wrong sync); ``/fake/die_on_next_sync``: the next
 ``/update_weights_from_disk`` kills the process mid-call (as SGLang's scheduler dying on it);
@@ -746,8 +748,21 @@ class FakeSGLang:
         return web.json_response({"running": self.running, "waiting": self.waiting,
                                   "decoded": self.decoded})
 
+    @web.middleware
+    async def exit_after(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """--exit-after: the answer to the first request to that path is sent, then the process
+        ends at once (nothing listens any more, as after SIGKILL)."""
+        response = await handler(request)
+        if request.path == self.args.exit_after:
+            await response.prepare(request)
+            await response.write_eof()
+            print(f"exiting after answering {request.path} (--exit-after)", flush=True)
+            os._exit(1)
+        return response
+
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=1024**3)
+        app = web.Application(client_max_size=1024**3,
+                              middlewares=[self.exit_after] if self.args.exit_after else [])
         app.router.add_route("POST", "/generate", self.generate)
         app.router.add_route("PUT", "/generate", self.generate)
         app.router.add_post("/update_weights_from_disk", self.update_weights_from_disk)
@@ -782,6 +797,7 @@ def main() -> None:
     ap.add_argument("--warmup-s", type=float, default=0.0)
     ap.add_argument("--request-log", default=None)
     ap.add_argument("--sync-noise", type=float, default=0.0)
+    ap.add_argument("--exit-after", default=None, help="exit once this path was answered")
     args = ap.parse_args()
     torch.set_num_threads(1)
     server = FakeSGLang(args)

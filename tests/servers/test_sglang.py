@@ -563,10 +563,16 @@ def test_a_server_that_dies_under_the_weight_probe_is_left_out(models, tmp_path,
             p.wait()
 
 
-def test_server_that_never_comes_up_names_its_log(models, tmp_path):
+def test_server_that_never_comes_up_names_its_log(models, tmp_path, caplog):
+    """One line naming the server, its exit code and its log; the log's last lines go to the
+    trainer's log, not into the error."""
     cmd = [sys.executable, "-c", "import sys; print('model folder is broken'); sys.exit(3)"]
-    with pytest.raises(ServerError, match=r"(?s)exited with code 3.*model folder is broken"):
+    with pytest.raises(ServerError) as failed:
         SGLangEngine(make_cfg(launch_command=cmd), str(models["a"]), str(tmp_path))
+    message = str(failed.value)
+    assert "\n" not in message and "exited with code 3 while starting" in message
+    assert f"log {tmp_path / 'servers' / 'sglang-0.log'}" in message
+    assert "model folder is broken" in caplog.text
 
 
 def test_a_pool_that_fails_to_start_stops_the_servers_that_came_up(models, tmp_path):

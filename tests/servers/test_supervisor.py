@@ -1,6 +1,7 @@
-"""`megatron-entropy train` against a connected rollout server that is not there, or that never
-answers: start-up ends with one line, in bounded time, and SIGTERM stops it wherever it waits
-(rollout/server/supervisor.py, trainer/preemption.py)."""
+"""`megatron-entropy train` against a connected rollout server that is not there, that never
+answers, or that dies before or under the first contact's weight check: start-up ends with one
+line, in bounded time, and SIGTERM stops it wherever it waits (rollout/server/supervisor.py,
+trainer/preemption.py)."""
 
 from __future__ import annotations
 
@@ -11,19 +12,23 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import yaml
 
+from fake_sglang import start_fake
 from harness import free_port, kill_marked
 from serving_model import make_served_model
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _start_trainer(tmp_path: Path, url: str, **server) -> tuple[subprocess.Popen, Path]:
-    """Rank 0 of a one-rank torchrun-style launch of a run whose engine connects to ``url``."""
-    model = make_served_model(tmp_path / "model")
+def _start_trainer(tmp_path: Path, url: str, model: Optional[Path] = None,
+                   **server) -> tuple[subprocess.Popen, Path]:
+    """Rank 0 of a one-rank torchrun-style launch of a run whose engine connects to ``url``
+    (serving ``model``, made here if None)."""
+    model = model or make_served_model(tmp_path / "model")
     cfg = {
         "model": {"hf_path": str(model), "dtype": "fp32", "seq_length": 256},
         "parallel": {"tensor": 1, "backend": "gloo"},
@@ -93,3 +98,71 @@ def test_sigterm_stops_a_start_up_that_waits_for_a_server_that_never_answers(tmp
     assert rc == 75, out[-3000:]
     assert _last_line(log) == "megatron-entropy train: stopped by SIGTERM during start-up"
     assert "Traceback" not in out
+
+
+def _wait_for_exit(proc: subprocess.Popen, died_at: float, log: Path) -> tuple[int, float]:
+    """The trainer's exit code, and the seconds it ran after its server died."""
+    try:
+        rc = proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the trainer ran on 120 s after its server died:\n{log.read_text()[-3000:]}")
+    return rc, time.monotonic() - died_at
+
+
+@pytest.mark.slow
+def test_a_connected_server_that_dies_before_the_first_probe_ends_the_run_with_one_line(tmp_path):
+    """The server answers /health and the engine's first call (/get_server_info), then exits
+    before the weight check's first probe: the probe finds nothing listening there and the run
+    ends at once with one line that says so (it used to put each server's state on a line of
+    its own, under "no sglang server is up:")."""
+    model = make_served_model(tmp_path / "model")
+    fake, url = start_fake(model, 32800, exit_after="/get_server_info")
+    try:
+        proc, log = _start_trainer(tmp_path, url, model=model)
+        fake.wait(timeout=180)
+        rc, after = _wait_for_exit(proc, time.monotonic(), log)
+    finally:
+        fake.kill()
+        fake.wait()
+        kill_marked(str(tmp_path))
+    out = log.read_text()
+    print(f"the run ended {after:.1f} s after its server died")
+    assert rc == 2, out[-3000:]
+    assert _last_line(log) == (
+        f"megatron-entropy train: error: no sglang server is up: server 0 ({url}): dead, "
+        f"weights None (failed its health probe (connection refused at {url}: nothing listens "
+        "there))"), out[-3000:]
+    assert after < 60 and "Traceback" not in out
+
+
+@pytest.mark.slow
+def test_a_connected_server_killed_under_the_first_probe_ends_the_run_with_one_line(tmp_path):
+    """The server is killed (SIGKILL) while it decodes the weight check's first probe (0.5 s a
+    token): its requests fail, it is found dead, and with no server left the run ends with one
+    line naming it and what its last probe saw (it used to be several lines)."""
+    model = make_served_model(tmp_path / "model")
+    requests = tmp_path / "requests.jsonl"
+    fake, url = start_fake(model, 32810, delay=0.5, log=str(requests))
+    try:
+        proc, log = _start_trainer(tmp_path, url, model=model)
+        deadline = time.monotonic() + 180
+        while not (requests.is_file() and '"/generate"' in requests.read_text()):
+            assert proc.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.1)
+        fake.kill()
+        fake.wait()
+        rc, after = _wait_for_exit(proc, time.monotonic(), log)
+    finally:
+        fake.kill()
+        fake.wait()
+        kill_marked(str(tmp_path))
+    out = log.read_text()
+    print(f"the run ended {after:.1f} s after its server died")
+    assert rc == 2, out[-3000:]
+    last = _last_line(log)
+    assert last.startswith(f"megatron-entropy train: error: no sglang server left to send "
+                           f"requests to: server 0 ({url}): dead, weights None ("), out[-3000:]
+    assert "nothing listens there" in last, last
+    assert "died under the weight check's probe" in out
+    assert after < 60 and "Traceback" not in out

@@ -18,8 +18,7 @@ from typing import Any, Iterator, Optional
 import aiohttp
 
 from megatron_entropy.rollout.server.dispatch import Dispatcher, post
-from megatron_entropy.rollout.server.errors import RequestRejected, ServerError
-from megatron_entropy.rollout.server.process import log_tail
+from megatron_entropy.rollout.server.errors import RequestRejected, ServerError, one_line
 from megatron_entropy.rollout.server.supervisor import PROGRESS_S, Server, Supervisor
 
 log = logging.getLogger(__name__)
@@ -69,7 +68,7 @@ class ControlPlane:
                     text = await r.text()
                     if r.status != 200:
                         raise ServerError(f"{server.describe()}: GET {path} -> HTTP {r.status}: "
-                                          f"{text[:2000]}")
+                                          f"{one_line(text)}")
                     try:
                         return await r.json(content_type=None)
                     except ValueError:
@@ -81,9 +80,9 @@ class ControlPlane:
                 probe = await self.sup.probe(session, server)
                 after = ("it still answers its health probe" if probe == "up" else
                          f"afterwards: {server.probe_error}")
+                self.sup.log_tail(server)
                 error = ServerError(f"{server.describe()}: {method} {path} failed: "
-                                    f"{type(e).__name__}: {e} ({after}); log tail:\n"
-                                    f"{log_tail(server.log_path)}")
+                                    f"{type(e).__name__}: {e} ({after})")
                 why = self.sup.why_dead(server, probe)
                 if why:
                     self.sup.mark_dead(server, f"{why}; {method} {path} failed")
@@ -109,7 +108,7 @@ class ControlPlane:
             kind = (RequestRejected if all(isinstance(r, RequestRejected) for r in failures)
                     else ServerError)
             raise kind(f"{path} failed on {len(failures)} of {len(targets)} {self.sup.kind} "
-                       "servers:\n" + "\n".join(str(r) for r in failures))
+                       "servers: " + "; ".join(str(r) for r in failures))
         return {s.index: r for s, r in zip(targets, results)}
 
     @contextlib.contextmanager

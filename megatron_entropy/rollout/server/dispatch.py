@@ -19,9 +19,8 @@ from typing import Any, Callable, Optional
 import aiohttp
 
 from megatron_entropy.rollout.base import Completion
-from megatron_entropy.rollout.server.errors import RequestRejected, ServerError
+from megatron_entropy.rollout.server.errors import RequestRejected, ServerError, one_line
 from megatron_entropy.rollout.server.partial import AbortApi, RequestAborted, join_completions
-from megatron_entropy.rollout.server.process import log_tail
 from megatron_entropy.rollout.server.supervisor import PROGRESS_S, Server, Supervisor
 
 log = logging.getLogger(__name__)
@@ -42,10 +41,10 @@ async def post(session: aiohttp.ClientSession, server: Server, path: str, payloa
         text = await r.text()
         if 400 <= r.status < 500:
             raise RequestRejected(f"{server.describe()} rejected POST {path} with HTTP "
-                                  f"{r.status}: {text[:2000]}")
+                                  f"{r.status}: {one_line(text)}")
         if r.status != 200:
             raise aiohttp.ClientResponseError(r.request_info, (), status=r.status,
-                                              message=text[:2000])
+                                              message=one_line(text))
         try:
             return await r.json(content_type=None)
         except ValueError:
@@ -119,9 +118,10 @@ class Dispatcher:
                 if self.gate_open and not any(
                         s.state == "starting" or (s.state == "up" and self.serves_current(s))
                         for s in targets):
-                    raise ServerError(f"no {self.sup.kind} server with weight version "
-                                      f"{self.expected_version} left to send requests to:\n"
-                                      + self.sup.status())
+                    held = ("" if self.expected_version is None else
+                            f" with weight version {self.expected_version}")
+                    raise ServerError(f"no {self.sup.kind} server{held} left to send requests "
+                                      f"to: {self.sup.status()}")
                 await self._cond.wait()
 
     async def _release(self, server: Server) -> None:
@@ -207,9 +207,10 @@ class Dispatcher:
                 why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
                 await self.sup.on_failure(session, server, why)
                 if attempts > self.cfg.max_retries:
+                    self.sup.log_tail(server)
                     raise ServerError(
                         f"request {index} failed {attempts} times; last on {server.describe()}: "
-                        f"{why}; log tail:\n{log_tail(server.log_path)}") from e
+                        f"{why}") from e
             finally:
                 died.cancel()
                 if not http.done():
