@@ -53,7 +53,8 @@ that std to every weight (a silently wrong sync); ``/fake/die_on_next_sync``: th
 ``/fake/abort_next`` {count}: that many next requests come back aborted after one token;
 ``/fake/flush_fails`` {count}: that many next ``/flush_cache`` calls on an idle server
 answer 400 "Flush cache failed." (a real server did once, right after a request returned);
-``/fake/perturb`` {scale, seed}: every tensor of the weights loaded last gets Gaussian noise of
+``/fake/update_delay`` {seconds}: ``/update_weights_from_disk`` answers that much later (a
+large model's reload takes minutes); ``/fake/perturb`` {scale, seed}: every tensor of the weights loaded last gets Gaussian noise of
 scale x its own std (a wrong copy of the model; scale 0 restores it)
 (``--sync-noise`` sets the noise from the start); ``GET /fake/state``: requests running and
 waiting, tokens decoded.
@@ -261,6 +262,7 @@ class FakeSGLang:
         self.requests: dict[str, RequestState] = {}  # by rid, while they wait or run
         self.unperturbed: Optional[dict[str, torch.Tensor]] = None  # before /fake/perturb
         self.flush_fails = 0  # idle /flush_cache calls still to answer 400 (/fake/flush_fails)
+        self.update_delay = 0.0  # seconds /update_weights_from_disk takes (/fake/update_delay)
 
     # --------------------------------------------------------------------------- helpers
 
@@ -577,6 +579,7 @@ class FakeSGLang:
             print("AttributeError: 'Parameter' object has no attribute 'weight_loader'",
                   flush=True)
             os._exit(1)
+        await asyncio.sleep(self.update_delay)
         folder = Path(body["model_path"])
         files = sorted(folder.glob("*.safetensors"))
         if not files:
@@ -738,6 +741,8 @@ class FakeSGLang:
             self.abort_next = int(body["count"])
         elif knob == "flush_fails":
             self.flush_fails = int(body["count"])
+        elif knob == "update_delay":
+            self.update_delay = float(body["seconds"])
         elif knob == "perturb":
             self.perturb(float(body["scale"]), int(body.get("seed", 0)))
         else:

@@ -8,6 +8,7 @@ broadcast) against the new weights, and faults with real processes killed or sto
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import signal
@@ -22,6 +23,7 @@ import pytest
 import torch
 
 from megatron_entropy.rollout.base import SamplingParams
+from megatron_entropy.rollout.server import supervisor
 from megatron_entropy.rollout.server.errors import RequestRejected, ServerError
 from megatron_entropy.rollout.server.partial import version_runs
 from megatron_entropy.rollout.server.sglang import SGLangEngine, weight_sync_address
@@ -163,6 +165,29 @@ def test_an_idle_server_refusing_a_cache_flush_once_is_asked_again(engine, model
     push_weights(engine, models["model_a"].state_dict().items(), 7, tmp_path)
     assert "prefix cache not flushed" not in caplog.text
     assert len(requests_of(engine.request_log, "/flush_cache")) == before + 4  # 2 per server
+    assert_follows(engine, models["model_a"])
+
+
+def test_a_slow_weight_update_says_what_it_waits_for(engine, models, tmp_path, caplog,
+                                                     monkeypatch):
+    """A control call (here /update_weights_from_disk, 1.5 s late on each server: a large
+    model's reload takes minutes) logs what it waits for every PROGRESS_S (30 s; 0.2 s here),
+    as generation does; it used to wait up to request_timeout_s in silence."""
+    monkeypatch.setattr(supervisor, "PROGRESS_S", 0.2)
+    for server in engine.pool.servers:
+        post(server.url + "/fake/update_delay", {"seconds": 1.5})
+    try:
+        with caplog.at_level(logging.WARNING):
+            push_weights(engine, models["model_a"].state_dict().items(), 70, tmp_path)
+    finally:
+        for server in engine.pool.servers:
+            post(server.url + "/fake/update_delay", {"seconds": 0.0})
+    said = [r.getMessage() for r in caplog.records
+            if r.getMessage().startswith("waiting for POST /update_weights_from_disk on ")]
+    assert len(said) >= 3, caplog.text
+    assert said[0].startswith("waiting for POST /update_weights_from_disk on 2 of 2 sglang "
+                              "servers"), said[0]
+    assert all(s.describe() in said[0] for s in engine.pool.servers), said[0]
     assert_follows(engine, models["model_a"])
 
 

@@ -19,7 +19,8 @@ import aiohttp
 
 from megatron_entropy.rollout.server.dispatch import Dispatcher, post
 from megatron_entropy.rollout.server.errors import RequestRejected, ServerError, one_line
-from megatron_entropy.rollout.server.supervisor import PROGRESS_S, Server, Supervisor
+from megatron_entropy.rollout.server.supervisor import (PROGRESS_S, Server, Supervisor,
+                                                        say_progress)
 
 log = logging.getLogger(__name__)
 
@@ -89,8 +90,17 @@ class ControlPlane:
                 raise error from e
 
         async with aiohttp.ClientSession() as session:
-            results = await asyncio.gather(*(one(session, s) for s in targets),
-                                           return_exceptions=True)
+            calls = [asyncio.ensure_future(one(session, s)) for s in targets]
+            # A weight update of a large model takes minutes: say what is awaited meanwhile.
+            told = asyncio.ensure_future(say_progress(lambda waited: log.warning(
+                "waiting for %s %s on %d of %d %s servers (%.0f s so far; each bounded by "
+                "%g s): %s", method, path, sum(not c.done() for c in calls), len(calls),
+                self.sup.kind, waited, timeout,
+                ", ".join(s.describe() for s, c in zip(targets, calls) if not c.done()))))
+            try:
+                results = await asyncio.gather(*calls, return_exceptions=True)
+            finally:
+                told.cancel()
         failures = [r for r in results if isinstance(r, BaseException)]
         gone = [s for s, r in zip(targets, results)
                 if isinstance(r, BaseException) and s.state == "dead"]

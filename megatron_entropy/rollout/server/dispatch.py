@@ -21,7 +21,7 @@ import aiohttp
 from megatron_entropy.rollout.base import Completion
 from megatron_entropy.rollout.server.errors import RequestRejected, ServerError, one_line
 from megatron_entropy.rollout.server.partial import AbortApi, RequestAborted, join_completions
-from megatron_entropy.rollout.server.supervisor import PROGRESS_S, Server, Supervisor
+from megatron_entropy.rollout.server.supervisor import Server, Supervisor, say_progress
 
 log = logging.getLogger(__name__)
 
@@ -231,16 +231,14 @@ class Dispatcher:
                         targets: list[Server]) -> None:
         """Every PROGRESS_S while requests are unanswered: how many, and the servers' states
         (each request is bounded by request_timeout_s, a silent server by the health rules)."""
-        started = time.monotonic()
-        while True:
-            await asyncio.sleep(PROGRESS_S)
-            pending = sum(not j.done() for j in jobs)
+        def say(waited: float) -> None:
             log.warning("waiting for %d of %d %s requests to the %s servers (%.0f s so far; "
-                        "each bounded by rollout.server.request_timeout_s=%g):\n%s", pending,
-                        len(jobs), path, self.sup.kind, time.monotonic() - started,
-                        self.cfg.request_timeout_s,
+                        "each bounded by rollout.server.request_timeout_s=%g):\n%s",
+                        sum(not j.done() for j in jobs), len(jobs), path, self.sup.kind,
+                        waited, self.cfg.request_timeout_s,
                         "\n".join(f"  {s.describe()}: {s.state}, {s.inflight} in flight"
                                   for s in targets))
+        await say_progress(say)
 
     async def _map(self, path: str, payloads: list[dict], parse: ParseResponse,
                    targets: Optional[list[Server]]) -> list[Any]:

@@ -35,6 +35,15 @@ log = logging.getLogger(__name__)
 PROGRESS_S = 30.0  # a wait on servers says what it waits for at least this often
 
 
+async def say_progress(say: Callable[[float], None]) -> None:
+    """Until cancelled, ``say(seconds waited)`` every PROGRESS_S: what a wait on servers runs
+    beside it, so that no wait is silent."""
+    started = time.monotonic()
+    while True:
+        await asyncio.sleep(PROGRESS_S)
+        say(time.monotonic() - started)
+
+
 @dataclass
 class Server:
     """One server as the pool sees it: where it is, its process (if launched), its state, the
