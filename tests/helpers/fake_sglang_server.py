@@ -29,7 +29,8 @@ source states it
   requests wait; in-flight ones are held at their next token (``in_place``; ``retract`` also
   drops their KV cache, recomputed at continue) or answered at once with finish reason
   ``abort`` and what they had (``abort``). ``/continue_generation``; ``/flush_cache`` is 400
-  while requests run or wait (also paused ones); ``/abort_request`` {rid, abort_all} (SGLang
+  "Flush cache failed." while requests run or wait (also paused ones: the same answer as the
+  idle race below); ``/abort_request`` {rid, abort_all} (SGLang
   0.5.x, the ``rid`` a ``/generate`` body set, matched by prefix as SGLang's scheduler does):
   a request still waiting is answered at once with no tokens, except while the server is
   paused ``in_place``, when it is not aborted at all and runs whole after continue (as a real
@@ -704,12 +705,14 @@ class FakeSGLang:
 
     async def flush_cache(self, request: web.Request) -> web.Response:
         self.log_request("/flush_cache", None)
+        # SGLang answers `ret.message or "Flush cache failed.\n"`, and its scheduler gives no
+        # message when requests run or wait: the same answer as the race on an idle server
+        # right after a request returned (the scheduler still held its batch).
         if self.flush_fails > 0 and not (self.running or self.waiting):
-            self.flush_fails -= 1  # the real server's race right after a request returned
-            return web.Response(text="Flush cache failed.", status=400)
+            self.flush_fails -= 1
+            return web.Response(text="Flush cache failed.\n", status=400)
         if self.running or self.waiting:
-            return web.Response(text="Cache not flushed: requests are running or waiting.\n",
-                                status=400)
+            return web.Response(text="Flush cache failed.\n", status=400)
         return web.Response(text="Cache flushed.\nPlease check backend logs for more details. "
                                  "(When there are running or waiting requests, the operation "
                                  "will not be performed.)\n")

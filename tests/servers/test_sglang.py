@@ -191,6 +191,27 @@ def test_a_slow_weight_update_says_what_it_waits_for(engine, models, tmp_path, c
     assert_follows(engine, models["model_a"])
 
 
+def test_a_weight_probe_with_no_server_holding_the_current_weights_fails(engine, models,
+                                                                        tmp_path):
+    """After a sync, every server that is up came back after a fault with unknown weights (kept
+    from requests until the next sync): the probe has no replica to check and says so, where it
+    used to return nothing and the check passed with weight_check/replicas = 0."""
+    push_weights(engine, models["model_a"].state_dict().items(), 71, tmp_path)
+    held = {s.index: s.weight_version for s in engine.pool.servers}
+    for server in engine.pool.servers:
+        server.weight_version = None  # as ensure_up marks a connected server that came back
+    try:
+        with pytest.raises(ServerError) as failed:
+            engine.generate_on_each_replica(PROMPTS, SamplingParams(max_new_tokens=2))
+    finally:
+        for server in engine.pool.servers:
+            server.weight_version = held[server.index]
+    message = str(failed.value)
+    assert message.startswith("no sglang server to check: none that is up holds weight "
+                              "version 71"), message
+    assert all(f"{s.describe()}: up, weights None" in message for s in engine.pool.servers)
+
+
 def test_an_out_of_vocabulary_id_kills_the_server(models):
     """As a real server's scheduler crashes on one (the engine never sends it: above)."""
     proc, url = start_fake(models["a"], 32450)
