@@ -55,9 +55,11 @@ that std to every weight (a silently wrong sync); ``/fake/die_on_next_sync``: th
 ``/fake/flush_fails`` {count}: that many next ``/flush_cache`` calls on an idle server
 answer 400 "Flush cache failed." (a real server did once, right after a request returned);
 ``/fake/update_delay`` {seconds}: ``/update_weights_from_disk`` answers that much later (a
-large model's reload takes minutes); ``/fake/perturb`` {scale, seed}: every tensor of the weights loaded last gets Gaussian noise of
-scale x its own std (a wrong copy of the model; scale 0 restores it)
-(``--sync-noise`` sets the noise from the start); ``GET /fake/state``: requests running and
+large model's reload takes minutes); ``/fake/perturb`` {scale, seed, after_requests}: every
+tensor of the weights loaded last gets Gaussian noise of scale x its own std (a wrong copy of
+the model; scale 0 restores it), at once or once that many more ``/generate`` requests were
+answered (weights changed behind a client's back between two of its calls, as another client
+of a shared server loading others would) (``--sync-noise`` sets the noise from the start); ``GET /fake/state``: requests running and
 waiting, tokens decoded.
 
 Run: python tests/helpers/fake_sglang_server.py --model-path DIR --host 127.0.0.1 --port P
@@ -262,6 +264,8 @@ class FakeSGLang:
         self.batched = False
         self.requests: dict[str, RequestState] = {}  # by rid, while they wait or run
         self.unperturbed: Optional[dict[str, torch.Tensor]] = None  # before /fake/perturb
+        # /fake/perturb with after_requests: (answers still to send, scale, seed).
+        self.perturb_later: Optional[tuple[int, float, int]] = None
         self.flush_fails = 0  # idle /flush_cache calls still to answer 400 (/fake/flush_fails)
         self.update_delay = 0.0  # seconds /update_weights_from_disk takes (/fake/update_delay)
 
@@ -508,6 +512,11 @@ class FakeSGLang:
                                                                rl, state, start))
             finally:
                 self.running -= 1
+            if self.perturb_later is not None:
+                left, scale, seed = self.perturb_later
+                self.perturb_later = (left - 1, scale, seed) if left > 1 else None
+                if left <= 1:  # before this answer leaves: the next request meets the new copy
+                    await loop.run_in_executor(None, self.perturb, scale, seed)
         finally:
             self.requests.pop(state.rid, None)
         return web.json_response(outs[0] if single and p["n"] == 1 else outs)
@@ -747,7 +756,11 @@ class FakeSGLang:
         elif knob == "update_delay":
             self.update_delay = float(body["seconds"])
         elif knob == "perturb":
-            self.perturb(float(body["scale"]), int(body.get("seed", 0)))
+            scale, seed = float(body["scale"]), int(body.get("seed", 0))
+            if body.get("after_requests"):
+                self.perturb_later = (int(body["after_requests"]), scale, seed)
+            else:
+                self.perturb(scale, seed)
         else:
             return web.Response(status=404)
         return web.json_response({"ok": True})

@@ -5,12 +5,15 @@ trainer/preemption.py)."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 from typing import Optional
 
@@ -25,17 +28,20 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _start_trainer(tmp_path: Path, url: str, model: Optional[Path] = None,
+                   rollout: Optional[dict] = None, data: Optional[dict] = None,
                    **server) -> tuple[subprocess.Popen, Path]:
     """Rank 0 of a one-rank torchrun-style launch of a run whose engine connects to ``url``
-    (serving ``model``, made here if None)."""
+    (serving ``model``, made here if None), with ``rollout`` and ``data`` added to its
+    settings."""
     model = model or make_served_model(tmp_path / "model")
     cfg = {
         "model": {"hf_path": str(model), "dtype": "fp32", "seq_length": 256},
         "parallel": {"tensor": 1, "backend": "gloo"},
         "rollout": {"engine": "sglang", "n_samples": 2, "max_new_tokens": 8,
-                    "max_prompt_tokens": 96, "server": {"urls": [url], **server}},
+                    "max_prompt_tokens": 96, "server": {"urls": [url], **server},
+                    **(rollout or {})},
         "data": {"prompts_per_step": 2, "apply_chat_template": False,
-                 "arithmetic": {"num_train": 16}},
+                 "arithmetic": {"num_train": 16}, **(data or {})},
         "trainer": {"steps": 1, "micro_batch_tokens": 400, "save_interval": 0},
         "logging": {"name": "run", "runs_dir": str(tmp_path / "runs"), "progress_bar": False},
     }
@@ -166,3 +172,46 @@ def test_a_connected_server_killed_under_the_first_probe_ends_the_run_with_one_l
     assert "nothing listens there" in last, last
     assert "died under the weight check's probe" in out
     assert after < 60 and "Traceback" not in out
+
+
+@pytest.mark.slow
+def test_a_run_whose_server_changes_weights_after_the_probe_stops_before_the_update(tmp_path):
+    """The connected server answers the first-contact probe (2 prompts x 4 tokens) with the
+    trainer's weights, then holds the model with noise of 0.05 x each tensor's std (another
+    client of a shared server loaded other weights): the run starts, and step 1's check of its
+    rollout tokens (the recompute against the engine's log-probs) stops it with one line naming
+    the server and the numbers, before the update: no metrics row, no checkpoint. Without that
+    check the step trains on them (and the sync after it hides the fault: the server then
+    loads the trained weights)."""
+    model = make_served_model(tmp_path / "model")
+    fake, url = start_fake(model, 32820)
+    try:
+        urllib.request.urlopen(urllib.request.Request(
+            url + "/fake/perturb", data=json.dumps({"scale": 0.05, "after_requests": 2}).encode(),
+            headers={"Content-Type": "application/json"}), timeout=60).read()
+        # Every group is trained on (the tiny model's rewards are all 0: none would be kept).
+        proc, log = _start_trainer(tmp_path, url, model=model,
+                                   rollout={"weight_check": {"prompts": 2, "tokens": 4}},
+                                   data={"dynamic_sampling": False})
+        rc = proc.wait(timeout=300)
+    finally:
+        fake.kill()
+        fake.wait()
+        kill_marked(str(tmp_path))
+    out = log.read_text()
+    assert "weight check at the first contact: mean |engine - trainer|" in out, out[-3000:]
+    assert rc == 2, out[-3000:]
+    last = _last_line(log)
+    print(last)
+    assert last.startswith(
+        "megatron-entropy train: error: weight check at step 1: the rollout engine's log-probs "
+        "disagree with the trainer's on this step's rollout tokens, recomputed before the "
+        "update (version any), so it does not hold the trained weights: server 0: "
+        "|engine - trainer| "), last
+    assert re.search(r"(mean|p99) [0-9.e-]+ nats > [0-9.e-]+ .*over \d+ tokens", last), last
+    assert "Traceback" not in out
+    run = tmp_path / "runs" / "run"
+    metrics = run / "metrics.jsonl"
+    assert not metrics.is_file() or not any(
+        json.loads(line).get("step") == 1 for line in metrics.read_text().splitlines())
+    assert not (run / "checkpoints").exists() or not any((run / "checkpoints").iterdir())
