@@ -15,7 +15,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import pytest
 import yaml
@@ -106,13 +106,30 @@ def test_sigterm_stops_a_start_up_that_waits_for_a_server_that_never_answers(tmp
     assert "Traceback" not in out
 
 
-def _wait_for_exit(proc: subprocess.Popen, died_at: float, log: Path) -> tuple[int, float]:
-    """The trainer's exit code, and the seconds it ran after its server died."""
+def _run_past_its_servers_death(tmp_path: Path, model: Path, fake: subprocess.Popen, url: str,
+                                kill: Callable[[subprocess.Popen, Path], None]
+                                ) -> tuple[str, str]:
+    """A run against the fake server at ``url``; ``kill(trainer, its log)`` returns once the
+    fake is dead (it exited itself, or was killed). The run then ends with exit 2, within 60 s,
+    without a traceback: its output and its last line."""
     try:
-        rc = proc.wait(timeout=120)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"the trainer ran on 120 s after its server died:\n{log.read_text()[-3000:]}")
-    return rc, time.monotonic() - died_at
+        proc, log = _start_trainer(tmp_path, url, model=model)
+        kill(proc, log)
+        died = time.monotonic()
+        try:
+            rc = proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the run went on 120 s after its server died:\n{log.read_text()[-3000:]}")
+        after = time.monotonic() - died
+    finally:
+        fake.kill()
+        fake.wait()
+        kill_marked(str(tmp_path))
+    out = log.read_text()
+    print(f"the run ended {after:.1f} s after its server died")
+    assert rc == 2, out[-3000:]
+    assert after < 60 and "Traceback" not in out, out[-3000:]
+    return out, _last_line(log)
 
 
 @pytest.mark.slow
@@ -123,22 +140,12 @@ def test_a_connected_server_that_dies_before_the_first_probe_ends_the_run_with_o
     its own, under "no sglang server is up:")."""
     model = make_served_model(tmp_path / "model")
     fake, url = start_fake(model, 32800, exit_after="/get_server_info")
-    try:
-        proc, log = _start_trainer(tmp_path, url, model=model)
-        fake.wait(timeout=180)
-        rc, after = _wait_for_exit(proc, time.monotonic(), log)
-    finally:
-        fake.kill()
-        fake.wait()
-        kill_marked(str(tmp_path))
-    out = log.read_text()
-    print(f"the run ended {after:.1f} s after its server died")
-    assert rc == 2, out[-3000:]
-    assert _last_line(log) == (
+    out, last = _run_past_its_servers_death(tmp_path, model, fake, url,
+                                            lambda proc, log: fake.wait(timeout=180))
+    assert last == (
         f"megatron-entropy train: error: no sglang server is up: server 0 ({url}): dead, "
         f"weights None (failed its health probe (connection refused at {url}: nothing listens "
         "there))"), out[-3000:]
-    assert after < 60 and "Traceback" not in out
 
 
 @pytest.mark.slow
@@ -149,8 +156,8 @@ def test_a_connected_server_killed_under_the_first_probe_ends_the_run_with_one_l
     model = make_served_model(tmp_path / "model")
     requests = tmp_path / "requests.jsonl"
     fake, url = start_fake(model, 32810, delay=0.5, log=str(requests))
-    try:
-        proc, log = _start_trainer(tmp_path, url, model=model)
+
+    def kill_under_the_probe(proc: subprocess.Popen, log: Path) -> None:
         deadline = time.monotonic() + 180
         while not (requests.is_file() and '"/generate"' in requests.read_text()):
             assert proc.poll() is None, log.read_text()[-3000:]
@@ -158,20 +165,12 @@ def test_a_connected_server_killed_under_the_first_probe_ends_the_run_with_one_l
             time.sleep(0.1)
         fake.kill()
         fake.wait()
-        rc, after = _wait_for_exit(proc, time.monotonic(), log)
-    finally:
-        fake.kill()
-        fake.wait()
-        kill_marked(str(tmp_path))
-    out = log.read_text()
-    print(f"the run ended {after:.1f} s after its server died")
-    assert rc == 2, out[-3000:]
-    last = _last_line(log)
+
+    out, last = _run_past_its_servers_death(tmp_path, model, fake, url, kill_under_the_probe)
     assert last.startswith(f"megatron-entropy train: error: no sglang server left to send "
                            f"requests to: server 0 ({url}): dead, weights None ("), out[-3000:]
     assert "nothing listens there" in last, last
     assert "died under the weight check's probe" in out
-    assert after < 60 and "Traceback" not in out
 
 
 @pytest.mark.slow
