@@ -19,12 +19,14 @@ FAKE = str(Path(__file__).resolve().parent / "fake_sglang_server.py")
 
 
 def fake_command(version: str = "0.5.23", delay: float = 0.0, log: str = "",
-                 busy_health_delay: float = 0.0, warmup: float = 0.0) -> list[str]:
+                 busy_health_delay: float = 0.0, warmup: float = 0.0, exit_after: str = ""
+                 ) -> list[str]:
     cmd = [sys.executable, FAKE, "--model-path", "{model}", "--host", "{host}", "--port",
            "{port}", "--weight-version", "{weight_version}", "--version", version,
            "--token-delay-s", str(delay), "--busy-health-delay-s", str(busy_health_delay),
            "--warmup-s", str(warmup)]
-    return cmd + (["--request-log", log] if log else [])
+    return (cmd + (["--request-log", log] if log else [])
+            + (["--exit-after", exit_after] if exit_after else []))
 
 
 def make_cfg(**kw) -> ServerConfig:

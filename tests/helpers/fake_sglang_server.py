@@ -29,7 +29,8 @@ source states it
   requests wait; in-flight ones are held at their next token (``in_place``; ``retract`` also
   drops their KV cache, recomputed at continue) or answered at once with finish reason
   ``abort`` and what they had (``abort``). ``/continue_generation``; ``/flush_cache`` is 400
-  while requests run or wait (also paused ones); ``/abort_request`` {rid, abort_all} (SGLang
+  "Flush cache failed." while requests run or wait (also paused ones: the same answer as the
+  idle race below); ``/abort_request`` {rid, abort_all} (SGLang
   0.5.x, the ``rid`` a ``/generate`` body set, matched by prefix as SGLang's scheduler does):
   a request still waiting is answered at once with no tokens, except while the server is
   paused ``in_place``, when it is not aborted at all and runs whole after continue (as a real
@@ -44,16 +45,21 @@ source states it
 Test knobs (not SGLang's): ``--token-delay-s`` slows decoding; ``--request-log`` appends every
 request body to a JSONL file; ``--busy-health-delay-s`` makes ``/health`` answer that late while a
 request runs and ``--warmup-s`` holds the first request that long before decoding (a busy server,
-and one warming up, that still make progress). Endpoints under ``/fake/`` set faults at run time:
+and one warming up, that still make progress); ``--exit-after PATH`` makes the server exit
+(code 1, as if killed) once it has answered its first request to PATH (a server that dies right
+after a client first spoke to it). Endpoints under ``/fake/`` set faults at run time:
 ``/fake/corrupt_syncs`` {noise}: later weight updates answer success but add Gaussian noise of
 that std to every weight (a silently wrong sync); ``/fake/die_on_next_sync``: the next
 ``/update_weights_from_disk`` kills the process mid-call (as SGLang's scheduler dying on it);
 ``/fake/abort_next`` {count}: that many next requests come back aborted after one token;
 ``/fake/flush_fails`` {count}: that many next ``/flush_cache`` calls on an idle server
 answer 400 "Flush cache failed." (a real server did once, right after a request returned);
-``/fake/perturb`` {scale, seed}: every tensor of the weights loaded last gets Gaussian noise of
-scale x its own std (a wrong copy of the model; scale 0 restores it)
-(``--sync-noise`` sets the noise from the start); ``GET /fake/state``: requests running and
+``/fake/update_delay`` {seconds}: ``/update_weights_from_disk`` answers that much later (a
+large model's reload takes minutes); ``/fake/perturb`` {scale, seed, after_requests}: every
+tensor of the weights loaded last gets Gaussian noise of scale x its own std (a wrong copy of
+the model; scale 0 restores it), at once or once that many more ``/generate`` requests were
+answered (weights changed behind a client's back between two of its calls, as another client
+of a shared server loading others would) (``--sync-noise`` sets the noise from the start); ``GET /fake/state``: requests running and
 waiting, tokens decoded.
 
 Run: python tests/helpers/fake_sglang_server.py --model-path DIR --host 127.0.0.1 --port P
@@ -258,7 +264,10 @@ class FakeSGLang:
         self.batched = False
         self.requests: dict[str, RequestState] = {}  # by rid, while they wait or run
         self.unperturbed: Optional[dict[str, torch.Tensor]] = None  # before /fake/perturb
+        # /fake/perturb with after_requests: (answers still to send, scale, seed).
+        self.perturb_later: Optional[tuple[int, float, int]] = None
         self.flush_fails = 0  # idle /flush_cache calls still to answer 400 (/fake/flush_fails)
+        self.update_delay = 0.0  # seconds /update_weights_from_disk takes (/fake/update_delay)
 
     # --------------------------------------------------------------------------- helpers
 
@@ -503,6 +512,11 @@ class FakeSGLang:
                                                                rl, state, start))
             finally:
                 self.running -= 1
+            if self.perturb_later is not None:
+                left, scale, seed = self.perturb_later
+                self.perturb_later = (left - 1, scale, seed) if left > 1 else None
+                if left <= 1:  # before this answer leaves: the next request meets the new copy
+                    await loop.run_in_executor(None, self.perturb, scale, seed)
         finally:
             self.requests.pop(state.rid, None)
         return web.json_response(outs[0] if single and p["n"] == 1 else outs)
@@ -575,6 +589,7 @@ class FakeSGLang:
             print("AttributeError: 'Parameter' object has no attribute 'weight_loader'",
                   flush=True)
             os._exit(1)
+        await asyncio.sleep(self.update_delay)
         folder = Path(body["model_path"])
         files = sorted(folder.glob("*.safetensors"))
         if not files:
@@ -699,12 +714,14 @@ class FakeSGLang:
 
     async def flush_cache(self, request: web.Request) -> web.Response:
         self.log_request("/flush_cache", None)
+        # SGLang answers `ret.message or "Flush cache failed.\n"`, and its scheduler gives no
+        # message when requests run or wait: the same answer as the race on an idle server
+        # right after a request returned (the scheduler still held its batch).
         if self.flush_fails > 0 and not (self.running or self.waiting):
-            self.flush_fails -= 1  # the real server's race right after a request returned
-            return web.Response(text="Flush cache failed.", status=400)
+            self.flush_fails -= 1
+            return web.Response(text="Flush cache failed.\n", status=400)
         if self.running or self.waiting:
-            return web.Response(text="Cache not flushed: requests are running or waiting.\n",
-                                status=400)
+            return web.Response(text="Flush cache failed.\n", status=400)
         return web.Response(text="Cache flushed.\nPlease check backend logs for more details. "
                                  "(When there are running or waiting requests, the operation "
                                  "will not be performed.)\n")
@@ -736,8 +753,14 @@ class FakeSGLang:
             self.abort_next = int(body["count"])
         elif knob == "flush_fails":
             self.flush_fails = int(body["count"])
+        elif knob == "update_delay":
+            self.update_delay = float(body["seconds"])
         elif knob == "perturb":
-            self.perturb(float(body["scale"]), int(body.get("seed", 0)))
+            scale, seed = float(body["scale"]), int(body.get("seed", 0))
+            if body.get("after_requests"):
+                self.perturb_later = (int(body["after_requests"]), scale, seed)
+            else:
+                self.perturb(scale, seed)
         else:
             return web.Response(status=404)
         return web.json_response({"ok": True})
@@ -746,8 +769,21 @@ class FakeSGLang:
         return web.json_response({"running": self.running, "waiting": self.waiting,
                                   "decoded": self.decoded})
 
+    @web.middleware
+    async def exit_after(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """--exit-after: the answer to the first request to that path is sent, then the process
+        ends at once (nothing listens any more, as after SIGKILL)."""
+        response = await handler(request)
+        if request.path == self.args.exit_after:
+            await response.prepare(request)
+            await response.write_eof()
+            print(f"exiting after answering {request.path} (--exit-after)", flush=True)
+            os._exit(1)
+        return response
+
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=1024**3)
+        app = web.Application(client_max_size=1024**3,
+                              middlewares=[self.exit_after] if self.args.exit_after else [])
         app.router.add_route("POST", "/generate", self.generate)
         app.router.add_route("PUT", "/generate", self.generate)
         app.router.add_post("/update_weights_from_disk", self.update_weights_from_disk)
@@ -782,6 +818,7 @@ def main() -> None:
     ap.add_argument("--warmup-s", type=float, default=0.0)
     ap.add_argument("--request-log", default=None)
     ap.add_argument("--sync-noise", type=float, default=0.0)
+    ap.add_argument("--exit-after", default=None, help="exit once this path was answered")
     args = ap.parse_args()
     torch.set_num_threads(1)
     server = FakeSGLang(args)

@@ -8,6 +8,7 @@ broadcast) against the new weights, and faults with real processes killed or sto
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import signal
@@ -22,6 +23,7 @@ import pytest
 import torch
 
 from megatron_entropy.rollout.base import SamplingParams
+from megatron_entropy.rollout.server import supervisor
 from megatron_entropy.rollout.server.errors import RequestRejected, ServerError
 from megatron_entropy.rollout.server.partial import version_runs
 from megatron_entropy.rollout.server.sglang import SGLangEngine, weight_sync_address
@@ -164,6 +166,50 @@ def test_an_idle_server_refusing_a_cache_flush_once_is_asked_again(engine, model
     assert "prefix cache not flushed" not in caplog.text
     assert len(requests_of(engine.request_log, "/flush_cache")) == before + 4  # 2 per server
     assert_follows(engine, models["model_a"])
+
+
+def test_a_slow_weight_update_says_what_it_waits_for(engine, models, tmp_path, caplog,
+                                                     monkeypatch):
+    """A control call (here /update_weights_from_disk, 1.5 s late on each server: a large
+    model's reload takes minutes) logs what it waits for every PROGRESS_S (30 s; 0.2 s here),
+    as generation does; it used to wait up to request_timeout_s in silence."""
+    monkeypatch.setattr(supervisor, "PROGRESS_S", 0.2)
+    for server in engine.pool.servers:
+        post(server.url + "/fake/update_delay", {"seconds": 1.5})
+    try:
+        with caplog.at_level(logging.WARNING):
+            push_weights(engine, models["model_a"].state_dict().items(), 70, tmp_path)
+    finally:
+        for server in engine.pool.servers:
+            post(server.url + "/fake/update_delay", {"seconds": 0.0})
+    said = [r.getMessage() for r in caplog.records
+            if r.getMessage().startswith("waiting for POST /update_weights_from_disk on ")]
+    assert len(said) >= 3, caplog.text
+    assert said[0].startswith("waiting for POST /update_weights_from_disk on 2 of 2 sglang "
+                              "servers"), said[0]
+    assert all(s.describe() in said[0] for s in engine.pool.servers), said[0]
+    assert_follows(engine, models["model_a"])
+
+
+def test_a_weight_probe_with_no_server_holding_the_current_weights_fails(engine, models,
+                                                                        tmp_path):
+    """After a sync, every server that is up came back after a fault with unknown weights (kept
+    from requests until the next sync): the probe has no replica to check and says so, where it
+    used to return nothing and the check passed with weight_check/replicas = 0."""
+    push_weights(engine, models["model_a"].state_dict().items(), 71, tmp_path)
+    held = {s.index: s.weight_version for s in engine.pool.servers}
+    for server in engine.pool.servers:
+        server.weight_version = None  # as ensure_up marks a connected server that came back
+    try:
+        with pytest.raises(ServerError) as failed:
+            engine.generate_on_each_replica(PROMPTS, SamplingParams(max_new_tokens=2))
+    finally:
+        for server in engine.pool.servers:
+            server.weight_version = held[server.index]
+    message = str(failed.value)
+    assert message.startswith("no sglang server to check: none that is up holds weight "
+                              "version 71"), message
+    assert all(f"{s.describe()}: up, weights None" in message for s in engine.pool.servers)
 
 
 def test_an_out_of_vocabulary_id_kills_the_server(models):
@@ -563,10 +609,16 @@ def test_a_server_that_dies_under_the_weight_probe_is_left_out(models, tmp_path,
             p.wait()
 
 
-def test_server_that_never_comes_up_names_its_log(models, tmp_path):
+def test_server_that_never_comes_up_names_its_log(models, tmp_path, caplog):
+    """One line naming the server, its exit code and its log; the log's last lines go to the
+    trainer's log, not into the error."""
     cmd = [sys.executable, "-c", "import sys; print('model folder is broken'); sys.exit(3)"]
-    with pytest.raises(ServerError, match=r"(?s)exited with code 3.*model folder is broken"):
+    with pytest.raises(ServerError) as failed:
         SGLangEngine(make_cfg(launch_command=cmd), str(models["a"]), str(tmp_path))
+    message = str(failed.value)
+    assert "\n" not in message and "exited with code 3 while starting" in message
+    assert f"log {tmp_path / 'servers' / 'sglang-0.log'}" in message
+    assert "model folder is broken" in caplog.text
 
 
 def test_a_pool_that_fails_to_start_stops_the_servers_that_came_up(models, tmp_path):

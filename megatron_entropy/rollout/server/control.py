@@ -18,9 +18,9 @@ from typing import Any, Iterator, Optional
 import aiohttp
 
 from megatron_entropy.rollout.server.dispatch import Dispatcher, post
-from megatron_entropy.rollout.server.errors import RequestRejected, ServerError
-from megatron_entropy.rollout.server.process import log_tail
-from megatron_entropy.rollout.server.supervisor import PROGRESS_S, Server, Supervisor
+from megatron_entropy.rollout.server.errors import RequestRejected, ServerError, one_line
+from megatron_entropy.rollout.server.supervisor import (PROGRESS_S, Server, Supervisor,
+                                                        say_progress)
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ class ControlPlane:
                     text = await r.text()
                     if r.status != 200:
                         raise ServerError(f"{server.describe()}: GET {path} -> HTTP {r.status}: "
-                                          f"{text[:2000]}")
+                                          f"{one_line(text)}")
                     try:
                         return await r.json(content_type=None)
                     except ValueError:
@@ -81,17 +81,26 @@ class ControlPlane:
                 probe = await self.sup.probe(session, server)
                 after = ("it still answers its health probe" if probe == "up" else
                          f"afterwards: {server.probe_error}")
+                self.sup.log_tail(server)
                 error = ServerError(f"{server.describe()}: {method} {path} failed: "
-                                    f"{type(e).__name__}: {e} ({after}); log tail:\n"
-                                    f"{log_tail(server.log_path)}")
+                                    f"{type(e).__name__}: {e} ({after})")
                 why = self.sup.why_dead(server, probe)
                 if why:
                     self.sup.mark_dead(server, f"{why}; {method} {path} failed")
                 raise error from e
 
         async with aiohttp.ClientSession() as session:
-            results = await asyncio.gather(*(one(session, s) for s in targets),
-                                           return_exceptions=True)
+            calls = [asyncio.ensure_future(one(session, s)) for s in targets]
+            # A weight update of a large model takes minutes: say what is awaited meanwhile.
+            told = asyncio.ensure_future(say_progress(lambda waited: log.warning(
+                "waiting for %s %s on %d of %d %s servers (%.0f s so far; each bounded by "
+                "%g s): %s", method, path, sum(not c.done() for c in calls), len(calls),
+                self.sup.kind, waited, timeout,
+                ", ".join(s.describe() for s, c in zip(targets, calls) if not c.done()))))
+            try:
+                results = await asyncio.gather(*calls, return_exceptions=True)
+            finally:
+                told.cancel()
         failures = [r for r in results if isinstance(r, BaseException)]
         gone = [s for s, r in zip(targets, results)
                 if isinstance(r, BaseException) and s.state == "dead"]
@@ -109,7 +118,7 @@ class ControlPlane:
             kind = (RequestRejected if all(isinstance(r, RequestRejected) for r in failures)
                     else ServerError)
             raise kind(f"{path} failed on {len(failures)} of {len(targets)} {self.sup.kind} "
-                       "servers:\n" + "\n".join(str(r) for r in failures))
+                       "servers: " + "; ".join(str(r) for r in failures))
         return {s.index: r for s, r in zip(targets, results)}
 
     @contextlib.contextmanager

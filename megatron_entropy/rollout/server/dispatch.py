@@ -19,10 +19,9 @@ from typing import Any, Callable, Optional
 import aiohttp
 
 from megatron_entropy.rollout.base import Completion
-from megatron_entropy.rollout.server.errors import RequestRejected, ServerError
+from megatron_entropy.rollout.server.errors import RequestRejected, ServerError, one_line
 from megatron_entropy.rollout.server.partial import AbortApi, RequestAborted, join_completions
-from megatron_entropy.rollout.server.process import log_tail
-from megatron_entropy.rollout.server.supervisor import PROGRESS_S, Server, Supervisor
+from megatron_entropy.rollout.server.supervisor import Server, Supervisor, say_progress
 
 log = logging.getLogger(__name__)
 
@@ -42,10 +41,10 @@ async def post(session: aiohttp.ClientSession, server: Server, path: str, payloa
         text = await r.text()
         if 400 <= r.status < 500:
             raise RequestRejected(f"{server.describe()} rejected POST {path} with HTTP "
-                                  f"{r.status}: {text[:2000]}")
+                                  f"{r.status}: {one_line(text)}")
         if r.status != 200:
             raise aiohttp.ClientResponseError(r.request_info, (), status=r.status,
-                                              message=text[:2000])
+                                              message=one_line(text))
         try:
             return await r.json(content_type=None)
         except ValueError:
@@ -119,9 +118,10 @@ class Dispatcher:
                 if self.gate_open and not any(
                         s.state == "starting" or (s.state == "up" and self.serves_current(s))
                         for s in targets):
-                    raise ServerError(f"no {self.sup.kind} server with weight version "
-                                      f"{self.expected_version} left to send requests to:\n"
-                                      + self.sup.status())
+                    held = ("" if self.expected_version is None else
+                            f" with weight version {self.expected_version}")
+                    raise ServerError(f"no {self.sup.kind} server{held} left to send requests "
+                                      f"to: {self.sup.status()}")
                 await self._cond.wait()
 
     async def _release(self, server: Server) -> None:
@@ -207,9 +207,10 @@ class Dispatcher:
                 why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
                 await self.sup.on_failure(session, server, why)
                 if attempts > self.cfg.max_retries:
+                    self.sup.log_tail(server)
                     raise ServerError(
                         f"request {index} failed {attempts} times; last on {server.describe()}: "
-                        f"{why}; log tail:\n{log_tail(server.log_path)}") from e
+                        f"{why}") from e
             finally:
                 died.cancel()
                 if not http.done():
@@ -230,16 +231,14 @@ class Dispatcher:
                         targets: list[Server]) -> None:
         """Every PROGRESS_S while requests are unanswered: how many, and the servers' states
         (each request is bounded by request_timeout_s, a silent server by the health rules)."""
-        started = time.monotonic()
-        while True:
-            await asyncio.sleep(PROGRESS_S)
-            pending = sum(not j.done() for j in jobs)
+        def say(waited: float) -> None:
             log.warning("waiting for %d of %d %s requests to the %s servers (%.0f s so far; "
-                        "each bounded by rollout.server.request_timeout_s=%g):\n%s", pending,
-                        len(jobs), path, self.sup.kind, time.monotonic() - started,
-                        self.cfg.request_timeout_s,
+                        "each bounded by rollout.server.request_timeout_s=%g):\n%s",
+                        sum(not j.done() for j in jobs), len(jobs), path, self.sup.kind,
+                        waited, self.cfg.request_timeout_s,
                         "\n".join(f"  {s.describe()}: {s.state}, {s.inflight} in flight"
                                   for s in targets))
+        await say_progress(say)
 
     async def _map(self, path: str, payloads: list[dict], parse: ParseResponse,
                    targets: Optional[list[Server]]) -> list[Any]:

@@ -133,14 +133,20 @@ class ServerEngine(RolloutEngine):
                                  ) -> dict[str, list[list[Completion]]]:
         """On each server that is up and holds the current weights. One that dies under its
         probe is left out while another answered (the check covers the replicas that serve);
-        with none left its error is raised."""
+        with none left its error is raised, and with none to ask at all a ServerError: a check
+        of no replica would pass with nothing checked."""
         self.pool.ensure_up()
         out: dict[str, list[list[Completion]]] = {}
         lost: Optional[ServerError] = None
+        # Servers kept from requests until a sync gives them the current weights are skipped.
+        serving = [s for s in self.pool.servers if s.state == "up" and self.pool.serves_current(s)]
+        if not serving:
+            raise ServerError(f"no {self.kind} server to check: none that is up holds weight "
+                              f"version {self.pool.expected_version} (one that came back after "
+                              "a fault gets it at the next sync): "
+                              + self.pool.supervisor.status())
         with self._not_counted():
-            # Servers kept from requests until a sync gives them the current weights are skipped.
-            for s in [s for s in self.pool.servers
-                      if s.state == "up" and self.pool.serves_current(s)]:
+            for s in serving:
                 try:
                     out[s.describe()] = self._generate(prompts, sampling, [s])
                 except ServerError as e:

@@ -11,3 +11,9 @@ class ServerError(RuntimeError):
 class RequestRejected(ServerError):
     """The request itself is wrong (the server answered 4xx, or the engine found it so before
     sending it), so it is not retried."""
+
+
+def one_line(text: str, limit: int = 2000) -> str:
+    """A server's answer as an error quotes it: its whitespace (newlines too) collapsed, so that
+    the error stays one line, and at most ``limit`` characters."""
+    return " ".join(text.split())[:limit]

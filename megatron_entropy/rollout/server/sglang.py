@@ -284,10 +284,12 @@ class SGLangEngine(ServerEngine):
     FLUSH_AGAIN_S = 0.5
 
     def _flush_cache(self, targets: list[Server]) -> None:
-        """SGLang answers 400 while requests wait (another client's, kept by the pause): they
-        keep their prefixes cached, which the next sync's flush drops. An idle server may also
-        refuse once ("Flush cache failed.", a race right after a request returned): each
-        server is asked up to FLUSH_TRIES times."""
+        """SGLang answers 400 "Flush cache failed." while requests wait (another client's, kept
+        by the pause: they keep their prefixes cached, which the next sync's flush drops), and
+        once in a while on an idle server right after a request returned (its scheduler still
+        held the batch). The two answers are the same (SGLang's scheduler gives no reason), so
+        each server is asked up to FLUSH_TRIES times before the warning: at most 1 s lost when
+        another client's requests wait."""
         for server in targets:
             for attempt in range(1, self.FLUSH_TRIES + 1):
                 if server.state != "up":

@@ -5,7 +5,8 @@ Hung means no sign of life (a health probe answered, a request completed) for
 ``health_timeout_s``; a server that came up but has not completed a request yet is still
 warming up, on a busy machine slowly, and is governed by ``startup_timeout_s`` like its start,
 so that a slow fresh server is not killed and restarted over and over. Restarts are bounded
-(``max_retries``); the error then names the server and the tail of its log.
+(``max_retries``); the error then names the server and its log, whose tail is logged. Every
+error is one line.
 """
 
 from __future__ import annotations
@@ -32,6 +33,15 @@ from megatron_entropy.runtime.launch_env import read_urls_file
 log = logging.getLogger(__name__)
 
 PROGRESS_S = 30.0  # a wait on servers says what it waits for at least this often
+
+
+async def say_progress(say: Callable[[float], None]) -> None:
+    """Until cancelled, ``say(seconds waited)`` every PROGRESS_S: what a wait on servers runs
+    beside it, so that no wait is silent."""
+    started = time.monotonic()
+    while True:
+        await asyncio.sleep(PROGRESS_S)
+        say(time.monotonic() - started)
 
 
 @dataclass
@@ -194,7 +204,7 @@ class Supervisor:
 
     async def _wait_up(self, session: aiohttp.ClientSession, server: Server,
                        timeout: float) -> None:
-        """Poll a starting server until it answers; a clear error with its log tail if not.
+        """Poll a starting server until it answers; a clear error (its log tail logged) if not.
         A server we did not launch should already serve: when nothing listens there (or it
         answers with an error) for ``health_timeout_s`` it is dead, not starting. Says what it
         waits for at the first failed probe and every ``PROGRESS_S`` after."""
@@ -206,8 +216,8 @@ class Supervisor:
             if server.process is not None and server.process.poll() is not None:
                 self.mark_dead(server, f"exited with code {server.process.returncode} while "
                                        "starting")
-                raise ServerError(f"{server.describe()} {server.last_error}; log tail:\n"
-                                  f"{log_tail(server.log_path)}")
+                self.log_tail(server)
+                raise ServerError(f"{server.describe()} {server.last_error}")
             probe = await self.probe(session, server)
             if probe == "up":
                 server.state = "up"
@@ -230,8 +240,8 @@ class Supervisor:
                                        f"{server.probe_error or 'no answer'}")
                 if server.launched:
                     kill_process_group(server.process, grace_s=2.0)
-                raise ServerError(f"{server.describe()} {server.last_error}; log tail:\n"
-                                  f"{log_tail(server.log_path)}")
+                self.log_tail(server)
+                raise ServerError(f"{server.describe()} {server.last_error}")
             if now - told >= PROGRESS_S:
                 told = now
                 log.warning("waiting for %s to answer %s: %.0f s of at most %.0f s (%s)",
@@ -247,7 +257,7 @@ class Supervisor:
         errors = [str(e) for e in results if isinstance(e, BaseException)]
         if errors:
             raise ServerError(f"{len(errors)} of {len(self.servers)} {self.kind} servers did not "
-                              "come up: " + "\n".join(errors))
+                              "come up: " + "; ".join(errors))
 
     def ensure_up(self) -> None:
         """Before a rollout or an update: restart launched servers that died, re-probe dropped
@@ -271,13 +281,21 @@ class Supervisor:
                             server.up_at, server.warm = server.alive_at, False
                 results = await asyncio.gather(*waits, return_exceptions=True)
             if all(s.state != "up" for s in self.servers):
-                raise ServerError(f"no {self.kind} server is up:\n" + self.status()) from next(
+                raise ServerError(f"no {self.kind} server is up: {self.status()}") from next(
                     (e for e in results if isinstance(e, BaseException)), None)
         self.runner.run(go())
 
     def status(self) -> str:
-        return "\n".join(f"  {s.describe()}: {s.state}, weights {s.weight_version}"
+        """Every server's state, on one line (errors that quote it stay one line)."""
+        return "; ".join(f"{s.describe()}: {s.state}, weights {s.weight_version}"
                          + (f" ({s.last_error})" if s.last_error else "") for s in self.servers)
+
+    def log_tail(self, server: Server) -> None:
+        """The end of a launched server's log, into the trainer's log: errors stay one line and
+        name the log file (``Server.describe``)."""
+        tail = log_tail(server.log_path)
+        if tail:
+            log.error("last lines of %s:\n%s", server.log_path, tail)
 
     def mark_dead(self, server: Server, why: str) -> None:
         if server.state != "dead":
