@@ -488,11 +488,12 @@ def test_disaggregated_script_runs_the_vllm_quickstart(cluster, job_env, tmp_pat
     trainer's two ranks roll out on it and sync the trained weights to it every step. Its
     log-probs stay within 1e-2 of the actor's fp32 recompute, the weight check passes, and the
     server is stopped with the job. (The shipped example as it is, but for where the venv is,
-    the job's server instead of one rank 0 launches, and a shorter run.)"""
+    the job's server instead of one rank 0 launches, TP=2 and a shorter run.)"""
     port = 31700
     cfg = yaml.safe_load((REPO / "examples" / "quickstart_vllm_cpu.yaml").read_text())
     cfg["model"]["hf_path"] = str(REPO / cfg["model"]["hf_path"])
     cfg["parallel"]["backend"] = "gloo"  # CPU jobs say so (no GPU under Slurm)
+    cfg["parallel"]["tensor"] = 2  # the job's two trainer tasks: the vocab-parallel sync path
     cfg["rollout"]["max_new_tokens"] = 40
     cfg["rollout"]["server"].update(
         launch=0, urls_file=str(tmp_path / "runs" / "dis" / "server_urls.txt"),

@@ -377,8 +377,9 @@ def _quickstart(run_dir: Path, name: str, **extra) -> dict:
 def test_accuracy_rises_on_the_arithmetic_task(tmp_path):
     """KL-Cov on the shipped quickstart model at TP=2: greedy validation accuracy after a few
     steps is above where it started (seeded: the same numbers every run on this CPU type)."""
-    cfg = _quickstart(tmp_path, "learn", trainer={"steps": 8, "val_interval": 8,
-                                                  "val_before_train": True, "lr": 5e-5})
+    cfg = _quickstart(tmp_path, "learn", parallel={"tensor": 2},
+                      trainer={"steps": 8, "val_interval": 8, "val_before_train": True,
+                               "lr": 5e-5})
     run_distributed(train_from_dict, 2, cfg, timeout=600)
     rows = {r["step"]: r for r in _metrics(tmp_path, "learn")}
     start, end = rows[0]["val/acc/mean"], rows[8]["val/acc/mean"]
