@@ -110,12 +110,13 @@ class Actor:
     token rules, the rollout correction, log-prob and Cov-scope keys) and the ``trainer``
     section (micro-batch budget, mini-batches, epochs, seed); ``temperature`` is the rollout's,
     at which log-probs and entropies are scored. A mixture-of-experts policy records the
-    recompute's routing and, with ``routing_replay``, replays it in the updates (R2)."""
+    recompute's routing and replays it in the updates with ``routing_replay`` ``recompute`` (R2)
+    or ``rollout`` (R3: the recompute replays the engine's routing first)."""
 
     def __init__(self, arch: ModelArch, model_chunks: list, optimizer, scheduler,
                  algorithm: AlgorithmConfig, trainer: TrainerConfig, temperature: float,
                  ref_model: Optional[torch.nn.Module] = None,
-                 routing_replay: bool = False) -> None:
+                 routing_replay: str = "none") -> None:
         self.arch = arch
         self.model = model_chunks
         self.optimizer = optimizer
@@ -364,11 +365,11 @@ class Actor:
                     metrics.update(rule_metrics, **shaping.get(mb.index, {}))
                     return value, torch.tensor(mb.num_tokens, dtype=torch.int), {"m": metrics}
 
-                scope, aux_scale = None, contextlib.nullcontext()
+                scope, step_scope = None, contextlib.nullcontext()
                 if self.routing is not None:
                     scope = lambda mb: self.routing.update(mb, samples)  # noqa: E731
-                    aux_scale = self.routing.aux_loss_scale(mbs)
-                with aux_scale:
+                    step_scope = self.routing.schedule(mbs)
+                with step_scope:
                     outs = self._run_schedule(self.model, mbs, loss_fn, forward_only=False,
                                               scope=scope)
                 all_metrics.extend(o["m"] for o in outs)

@@ -134,11 +134,11 @@ class Trainer:
         resume_from = resume_checkpoint(cfg.trainer.resume, self.ckpt)
         sharded_optimizer = cfg.trainer.uses_distributed_optimizer(
             ps.get_data_parallel_world_size())
-        replay = cfg.rollout.routing_replay == "recompute" and self.arch.is_moe
+        replay = cfg.rollout.routing_replay if self.arch.is_moe else "none"
         self.model = build_trainable_model(
             self.arch, m, cfg.parallel, sharded_optimizer,
             overlap=cfg.trainer.uses_overlap(on_gpu=dist.get_backend() == "nccl"),
-            routing_replay=replay)
+            routing_replay=replay != "none")
         if resume_from is None:
             self._load_initial_weights(self.model[0])
         optimizer, scheduler = build_optimizer(self.model, cfg.trainer, m.dtype,

@@ -6,9 +6,15 @@ each router reads its routing map [tokens, experts] (tokens in Megatron's [S, B]
 
 * The recompute records, for every sample, the top-k experts of each of its tokens in each local
   MoE layer (``Sample.routing``: [layers, length, k], sorted).
-* With replay (``rollout.routing_replay: recompute``) every update forward hands each router the
-  recorded experts through Megatron-Core's ``RouterReplay`` (REPLAY_FORWARD): the update's probs
-  are the current router's scores at those experts, so gradients still reach the router.
+* With replay (``rollout.routing_replay: recompute``, R2) every update forward hands each router
+  the recorded experts through Megatron-Core's ``RouterReplay`` (REPLAY_FORWARD): the update's
+  probs are the current router's scores at those experts, so gradients still reach the router.
+  With activation recompute the backward's re-forward replays them too (REPLAY_BACKWARD: each
+  router pops the targets in the order the forwards set them, which every schedule keeps).
+* ``rollout``: R3. The recompute replays the rollout engine's routing (``Sample.engine_routing``,
+  every token of every MoE layer, inprocess.py records it), so the recorded routing, and every
+  update's, is the engine's. Whatever the mode, where the engine's routing is known the recompute
+  counts how much of its own differs from it: ``moe/rollout_routing_mismatch``.
 * Each update forward compares its routing with the recorded one: ``moe/routing_mismatch`` is the
   fraction of (token, layer) pairs whose expert sets differ (0 by construction with replay).
 * Expert load: tokens routed to each expert over the step's update forwards (real tokens, summed
@@ -35,6 +41,7 @@ from megatron.core.transformer.moe.router_replay import RouterReplayAction
 from megatron_entropy.models.sharding import unwrap_model
 from megatron_entropy.trainer.batch import MicroBatch, Sample
 
+REPLAY_MODES = ("none", "recompute", "rollout")
 # Megatron's tracker names -> metric keys.
 _TRACKED_LOSSES = {"load_balancing_loss": "moe/aux_loss", "z_loss": "moe/z_loss"}
 
@@ -42,13 +49,18 @@ _TRACKED_LOSSES = {"load_balancing_loss": "moe/aux_loss", "z_loss": "moe/z_loss"
 class MoeRouting:
     """Routing records, replay and metrics of one MoE model (the trainable policy)."""
 
-    def __init__(self, model_chunks, replay: bool) -> None:
+    def __init__(self, model_chunks, replay: str = "none") -> None:
+        if replay not in REPLAY_MODES:
+            raise ValueError(f"routing replay {replay!r} is not one of {', '.join(REPLAY_MODES)}")
         module = unwrap_model(model_chunks)
         self.routers = [m for m in module.modules() if isinstance(m, TopKRouter)]
-        if replay and any(r.router_replay is None for r in self.routers):
+        if replay != "none" and any(r.router_replay is None for r in self.routers):
             raise ValueError("routing replay needs a model built with it (MoeOptions."
                              "routing_replay)")
-        self.replay = replay
+        self.mode = replay
+        self.replay = replay != "none"  # the updates replay the recorded routing
+        # Full activation recompute re-runs each layer's forward in the backward.
+        self.backward_replay = self.replay and module.config.recompute_granularity == "full"
         self.topk = module.config.moe_router_topk
         self.num_experts = module.config.num_moe_experts
         self.layer_numbers = [r.layer_number for r in self.routers]  # global, from 1
@@ -64,6 +76,7 @@ class MoeRouting:
     def _reset(self) -> None:
         self.load = torch.zeros(len(self.routers), self.num_experts, dtype=torch.float64)
         self.mismatch = torch.zeros(2, dtype=torch.float64)  # differing pairs, compared pairs
+        self.rollout_mismatch = torch.zeros(2, dtype=torch.float64)  # recompute vs the engine
         self.forwards = 0
 
     def _capture(self, module, args, output) -> None:
@@ -82,17 +95,90 @@ class MoeRouting:
         finally:
             self._maps = None
 
+    def _layout(self, mb: MicroBatch, samples: Sequence[Sample]
+                ) -> tuple[int, int, list[int], torch.Tensor]:
+        """S, B, each row's length and the [S, B] mask of real tokens of ``mb``."""
+        S, B = mb.tokens.shape[1], mb.tokens.shape[0]
+        lengths = [samples[sid].length for sid in mb.sample_ids]
+        real = torch.zeros(S, B, dtype=torch.bool)
+        for b, n in enumerate(lengths):
+            real[:n, b] = True
+        return S, B, lengths, real
+
+    def _targets(self, routings: Sequence[torch.Tensor], lengths: Sequence[int], S: int,
+                 B: int) -> torch.Tensor:
+        """[layers, S, B, k] the rows' recorded experts; padding positions route to the first k
+        experts (right padding: no real token attends to them)."""
+        target = torch.arange(self.topk).expand(len(self.routers), S, B, self.topk).clone()
+        for b, (r, n) in enumerate(zip(routings, lengths)):
+            target[:, :n, b] = r.long()
+        return target
+
+    def _engine_routing(self, sample: Sample) -> Optional[torch.Tensor]:
+        """This stage's layers of the engine's routing of ``sample``, [layers, length, k]."""
+        r = sample.engine_routing
+        if r is None:
+            return None
+        if tuple(r.shape) != (self.num_layers, sample.length, self.topk):
+            raise ValueError(f"the engine's routing of a sample has shape {tuple(r.shape)}, "
+                             f"not [MoE layers, tokens, k] = [{self.num_layers}, "
+                             f"{sample.length}, {self.topk}]")
+        return r[[n - 1 for n in self.layer_numbers]]
+
+    def _start_replay(self, target: torch.Tensor) -> None:
+        layers, S, B, k = target.shape
+        for router, t in zip(self.routers, target):
+            router.router_replay.set_target_indices(t.reshape(S * B, k).to(router.weight.device))
+            router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+
+    def _stop_replay(self, backward: bool) -> None:
+        """After a replayed forward: ``backward``: its targets wait for the backward's
+        re-forward; else they are dropped."""
+        for router in self.routers:
+            if backward:
+                router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
+            else:
+                router.router_replay.clear_router_replay_action()
+                router.router_replay.clear_indices()
+
+    def _mismatch(self, maps: Sequence[torch.Tensor], target: torch.Tensor,
+                  real: torch.Tensor) -> torch.Tensor:
+        """[differing, compared] (token, layer) pairs of a forward's routing against ``target``
+        over the real tokens."""
+        S, B = real.shape
+        out = torch.zeros(2, dtype=torch.float64)
+        for layer, m in enumerate(maps):
+            got = self._top_experts(m).cpu().view(S, B, self.topk)
+            differs = (got != target[layer]).any(-1)
+            out += torch.tensor([float(differs[real].sum()), float(real.sum())],
+                                dtype=torch.float64)
+        return out
+
     @contextlib.contextmanager
     def record(self, mb: MicroBatch, samples: Sequence[Sample]) -> Iterator[None]:
-        """Around the recompute's forward of ``mb``: each sample's routing is stored."""
-        with self._forward() as maps:
-            yield
-        S, B = mb.tokens.shape[1], mb.tokens.shape[0]
+        """Around the recompute's forward of ``mb``: each sample's routing is stored (with R3
+        the engine's, replayed) and compared with the engine's where every row has it."""
+        S, B, lengths, real = self._layout(mb, samples)
+        engine = [self._engine_routing(samples[sid]) for sid in mb.sample_ids]
+        known = all(e is not None for e in engine)
+        if self.mode == "rollout" and not known:
+            raise RuntimeError("rollout.routing_replay=rollout needs the engine's routing of "
+                               "every sample (the in-process engine returns it for MoE models)")
+        target = self._targets(engine, lengths, S, B) if known else None
+        if self.mode == "rollout":
+            self._start_replay(target)
+        try:
+            with self._forward() as maps:
+                yield
+        finally:
+            if self.mode == "rollout":
+                self._stop_replay(backward=False)
         per_layer = [self._top_experts(m).view(S, B, self.topk) for m in maps]
-        for b, sid in enumerate(mb.sample_ids):
-            n = samples[sid].length
+        for b, (sid, n) in enumerate(zip(mb.sample_ids, lengths)):
             samples[sid].routing = torch.stack([t[:n, b] for t in per_layer]).to(
                 torch.int16).cpu()
+        if known:
+            self.rollout_mismatch += self._mismatch(maps, target, real)
 
     @contextlib.contextmanager
     def update(self, mb: MicroBatch, samples: Sequence[Sample]) -> Iterator[None]:
@@ -102,37 +188,36 @@ class MoeRouting:
         if any(r is None for r in recorded):
             raise RuntimeError("an MoE update needs the recompute's routing of every sample "
                                "(Actor.recompute records it)")
-        S, B = mb.tokens.shape[1], mb.tokens.shape[0]
-        lengths = [samples[sid].length for sid in mb.sample_ids]
-        # [layers, S, B, k]; padding positions route to the first k experts (right padding:
-        # no real token attends to them).
-        target = torch.arange(self.topk).expand(len(self.routers), S, B, self.topk).clone()
-        for b, (r, n) in enumerate(zip(recorded, lengths)):
-            target[:, :n, b] = r.long()
-        real = torch.zeros(S, B, dtype=torch.bool)
-        for b, n in enumerate(lengths):
-            real[:n, b] = True
+        S, B, lengths, real = self._layout(mb, samples)
+        target = self._targets(recorded, lengths, S, B)
         if self.replay:
-            for router, t in zip(self.routers, target):
-                router.router_replay.set_target_indices(t.reshape(S * B, self.topk).to(
-                    router.weight.device))
-                router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+            self._start_replay(target)
         try:
             with self._forward() as maps:
                 yield
         finally:
             if self.replay:
-                for router in self.routers:
-                    router.router_replay.clear_router_replay_action()
-                    router.router_replay.clear_indices()
+                self._stop_replay(backward=self.backward_replay)
         self.forwards += 1
+        self.mismatch += self._mismatch(maps, target, real)
         flat_real = real.reshape(-1)
         for layer, m in enumerate(maps):
-            got = self._top_experts(m).cpu().view(S, B, self.topk)
-            differs = (got != target[layer]).any(-1)
-            self.mismatch += torch.tensor([float(differs[real].sum()), float(real.sum())],
-                                          dtype=torch.float64)
             self.load[layer] += m.cpu()[flat_real].sum(0).double()
+
+    @contextlib.contextmanager
+    def schedule(self, micro_batches: Sequence[MicroBatch]) -> Iterator[None]:
+        """Around one optimizer step's schedule: the aux-loss scale; with backward replay, every
+        re-forward has taken its targets at the end."""
+        try:
+            with self.aux_loss_scale(micro_batches):
+                yield
+            if self.backward_replay and any(r.router_replay.replay_backward_list
+                                            for r in self.routers):
+                raise RuntimeError("routing replay: a backward re-forward did not take its "
+                                   "routing (activation recompute)")
+        finally:
+            if self.backward_replay:
+                self._stop_replay(backward=False)
 
     @contextlib.contextmanager
     def aux_loss_scale(self, micro_batches: Sequence[MicroBatch]) -> Iterator[None]:
@@ -157,15 +242,15 @@ class MoeRouting:
         tracker = moe_utils.get_moe_layer_wise_logging_tracker()
         losses = [tracker[n]["values"].detach().double().sum().cpu() if n in tracker
                   else torch.zeros((), dtype=torch.float64) for n in self.losses]
-        per_dp = torch.stack([*self.mismatch, torch.tensor(float(self.forwards),
-                                                           dtype=torch.float64), *losses])
+        per_dp = torch.stack([*self.mismatch, *self.rollout_mismatch,
+                              torch.tensor(float(self.forwards), dtype=torch.float64), *losses])
         load = torch.zeros(self.num_layers, self.num_experts, dtype=torch.float64)
         for i, n in enumerate(self.layer_numbers):
             load[n - 1] = self.load[i]
         dist.all_reduce(per_dp, group=dp)
         dist.all_reduce(load, group=dp)
-        forwards = float(per_dp[2])  # the same on every stage
-        per_pp = torch.cat([per_dp[:2], per_dp[3:], torch.tensor(
+        forwards = float(per_dp[4])  # the same on every stage
+        per_pp = torch.cat([per_dp[:4], per_dp[5:], torch.tensor(
             [float(len(self.routers))], dtype=torch.float64)])
         dist.all_reduce(per_pp, group=pp)
         dist.all_reduce(load, group=pp)
@@ -175,7 +260,9 @@ class MoeRouting:
         out: dict[str, float] = {}
         if pairs:
             out["moe/routing_mismatch"] = differ / pairs
-        for name, total in zip(self.losses, per_pp[2:-1]):
+        if float(per_pp[3]):
+            out["moe/rollout_routing_mismatch"] = float(per_pp[2]) / float(per_pp[3])
+        for name, total in zip(self.losses, per_pp[4:-1]):
             if forwards:
                 out[_TRACKED_LOSSES[name]] = float(total) / (forwards * layers)
         imbalance = 0.0
