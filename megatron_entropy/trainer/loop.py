@@ -44,6 +44,7 @@ from megatron_entropy.trainer.entropy_control import (build_controller, controll
 from megatron_entropy.trainer.metrics import MetricsLogger, PhaseTimer
 from megatron_entropy.trainer.model_setup import (build_optimizer, build_trainable_model,
                                                   gather_params)
+from megatron_entropy.trainer.moe_routing import engine_notes
 from megatron_entropy.trainer.preemption import PREEMPTED_EXIT_CODE
 from megatron_entropy.trainer.rollouts import (collect_step_groups, generate_round,
                                                groups_to_samples, rollout_metrics)
@@ -188,7 +189,7 @@ class Trainer:
         notes, self.data_metrics = data_notes(self.train_data, self.val_data,
                                               cfg.data.prompts_per_step,
                                               cfg.rollout.max_prompt_tokens, asked)
-        for note in notes:
+        for note in notes + engine_notes(cfg.rollout.engine, self.arch):
             self.logger.write(f"warning: {note}")
         # The engine loaded hf_path's weights; anything else (a checkpoint, a converted
         # Megatron checkpoint) is pushed to it before the first rollout.

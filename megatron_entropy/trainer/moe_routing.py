@@ -45,6 +45,21 @@ REPLAY_MODES = ("none", "recompute", "rollout")
 # Megatron's tracker names -> metric keys.
 _TRACKED_LOSSES = {"load_balancing_loss": "moe/aux_loss", "z_loss": "moe/z_loss"}
 
+# Measured on vLLM 0.32.0's CPU build (docs/moe.md, tests/servers/test_moe_servers.py).
+VLLM_MOE_RELOAD = (
+    "rollout.engine=vllm with a mixture-of-experts model: vLLM 0.32's CPU build reloads MoE "
+    "weights wrongly (after a weight sync it scores 1.95e-2 nats per token off the synced "
+    "weights in fp32, rollouts drift 1.1e-2 to 2.8e-2 nats from the actor, and the weight check "
+    "passes; GPU builds not measured): watch rollout/logprob_drift, or use rollout.engine="
+    "inprocess (which can also replay its routing, routing_replay=rollout) or sglang")
+
+
+def engine_notes(engine: str, arch) -> list[str]:
+    """Start-up warnings for an MoE policy on an engine with a known MoE problem (a warning, not
+    a refusal: the drift was measured on the CPU build only, and rollout correction can bound
+    it)."""
+    return [VLLM_MOE_RELOAD] if engine == "vllm" and arch.is_moe else []
+
 
 class MoeRouting:
     """Routing records, replay and metrics of one MoE model (the trainable policy)."""
