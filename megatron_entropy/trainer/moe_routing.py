@@ -17,6 +17,12 @@ each router reads its routing map [tokens, experts] (tokens in Megatron's [S, B]
   counts how much of its own differs from it: ``moe/rollout_routing_mismatch``.
 * Each update forward compares its routing with the recorded one: ``moe/routing_mismatch`` is the
   fraction of (token, layer) pairs whose expert sets differ (0 by construction with replay).
+* Expert parallelism pairs the forwards (and backward re-forwards) of the EP ranks (each MoE
+  layer's all-to-all), so every rank of the EP group runs as many micro-batches as the others:
+  the ranks that packed fewer get filler micro-batches (``with_fillers``), one row of padding
+  whose loss is 0 x its output: no gradient, no metric, no routing record. In an update its
+  routers run in eval mode, so no router loss is attached, in the forward and in the backward's
+  re-forward alike (re-forwards come in the order of the forwards, as for REPLAY_BACKWARD).
 * Expert load: tokens routed to each expert over the step's update forwards (real tokens, summed
   over DP), per layer; the router's losses as Megatron's tracker holds them.
 * The load-balancing loss's gradient scale: with ``calculate_per_token_loss`` Megatron scales a
@@ -28,7 +34,9 @@ each router reads its routing map [tokens, experts] (tokens in Megatron's [S, B]
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import functools
 from typing import Iterator, Optional, Sequence
 
 import torch
@@ -54,6 +62,30 @@ VLLM_MOE_RELOAD = (
     "inprocess (which can also replay its routing, routing_replay=rollout) or sglang")
 
 
+def with_fillers(micro_batches: list[MicroBatch]) -> list[MicroBatch]:
+    """``micro_batches`` and as many fillers as the EP group's largest count needs (none
+    without expert parallelism); a filler has no samples (``is_filler``)."""
+    if ps.get_expert_model_parallel_world_size() == 1:
+        return micro_batches
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    count = torch.tensor([len(micro_batches)], dtype=torch.long, device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=ps.get_expert_model_parallel_group())
+    # Sequence parallelism splits the sequence over TP: one token per TP rank.
+    length = ps.get_tensor_model_parallel_world_size()
+    empty = torch.zeros(0, dtype=torch.long)
+    fillers = [MicroBatch(tokens=torch.zeros(1, length, dtype=torch.long),
+                          position_ids=torch.arange(length).view(1, length),
+                          flat_positions=empty, targets=empty, rows=empty, cols=empty,
+                          mask=torch.zeros(1, 1), advantages=torch.zeros(1, 1), sample_ids=[],
+                          index=len(micro_batches) + i)
+               for i in range(int(count) - len(micro_batches))]
+    return micro_batches + fillers
+
+
+def is_filler(mb: MicroBatch) -> bool:
+    return not mb.sample_ids
+
+
 def engine_notes(engine: str, arch) -> list[str]:
     """Start-up warnings for an MoE policy on an engine with a known MoE problem (a warning, not
     a refusal: the drift was measured on the CPU build only, and rollout correction can bound
@@ -75,7 +107,8 @@ class MoeRouting:
         self.mode = replay
         self.replay = replay != "none"  # the updates replay the recorded routing
         # Full activation recompute re-runs each layer's forward in the backward.
-        self.backward_replay = self.replay and module.config.recompute_granularity == "full"
+        self.recompute = module.config.recompute_granularity == "full"
+        self.backward_replay = self.replay and self.recompute
         self.topk = module.config.moe_router_topk
         self.num_experts = module.config.num_moe_experts
         self.layer_numbers = [r.layer_number for r in self.routers]  # global, from 1
@@ -84,7 +117,12 @@ class MoeRouting:
         self.losses = [n for n, on in (("load_balancing_loss", module.config.moe_aux_loss_coeff),
                                        ("z_loss", module.config.moe_z_loss_coeff)) if on]
         self._maps: Optional[list[torch.Tensor]] = None
-        for router in self.routers:
+        # Inside an update forward: whether it is a filler's; per router, that of each forward
+        # whose re-forward is still to come (activation recompute).
+        self._filler: Optional[bool] = None
+        self._reforwards: list[collections.deque] = [collections.deque() for _ in self.routers]
+        for i, router in enumerate(self.routers):
+            router.register_forward_pre_hook(functools.partial(self._before, i))
             router.register_forward_hook(self._capture)
         self._reset()
 
@@ -97,6 +135,26 @@ class MoeRouting:
     def _capture(self, module, args, output) -> None:
         if self._maps is not None:
             self._maps.append(output[1].detach())
+        if getattr(module, "_filler_eval", False):
+            module._filler_eval = False
+            module.training = True
+
+    def _before(self, i: int, module, args) -> None:
+        """A filler's router runs in eval mode: in its update forward, and in the backward's
+        re-forward (a training-mode forward with gradients outside any update forward)."""
+        if not module.training:
+            return
+        if self._filler is not None:
+            filler = self._filler
+            if self.recompute:
+                self._reforwards[i].append(filler)
+        elif self.recompute and torch.is_grad_enabled() and self._reforwards[i]:
+            filler = self._reforwards[i].popleft()
+        else:
+            return
+        if filler:
+            module._filler_eval = True
+            module.training = False
 
     def _top_experts(self, routing_map: torch.Tensor) -> torch.Tensor:
         """[tokens, k] sorted expert ids of a routing map without dropped tokens."""
@@ -207,10 +265,12 @@ class MoeRouting:
         target = self._targets(recorded, lengths, S, B)
         if self.replay:
             self._start_replay(target)
+        self._filler = False
         try:
             with self._forward() as maps:
                 yield
         finally:
+            self._filler = None
             if self.replay:
                 self._stop_replay(backward=self.backward_replay)
         self.forwards += 1
@@ -220,6 +280,21 @@ class MoeRouting:
             self.load[layer] += m.cpu()[flat_real].sum(0).double()
 
     @contextlib.contextmanager
+    def filler(self, mb: MicroBatch) -> Iterator[None]:
+        """Around a filler's update forward: routers in eval mode; with replay, it routes to the
+        first k experts like padding (and its re-forward takes that routing in turn)."""
+        S, B = mb.tokens.shape[1], mb.tokens.shape[0]
+        if self.replay:
+            self._start_replay(self._targets([], [], S, B))
+        self._filler = True
+        try:
+            yield
+        finally:
+            self._filler = None
+            if self.replay:
+                self._stop_replay(backward=self.backward_replay)
+
+    @contextlib.contextmanager
     def schedule(self, micro_batches: Sequence[MicroBatch]) -> Iterator[None]:
         """Around one optimizer step's schedule: the aux-loss scale; with backward replay, every
         re-forward has taken its targets at the end."""
@@ -227,18 +302,20 @@ class MoeRouting:
             with self.aux_loss_scale(micro_batches):
                 yield
             if self.backward_replay and any(r.router_replay.replay_backward_list
-                                            for r in self.routers):
-                raise RuntimeError("routing replay: a backward re-forward did not take its "
+                                            for r in self.routers) or any(self._reforwards):
+                raise RuntimeError("MoE routing: a backward re-forward did not take its "
                                    "routing (activation recompute)")
         finally:
             if self.backward_replay:
                 self._stop_replay(backward=False)
+            for pending in self._reforwards:
+                pending.clear()
 
     @contextlib.contextmanager
     def aux_loss_scale(self, micro_batches: Sequence[MicroBatch]) -> Iterator[None]:
         """For one optimizer step's schedule: the aux-loss gradient scale (module docstring)."""
-        tokens = torch.tensor([float(sum(mb.tokens.numel() for mb in micro_batches))],
-                              dtype=torch.float64)
+        tokens = torch.tensor([float(sum(mb.tokens.numel() for mb in micro_batches
+                                         if not is_filler(mb)))], dtype=torch.float64)
         dist.all_reduce(tokens, group=ps.get_data_parallel_group())
         original = MoEAuxLossAutoScaler.set_loss_scale
         divisor = max(float(tokens), 1.0)

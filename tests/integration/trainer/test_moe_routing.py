@@ -37,9 +37,10 @@ def moe8_dir(tmp_path_factory):
 
 
 def _moe_actor(hf_dir, expert: int, replay: str = "none", aux: float = 1e-2, lr: float = 1e-2,
-               recompute: bool = False):
-    """Inside a rank: Megatron at EP=``expert``, the tiny MoE from its HF weights and its Actor
-    (KL-Cov; 2 epochs x 2 mini-batches a step); returns (actor, full weights before)."""
+               recompute: bool = False, pipeline: int = 1, micro_batch_tokens: int = 48):
+    """Inside a rank: Megatron at EP=``expert`` x PP=``pipeline``, the tiny MoE from its HF
+    weights and its Actor (KL-Cov; 2 epochs x 2 mini-batches a step); returns (actor, this
+    stage's full weights before)."""
     from megatron_entropy.config import (AlgorithmConfig, ModelConfig, ParallelConfig,
                                          TrainerConfig)
     from megatron_entropy.models.bridge import load_hf_weights
@@ -47,17 +48,18 @@ def _moe_actor(hf_dir, expert: int, replay: str = "none", aux: float = 1e-2, lr:
     from megatron_entropy.trainer.actor import Actor
     from megatron_entropy.trainer.model_setup import build_optimizer, build_trainable_model
 
-    init_megatron(expert=expert)
+    init_megatron(pipeline=pipeline, expert=expert)
     arch = load_arch(hf_dir)
     chunks = build_trainable_model(
         arch, ModelConfig(dtype="fp32", transformer_impl="local", seq_length=64,
                           moe_aux_loss_coeff=aux, recompute_activations=recompute),
-        ParallelConfig(expert=expert), routing_replay=replay != "none")
+        ParallelConfig(pipeline=pipeline, expert=expert), routing_replay=replay != "none")
     load_hf_weights(chunks[0], hf_dir, arch)
     initial = full_state_dict(chunks[0])
     # adam_eps = 1: updates proportional to the gradients (see test_actor.py).
     trainer = TrainerConfig(lr=lr, steps=1, grad_clip=0.0, adam_eps=1.0, weight_decay=0.0,
-                            micro_batch_tokens=48, mini_batches_per_step=2, ppo_epochs=2,
+                            micro_batch_tokens=micro_batch_tokens, mini_batches_per_step=2,
+                            ppo_epochs=2,
                             seed=5)
     optimizer, scheduler = build_optimizer(chunks, trainer)
     algorithm = AlgorithmConfig(loss="kl_cov", kl_cov_ratio=0.1, kl_cov_coef=1.0)
@@ -67,14 +69,16 @@ def _moe_actor(hf_dir, expert: int, replay: str = "none", aux: float = 1e-2, lr:
 
 def _moe_update_worker(hf_dir, expert: int, replay: str = "none", aux: float = 1e-2,
                        lr: float = 1e-2, recompute: bool = False,
-                       backward_replay: Optional[bool] = None):
+                       backward_replay: Optional[bool] = None, pipeline: int = 1,
+                       micro_batch_tokens: int = 48):
     """One RL step of ``_moe_actor`` on ``random_samples(0)`` split over the DP ranks; returns
     this rank's weights after (global names: its experts), the metrics and the weights before.
     ``backward_replay`` overrides whether the backward's re-forward replays (a test's control)."""
     from megatron_entropy.models.sharding import full_state_dict
     from megatron_entropy.trainer.rollouts import dp_share
 
-    actor, initial = _moe_actor(hf_dir, expert, replay, aux, lr, recompute)
+    actor, initial = _moe_actor(hf_dir, expert, replay, aux, lr, recompute, pipeline,
+                                micro_batch_tokens)
     if backward_replay is not None:
         actor.routing.backward_replay = backward_replay
     mine = dp_share(random_samples(0))
@@ -100,12 +104,46 @@ def _paths(hf_dir) -> tuple[int, int]:
     return logp_path, grad_terms(logp_path, sum(len(s.response_ids) for s in samples))
 
 
-def test_ep2_equals_ep1_losses_metrics_and_weights(moe_dir):
-    ep1 = run_distributed(_moe_update_worker, 2, moe_dir, 1)
-    ep2 = run_distributed(_moe_update_worker, 2, moe_dir, 2)
-    (w1, w0), (w2, _) = _whole(ep1), _whole(ep2)
-    m1, m2 = ep1[0][1], ep2[0][1]
-    logp_path, path = _paths(moe_dir)
+@pytest.mark.parametrize("pipeline, micro_batch_tokens", [(1, 48), (2, 48), (1, 24)])
+def test_ep2_equals_ep1_losses_metrics_and_weights(moe_dir, pipeline, micro_batch_tokens):
+    """DP = 2 at PP = ``pipeline`` (world 2 or 4): each stage's experts, their loads and the
+    router losses summed over the stages. At 24 tokens a micro-batch the DP ranks pack 2 and 1
+    micro-batches into a mini-batch: at EP = 2 a filler evens them out and changes nothing."""
+    world = 2 * pipeline
+    kw = dict(pipeline=pipeline, micro_batch_tokens=micro_batch_tokens)
+    ep1 = run_distributed(_moe_update_worker, world, moe_dir, 1, **kw)
+    ep2 = run_distributed(_moe_update_worker, world, moe_dir, 2, **kw)
+    _assert_same_update(moe_dir, ep1, ep2)
+    (w1, w0), m1 = _whole(ep1), ep1[0][1]
+    # Every expert was trained (its weights moved) and the load counts every routed token.
+    samples = random_samples(0)
+    tokens = UPDATES // 2 * sum(s.length for s in samples)  # each epoch sees every token
+    for layer in (0, 1):
+        assert m1[f"moe/layer{layer}/tokens_per_expert_mean"] * 4 == pytest.approx(2 * tokens)
+        assert m1[f"moe/layer{layer}/tokens_per_expert_max"] >= \
+            m1[f"moe/layer{layer}/tokens_per_expert_mean"]
+    for name in w1:
+        if ".local_experts." in name:
+            assert not torch.equal(w1[name], w0[name]), name
+    assert not undocumented_metrics(k for k in m1 if k.startswith("moe/"))
+
+
+def test_pp2_with_replay_and_recomputed_activations_equals_pp1(moe_dir):
+    """EP = 2, R2, one sample per micro-batch: at PP = 2 with activation recompute (1F1B: stage 0
+    runs two forwards before the first backward, whose re-forwards take their routing in order)
+    the update equals PP = 1's without recompute."""
+    kw = dict(replay="recompute", micro_batch_tokens=24)
+    pp1 = run_distributed(_moe_update_worker, 2, moe_dir, 2, **kw)
+    pp2 = run_distributed(_moe_update_worker, 4, moe_dir, 2, pipeline=2, recompute=True, **kw)
+    _assert_same_update(moe_dir, pp1, pp2)
+
+
+def _assert_same_update(hf_dir, ref: list, got: list) -> None:
+    """Two runs of ``_moe_update_worker`` (results by rank) made the same update: weights,
+    routing, losses and the gradient norm, up to rounding along their paths."""
+    (w1, w0), (w2, _) = _whole(ref), _whole(got)
+    m1, m2 = ref[0][1], got[0][1]
+    logp_path, path = _paths(hf_dir)
     assert w1.keys() == w2.keys() and sum(".local_experts." in n for n in w1) == 2 * 2 * 4
     for name in w1:
         torch.testing.assert_close(w2[name], w1[name], rtol=0, msg=name,
@@ -123,17 +161,6 @@ def test_ep2_equals_ep1_losses_metrics_and_weights(moe_dir):
                                                abs=rounding_tol(m1["moe/aux_loss"], path))
     assert m2["grad_norm"] == pytest.approx(m1["grad_norm"],
                                             abs=rounding_tol(m1["grad_norm"], path))
-    # Every expert was trained (its weights moved) and the load counts every routed token.
-    samples = random_samples(0)
-    tokens = UPDATES // 2 * sum(s.length for s in samples)  # each epoch sees every token
-    for layer in (0, 1):
-        assert m1[f"moe/layer{layer}/tokens_per_expert_mean"] * 4 == pytest.approx(2 * tokens)
-        assert m1[f"moe/layer{layer}/tokens_per_expert_max"] >= \
-            m1[f"moe/layer{layer}/tokens_per_expert_mean"]
-    for name in w1:
-        if ".local_experts." in name:
-            assert not torch.equal(w1[name], w0[name]), name
-    assert not undocumented_metrics(k for k in m1 if k.startswith("moe/"))
 
 
 def test_aux_loss_coefficient_acts_on_the_update(moe_dir):
