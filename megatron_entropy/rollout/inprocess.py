@@ -90,6 +90,13 @@ class RoutingRecorder:
         return torch.stack(per_layer, dim=2).sort(dim=-1).values.to(torch.int16).cpu()
 
 
+def _keep_rows(cache, keep: list[int], *rows: torch.Tensor) -> list[torch.Tensor]:
+    """The KV cache and ``rows`` cut down to the batch rows ``keep``."""
+    sel = torch.tensor(keep, dtype=torch.long, device=rows[0].device)
+    cache.reorder_cache(sel)
+    return [t[sel] for t in rows]
+
+
 def _version(v: str) -> tuple[int, ...]:
     return tuple(int(p) for p in v.split(".")[:2] if p.isdigit())
 
@@ -247,9 +254,7 @@ class InProcessEngine(RolloutEngine):
                 if not keep:
                     break
                 if len(keep) < len(active):
-                    sel = torch.tensor(keep, dtype=torch.long, device=dev)
-                    cache.reorder_cache(sel)
-                    mask, next_pos, tok = mask[sel], next_pos[sel], tok[sel]
+                    mask, next_pos, tok = _keep_rows(cache, keep, mask, next_pos, tok)
                     active = [active[r] for r in keep]
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
             logits = self._forward(tok[:, None], mask, next_pos[:, None], cache)
@@ -263,9 +268,7 @@ class InProcessEngine(RolloutEngine):
                 if not keep:
                     break
                 if len(keep) < len(active):
-                    sel = torch.tensor(keep, dtype=torch.long, device=dev)
-                    cache.reorder_cache(sel)
-                    mask, next_pos, logits = mask[sel], next_pos[sel], logits[sel]
+                    mask, next_pos, logits = _keep_rows(cache, keep, mask, next_pos, logits)
                     active = [active[r] for r in keep]
 
         out = []

@@ -15,14 +15,6 @@ from megatron_entropy.rollout.inprocess import InProcessEngine
 from megatron_entropy.testing.toy_models import save_tiny_hf_model, save_tokenizer
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.mark.parametrize("norm_topk_prob", [True, False])
 def test_routing_is_what_a_plain_forward_routes(tmp_path, norm_topk_prob):
     """Samples of different lengths (stop tokens end some early; left-padded prompts; 3 rows a
