@@ -169,10 +169,13 @@ class RolloutConfig(Settings):
     stop_token_ids: list[int] = _f(default_factory=list, help="token ids that end a response, "
                                                               "beside the tokenizer's end of "
                                                               "sequence")
-    routing_replay: Literal["none", "recompute"] = _f(
+    routing_replay: Literal["none", "recompute", "rollout"] = _f(
         "none", help="mixture of experts: recompute = every update forward routes each token to "
-                     "the experts the actor's recompute chose (R2); none = the update routes "
-                     "afresh (the mismatch is logged as moe/routing_mismatch)")
+                     "the experts the actor's recompute chose (R2); rollout = the recompute and "
+                     "every update route each token to the experts the rollout engine chose "
+                     "(R3; engine=inprocess only); none = each forward routes afresh (the "
+                     "mismatches are logged as moe/routing_mismatch and, with the in-process "
+                     "engine, moe/rollout_routing_mismatch)")
     seed: int = _f(0, help="base of every rollout's and validation's sampling seed")
     dtype: DtypeName = _f("fp32", aliases=DTYPE_ALIASES, help="in-process engine's dtype")
     batch_size: int = _f(64, ge=1, help="in-process engine: sequences decoded together")

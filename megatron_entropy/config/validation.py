@@ -29,10 +29,13 @@ def validate(cfg: Config) -> None:
                           "that runs it, which rollout.server.router_url hides (the router "
                           "picks it): use rollout.inflight_at_sync=finish or address the "
                           "servers directly (rollout.server.urls)")
-    if r.routing_replay != "none" and cfg.model.recompute_activations:
-        raise ConfigError("rollout.routing_replay=recompute with model.recompute_activations="
-                          "true is not supported (the backward's re-forward would route "
-                          "afresh): set model.recompute_activations=false")
+    if r.routing_replay == "rollout" and r.engine != "inprocess":
+        raise ConfigError(f"rollout.routing_replay=rollout needs each token's routed experts "
+                          f"from the engine, which only rollout.engine=inprocess returns "
+                          f"(rollout.engine={r.engine}: the server clients do not ask for them; "
+                          "vLLM 0.32's CPU build cannot return them: enable_return_routed_experts "
+                          "needs its Model Runner V2, which needs Triton): use "
+                          "rollout.routing_replay=recompute (R2) or rollout.engine=inprocess")
     if cfg.rollout.engine != "inprocess":
         s = cfg.rollout.server
         if not (s.urls or s.urls_file or s.launch):

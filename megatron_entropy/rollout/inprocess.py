@@ -11,10 +11,16 @@ the actor recomputes and reproducible per sample:
   renormalised kept mass).
 Prompts are left-padded; each distinct prompt is prefilled once and its cache copied to its n
 samples; finished rows leave the batch, so long samples do not keep short ones' compute alive.
+
+A mixture-of-experts model also records the experts its routers chose for every token of every
+sample (prompt and response) in each MoE layer: ``Completion.meta["routing"]`` [layers, length,
+k], for routing replay (R3) and the engine-vs-trainer routing metric. A finished sample stays for
+one more forward so that its last token is routed too.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import random
 import re
@@ -33,6 +39,7 @@ from megatron_entropy.runtime.seeds import sample_seed
 
 
 
+_MOE_GATE = re.compile(r"layers\.(\d+)\.mlp\.gate$")
 _HF_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
@@ -53,6 +60,41 @@ def _fused_expert_slot(state: dict, name: str) -> Optional[tuple[str, torch.Tens
         return None
     gate, up = state[key][e].chunk(2, dim=0)
     return key, gate if proj == "gate_proj" else up
+
+
+class RoutingRecorder:
+    """The top-k experts each MoE router of a transformers model chose in its last forward."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        gates = sorted((int(m.group(1)), module) for name, module in model.named_modules()
+                       if (m := _MOE_GATE.search(name)))
+        self.layers = [i for i, _ in gates]
+        self.topk = int(model.config.num_experts_per_tok) if gates else 0
+        self._last: list[Optional[torch.Tensor]] = [None] * len(gates)
+        for slot, (_, module) in enumerate(gates):
+            module.register_forward_hook(functools.partial(self._capture, slot))
+
+    def _capture(self, slot: int, module, args, output) -> None:
+        if isinstance(output, tuple):
+            # transformers 5's router: (logits, scores, indices), the indices its experts use.
+            indices = output[2]
+        else:
+            # transformers 4's gate is a Linear; its block takes the top-k of the fp32 softmax.
+            indices = torch.softmax(output, dim=-1, dtype=torch.float).topk(self.topk).indices
+        self._last[slot] = indices.detach()
+
+    def take(self, rows: int, width: int) -> torch.Tensor:
+        """[rows, width, layers, k] int16 (sorted expert ids) of the last forward's tokens."""
+        per_layer = [t.view(rows, width, self.topk) for t in self._last]
+        self._last = [None] * len(self._last)
+        return torch.stack(per_layer, dim=2).sort(dim=-1).values.to(torch.int16).cpu()
+
+
+def _keep_rows(cache, keep: list[int], *rows: torch.Tensor) -> list[torch.Tensor]:
+    """The KV cache and ``rows`` cut down to the batch rows ``keep``."""
+    sel = torch.tensor(keep, dtype=torch.long, device=rows[0].device)
+    cache.reorder_cache(sel)
+    return [t[sel] for t in rows]
 
 
 def _version(v: str) -> tuple[int, ...]:
@@ -131,6 +173,8 @@ class InProcessEngine(RolloutEngine):
         params = inspect.signature(self.model.forward).parameters
         # transformers 5 renamed past_key_values to cache.
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        recorder = RoutingRecorder(self.model)
+        self.routing: Optional[RoutingRecorder] = recorder if recorder.layers else None
         self.weight_version = 0
         self._tokens = 0
         self._seconds = 0.0
@@ -164,6 +208,12 @@ class InProcessEngine(RolloutEngine):
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = self._new_cache()
         logits = self._forward(ids, mask, positions, cache)
+        # MoE: each sample's routing, [tokens, layers, k] pieces, from its prompt's on.
+        routes: list[list[torch.Tensor]] = [[] for _ in rows]
+        if self.routing is not None:
+            prefill = self.routing.take(len(prompts), width)
+            for s, r in enumerate(rows):
+                routes[s].append(prefill[r, width - len(prompts[r]):])
         # Copy each distinct prompt's cache to its samples.
         expand = torch.tensor(rows, dtype=torch.long, device=dev)
         cache.reorder_cache(expand)
@@ -200,25 +250,37 @@ class InProcessEngine(RolloutEngine):
                     reasons[s] = "length"
                 else:
                     keep.append(row)
-            if not keep:
-                break
-            if len(keep) < len(active):
-                sel = torch.tensor(keep, dtype=torch.long, device=dev)
-                cache.reorder_cache(sel)
-                mask, next_pos, tok = mask[sel], next_pos[sel], tok[sel]
-                active = [active[r] for r in keep]
+            if self.routing is None:
+                if not keep:
+                    break
+                if len(keep) < len(active):
+                    mask, next_pos, tok = _keep_rows(cache, keep, mask, next_pos, tok)
+                    active = [active[r] for r in keep]
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
             logits = self._forward(tok[:, None], mask, next_pos[:, None], cache)
             next_pos = next_pos + 1
+            if self.routing is not None:
+                # The rows that just finished had this one more forward to route their last
+                # token (no log-prob needs its output); now they leave.
+                step = self.routing.take(len(active), 1)
+                for row, s in enumerate(active):
+                    routes[s].append(step[row])
+                if not keep:
+                    break
+                if len(keep) < len(active):
+                    mask, next_pos, logits = _keep_rows(cache, keep, mask, next_pos, logits)
+                    active = [active[r] for r in keep]
 
         out = []
         for s in range(n):
             text = self.tokenizer.decode(tokens[s], skip_special_tokens=True)
             if stopped_by_text[s]:
                 text = text[:min((text.find(x) for x in sp.stop if x in text), default=len(text))]
+            meta: dict = {"weight_version": self.weight_version}
+            if routes[s]:
+                meta["routing"] = torch.cat(routes[s]).permute(1, 0, 2).contiguous()
             out.append(Completion(token_ids=tokens[s], logprobs=logprobs[s], text=text,
-                                  finish_reason=reasons[s],
-                                  meta={"weight_version": self.weight_version}))
+                                  finish_reason=reasons[s], meta=meta))
         return out
 
     @property

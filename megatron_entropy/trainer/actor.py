@@ -51,7 +51,7 @@ from megatron_entropy.runtime.seeds import micro_batch_draw_seed, update_seed
 from megatron_entropy.trainer.batch import MicroBatch, Sample, pack_micro_batches, to_device
 from megatron_entropy.trainer.entropy_change import entropy_change_metrics
 from megatron_entropy.trainer.model_setup import optimizer_step
-from megatron_entropy.trainer.moe_routing import MoeRouting
+from megatron_entropy.trainer.moe_routing import MoeRouting, is_filler, with_fillers
 
 
 class StepRules:
@@ -110,12 +110,13 @@ class Actor:
     token rules, the rollout correction, log-prob and Cov-scope keys) and the ``trainer``
     section (micro-batch budget, mini-batches, epochs, seed); ``temperature`` is the rollout's,
     at which log-probs and entropies are scored. A mixture-of-experts policy records the
-    recompute's routing and, with ``routing_replay``, replays it in the updates (R2)."""
+    recompute's routing and replays it in the updates with ``routing_replay`` ``recompute`` (R2)
+    or ``rollout`` (R3: the recompute replays the engine's routing first)."""
 
     def __init__(self, arch: ModelArch, model_chunks: list, optimizer, scheduler,
                  algorithm: AlgorithmConfig, trainer: TrainerConfig, temperature: float,
                  ref_model: Optional[torch.nn.Module] = None,
-                 routing_replay: bool = False) -> None:
+                 routing_replay: str = "none") -> None:
         self.arch = arch
         self.model = model_chunks
         self.optimizer = optimizer
@@ -157,23 +158,35 @@ class Actor:
                       scope: Optional[Callable[[MicroBatch], ContextManager]] = None
                       ) -> list[dict]:
         """Run micro-batches through Megatron's schedule; returns the last stage's loss dicts.
-        ``scope(mb)`` is entered around each micro-batch's forward (MoE routing)."""
+        ``scope(mb)`` is entered around each micro-batch's forward (MoE routing). With expert
+        parallelism, filler micro-batches even out the EP ranks' forwards (moe_routing.py)."""
+        if self.arch is not None and self.arch.is_moe:
+            micro_batches = with_fillers(micro_batches)
         if not micro_batches:
             return []
         queue = iter(micro_batches)
 
         def forward_step(data_iterator, model):
             mb = to_device(next(data_iterator), self.device)
+            if is_filler(mb):
+                # Forward-only passes run in eval mode already; an update's routers need it.
+                filler = (self.routing.filler(mb) if self.routing is not None and not forward_only
+                          else contextlib.nullcontext())
+                with filler:
+                    output = self._model_forward(model, mb)
+                return output, lambda out: (out.sum() * 0.0, torch.tensor(0, dtype=torch.int),
+                                            {"filler": True})
             with scope(mb) if scope else contextlib.nullcontext():
                 output = self._model_forward(model, mb)
             return output, lambda out: loss_fn(model, out, mb)
 
         seq = max(mb.tokens.shape[1] for mb in micro_batches)
         rows = max(mb.tokens.shape[0] for mb in micro_batches)
-        return get_forward_backward_func()(
+        outs = get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=queue, model=model_chunks,
             num_microbatches=len(micro_batches), seq_length=seq, micro_batch_size=rows,
             forward_only=forward_only)
+        return [o for o in outs if "filler" not in o]
 
     def _broadcast_from_last_stage(self, obj: Any) -> Any:
         """Results exist on the last PP stage only; every stage of the replica gets them."""
@@ -365,11 +378,11 @@ class Actor:
                     metrics.update(rule_metrics, **shaping.get(mb.index, {}))
                     return value, torch.tensor(mb.num_tokens, dtype=torch.int), {"m": metrics}
 
-                scope, aux_scale = None, contextlib.nullcontext()
+                scope, step_scope = None, contextlib.nullcontext()
                 if self.routing is not None:
                     scope = lambda mb: self.routing.update(mb, samples)  # noqa: E731
-                    aux_scale = self.routing.aux_loss_scale(mbs)
-                with aux_scale:
+                    step_scope = self.routing.schedule(mbs)
+                with step_scope:
                     outs = self._run_schedule(self.model, mbs, loss_fn, forward_only=False,
                                               scope=scope)
                 all_metrics.extend(o["m"] for o in outs)

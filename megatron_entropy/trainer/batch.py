@@ -36,6 +36,9 @@ class Sample:
     # Mixture of experts: the recompute's top-k experts of every token (prompt and response) in
     # each MoE layer of this pipeline stage, [layers, length, k] (trainer/moe_routing.py).
     routing: Optional[torch.Tensor] = None
+    # The rollout engine's experts of every token in every MoE layer, [layers, length, k] (the
+    # in-process engine's Completion.meta["routing"]); None where the engine does not say.
+    engine_routing: Optional[torch.Tensor] = None
 
     @property
     def length(self) -> int:

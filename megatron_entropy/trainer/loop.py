@@ -44,6 +44,7 @@ from megatron_entropy.trainer.entropy_control import (build_controller, controll
 from megatron_entropy.trainer.metrics import MetricsLogger, PhaseTimer
 from megatron_entropy.trainer.model_setup import (build_optimizer, build_trainable_model,
                                                   gather_params)
+from megatron_entropy.trainer.moe_routing import engine_notes
 from megatron_entropy.trainer.preemption import PREEMPTED_EXIT_CODE
 from megatron_entropy.trainer.rollouts import (collect_step_groups, generate_round,
                                                groups_to_samples, rollout_metrics)
@@ -134,11 +135,11 @@ class Trainer:
         resume_from = resume_checkpoint(cfg.trainer.resume, self.ckpt)
         sharded_optimizer = cfg.trainer.uses_distributed_optimizer(
             ps.get_data_parallel_world_size())
-        replay = cfg.rollout.routing_replay == "recompute" and self.arch.is_moe
+        replay = cfg.rollout.routing_replay if self.arch.is_moe else "none"
         self.model = build_trainable_model(
             self.arch, m, cfg.parallel, sharded_optimizer,
             overlap=cfg.trainer.uses_overlap(on_gpu=dist.get_backend() == "nccl"),
-            routing_replay=replay)
+            routing_replay=replay != "none")
         if resume_from is None:
             self._load_initial_weights(self.model[0])
         optimizer, scheduler = build_optimizer(self.model, cfg.trainer, m.dtype,
@@ -190,7 +191,7 @@ class Trainer:
         notes, self.data_metrics = data_notes(self.train_data, self.val_data,
                                               cfg.data.prompts_per_step,
                                               cfg.rollout.max_prompt_tokens, asked)
-        for note in notes:
+        for note in notes + engine_notes(cfg.rollout.engine, self.arch):
             self.logger.write(f"warning: {note}")
         # The engine loaded hf_path's weights; anything else (a checkpoint, a converted
         # Megatron checkpoint) is pushed to it before the first rollout.

@@ -6,11 +6,23 @@ each router reads its routing map [tokens, experts] (tokens in Megatron's [S, B]
 
 * The recompute records, for every sample, the top-k experts of each of its tokens in each local
   MoE layer (``Sample.routing``: [layers, length, k], sorted).
-* With replay (``rollout.routing_replay: recompute``) every update forward hands each router the
-  recorded experts through Megatron-Core's ``RouterReplay`` (REPLAY_FORWARD): the update's probs
-  are the current router's scores at those experts, so gradients still reach the router.
+* With replay (``rollout.routing_replay: recompute``, R2) every update forward hands each router
+  the recorded experts through Megatron-Core's ``RouterReplay`` (REPLAY_FORWARD): the update's
+  probs are the current router's scores at those experts, so gradients still reach the router.
+  With activation recompute the backward's re-forward replays them too (REPLAY_BACKWARD: each
+  router pops the targets in the order the forwards set them, which every schedule keeps).
+* ``rollout``: R3. The recompute replays the rollout engine's routing (``Sample.engine_routing``,
+  every token of every MoE layer, inprocess.py records it), so the recorded routing, and every
+  update's, is the engine's. Whatever the mode, where the engine's routing is known the recompute
+  counts how much of its own differs from it: ``moe/rollout_routing_mismatch``.
 * Each update forward compares its routing with the recorded one: ``moe/routing_mismatch`` is the
   fraction of (token, layer) pairs whose expert sets differ (0 by construction with replay).
+* Expert parallelism pairs the forwards (and backward re-forwards) of the EP ranks (each MoE
+  layer's all-to-all), so every rank of the EP group runs as many micro-batches as the others:
+  the ranks that packed fewer get filler micro-batches (``with_fillers``), one row of padding
+  whose loss is 0 x its output: no gradient, no metric, no routing record. In an update its
+  routers run in eval mode, so no router loss is attached, in the forward and in the backward's
+  re-forward alike (re-forwards come in the order of the forwards, as for REPLAY_BACKWARD).
 * Expert load: tokens routed to each expert over the step's update forwards (real tokens, summed
   over DP), per layer; the router's losses as Megatron's tracker holds them.
 * The load-balancing loss's gradient scale: with ``calculate_per_token_loss`` Megatron scales a
@@ -22,7 +34,9 @@ each router reads its routing map [tokens, experts] (tokens in Megatron's [S, B]
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import functools
 from typing import Iterator, Optional, Sequence
 
 import torch
@@ -35,20 +49,66 @@ from megatron.core.transformer.moe.router_replay import RouterReplayAction
 from megatron_entropy.models.sharding import unwrap_model
 from megatron_entropy.trainer.batch import MicroBatch, Sample
 
+REPLAY_MODES = ("none", "recompute", "rollout")
 # Megatron's tracker names -> metric keys.
 _TRACKED_LOSSES = {"load_balancing_loss": "moe/aux_loss", "z_loss": "moe/z_loss"}
+
+# Measured on vLLM 0.32.0's CPU build (docs/moe.md, tests/servers/test_moe_servers.py).
+VLLM_MOE_RELOAD = (
+    "rollout.engine=vllm with a mixture-of-experts model: vLLM 0.32's CPU build reloads MoE "
+    "weights wrongly (after a weight sync it scores 1.95e-2 nats per token off the synced "
+    "weights in fp32, rollouts drift 1.1e-2 to 2.8e-2 nats from the actor, and the weight check "
+    "passes; GPU builds not measured): watch rollout/logprob_drift, or use rollout.engine="
+    "inprocess (which can also replay its routing, routing_replay=rollout) or sglang")
+
+
+def with_fillers(micro_batches: list[MicroBatch]) -> list[MicroBatch]:
+    """``micro_batches`` and as many fillers as the EP group's largest count needs (none
+    without expert parallelism); a filler has no samples (``is_filler``)."""
+    if ps.get_expert_model_parallel_world_size() == 1:
+        return micro_batches
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    count = torch.tensor([len(micro_batches)], dtype=torch.long, device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=ps.get_expert_model_parallel_group())
+    # Sequence parallelism splits the sequence over TP: one token per TP rank.
+    length = ps.get_tensor_model_parallel_world_size()
+    empty = torch.zeros(0, dtype=torch.long)
+    fillers = [MicroBatch(tokens=torch.zeros(1, length, dtype=torch.long),
+                          position_ids=torch.arange(length).view(1, length),
+                          flat_positions=empty, targets=empty, rows=empty, cols=empty,
+                          mask=torch.zeros(1, 1), advantages=torch.zeros(1, 1), sample_ids=[],
+                          index=len(micro_batches) + i)
+               for i in range(int(count) - len(micro_batches))]
+    return micro_batches + fillers
+
+
+def is_filler(mb: MicroBatch) -> bool:
+    return not mb.sample_ids
+
+
+def engine_notes(engine: str, arch) -> list[str]:
+    """Start-up warnings for an MoE policy on an engine with a known MoE problem (a warning, not
+    a refusal: the drift was measured on the CPU build only, and rollout correction can bound
+    it)."""
+    return [VLLM_MOE_RELOAD] if engine == "vllm" and arch.is_moe else []
 
 
 class MoeRouting:
     """Routing records, replay and metrics of one MoE model (the trainable policy)."""
 
-    def __init__(self, model_chunks, replay: bool) -> None:
+    def __init__(self, model_chunks, replay: str = "none") -> None:
+        if replay not in REPLAY_MODES:
+            raise ValueError(f"routing replay {replay!r} is not one of {', '.join(REPLAY_MODES)}")
         module = unwrap_model(model_chunks)
         self.routers = [m for m in module.modules() if isinstance(m, TopKRouter)]
-        if replay and any(r.router_replay is None for r in self.routers):
+        if replay != "none" and any(r.router_replay is None for r in self.routers):
             raise ValueError("routing replay needs a model built with it (MoeOptions."
                              "routing_replay)")
-        self.replay = replay
+        self.mode = replay
+        self.replay = replay != "none"  # the updates replay the recorded routing
+        # Full activation recompute re-runs each layer's forward in the backward.
+        self.recompute = module.config.recompute_granularity == "full"
+        self.backward_replay = self.replay and self.recompute
         self.topk = module.config.moe_router_topk
         self.num_experts = module.config.num_moe_experts
         self.layer_numbers = [r.layer_number for r in self.routers]  # global, from 1
@@ -57,18 +117,44 @@ class MoeRouting:
         self.losses = [n for n, on in (("load_balancing_loss", module.config.moe_aux_loss_coeff),
                                        ("z_loss", module.config.moe_z_loss_coeff)) if on]
         self._maps: Optional[list[torch.Tensor]] = None
-        for router in self.routers:
+        # Inside an update forward: whether it is a filler's; per router, that of each forward
+        # whose re-forward is still to come (activation recompute).
+        self._filler: Optional[bool] = None
+        self._reforwards: list[collections.deque] = [collections.deque() for _ in self.routers]
+        for i, router in enumerate(self.routers):
+            router.register_forward_pre_hook(functools.partial(self._before, i))
             router.register_forward_hook(self._capture)
         self._reset()
 
     def _reset(self) -> None:
         self.load = torch.zeros(len(self.routers), self.num_experts, dtype=torch.float64)
         self.mismatch = torch.zeros(2, dtype=torch.float64)  # differing pairs, compared pairs
+        self.rollout_mismatch = torch.zeros(2, dtype=torch.float64)  # recompute vs the engine
         self.forwards = 0
 
     def _capture(self, module, args, output) -> None:
         if self._maps is not None:
             self._maps.append(output[1].detach())
+        if getattr(module, "_filler_eval", False):
+            module._filler_eval = False
+            module.training = True
+
+    def _before(self, i: int, module, args) -> None:
+        """A filler's router runs in eval mode: in its update forward, and in the backward's
+        re-forward (a training-mode forward with gradients outside any update forward)."""
+        if not module.training:
+            return
+        if self._filler is not None:
+            filler = self._filler
+            if self.recompute:
+                self._reforwards[i].append(filler)
+        elif self.recompute and torch.is_grad_enabled() and self._reforwards[i]:
+            filler = self._reforwards[i].popleft()
+        else:
+            return
+        if filler:
+            module._filler_eval = True
+            module.training = False
 
     def _top_experts(self, routing_map: torch.Tensor) -> torch.Tensor:
         """[tokens, k] sorted expert ids of a routing map without dropped tokens."""
@@ -82,17 +168,90 @@ class MoeRouting:
         finally:
             self._maps = None
 
+    def _layout(self, mb: MicroBatch, samples: Sequence[Sample]
+                ) -> tuple[int, int, list[int], torch.Tensor]:
+        """S, B, each row's length and the [S, B] mask of real tokens of ``mb``."""
+        S, B = mb.tokens.shape[1], mb.tokens.shape[0]
+        lengths = [samples[sid].length for sid in mb.sample_ids]
+        real = torch.zeros(S, B, dtype=torch.bool)
+        for b, n in enumerate(lengths):
+            real[:n, b] = True
+        return S, B, lengths, real
+
+    def _targets(self, routings: Sequence[torch.Tensor], lengths: Sequence[int], S: int,
+                 B: int) -> torch.Tensor:
+        """[layers, S, B, k] the rows' recorded experts; padding positions route to the first k
+        experts (right padding: no real token attends to them)."""
+        target = torch.arange(self.topk).expand(len(self.routers), S, B, self.topk).clone()
+        for b, (r, n) in enumerate(zip(routings, lengths)):
+            target[:, :n, b] = r.long()
+        return target
+
+    def _engine_routing(self, sample: Sample) -> Optional[torch.Tensor]:
+        """This stage's layers of the engine's routing of ``sample``, [layers, length, k]."""
+        r = sample.engine_routing
+        if r is None:
+            return None
+        if tuple(r.shape) != (self.num_layers, sample.length, self.topk):
+            raise ValueError(f"the engine's routing of a sample has shape {tuple(r.shape)}, "
+                             f"not [MoE layers, tokens, k] = [{self.num_layers}, "
+                             f"{sample.length}, {self.topk}]")
+        return r[[n - 1 for n in self.layer_numbers]]
+
+    def _start_replay(self, target: torch.Tensor) -> None:
+        layers, S, B, k = target.shape
+        for router, t in zip(self.routers, target):
+            router.router_replay.set_target_indices(t.reshape(S * B, k).to(router.weight.device))
+            router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+
+    def _stop_replay(self, backward: bool) -> None:
+        """After a replayed forward: ``backward``: its targets wait for the backward's
+        re-forward; else they are dropped."""
+        for router in self.routers:
+            if backward:
+                router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
+            else:
+                router.router_replay.clear_router_replay_action()
+                router.router_replay.clear_indices()
+
+    def _mismatch(self, maps: Sequence[torch.Tensor], target: torch.Tensor,
+                  real: torch.Tensor) -> torch.Tensor:
+        """[differing, compared] (token, layer) pairs of a forward's routing against ``target``
+        over the real tokens."""
+        S, B = real.shape
+        out = torch.zeros(2, dtype=torch.float64)
+        for layer, m in enumerate(maps):
+            got = self._top_experts(m).cpu().view(S, B, self.topk)
+            differs = (got != target[layer]).any(-1)
+            out += torch.tensor([float(differs[real].sum()), float(real.sum())],
+                                dtype=torch.float64)
+        return out
+
     @contextlib.contextmanager
     def record(self, mb: MicroBatch, samples: Sequence[Sample]) -> Iterator[None]:
-        """Around the recompute's forward of ``mb``: each sample's routing is stored."""
-        with self._forward() as maps:
-            yield
-        S, B = mb.tokens.shape[1], mb.tokens.shape[0]
+        """Around the recompute's forward of ``mb``: each sample's routing is stored (with R3
+        the engine's, replayed) and compared with the engine's where every row has it."""
+        S, B, lengths, real = self._layout(mb, samples)
+        engine = [self._engine_routing(samples[sid]) for sid in mb.sample_ids]
+        known = all(e is not None for e in engine)
+        if self.mode == "rollout" and not known:
+            raise RuntimeError("rollout.routing_replay=rollout needs the engine's routing of "
+                               "every sample (the in-process engine returns it for MoE models)")
+        target = self._targets(engine, lengths, S, B) if known else None
+        if self.mode == "rollout":
+            self._start_replay(target)
+        try:
+            with self._forward() as maps:
+                yield
+        finally:
+            if self.mode == "rollout":
+                self._stop_replay(backward=False)
         per_layer = [self._top_experts(m).view(S, B, self.topk) for m in maps]
-        for b, sid in enumerate(mb.sample_ids):
-            n = samples[sid].length
+        for b, (sid, n) in enumerate(zip(mb.sample_ids, lengths)):
             samples[sid].routing = torch.stack([t[:n, b] for t in per_layer]).to(
                 torch.int16).cpu()
+        if known:
+            self.rollout_mismatch += self._mismatch(maps, target, real)
 
     @contextlib.contextmanager
     def update(self, mb: MicroBatch, samples: Sequence[Sample]) -> Iterator[None]:
@@ -102,43 +261,61 @@ class MoeRouting:
         if any(r is None for r in recorded):
             raise RuntimeError("an MoE update needs the recompute's routing of every sample "
                                "(Actor.recompute records it)")
-        S, B = mb.tokens.shape[1], mb.tokens.shape[0]
-        lengths = [samples[sid].length for sid in mb.sample_ids]
-        # [layers, S, B, k]; padding positions route to the first k experts (right padding:
-        # no real token attends to them).
-        target = torch.arange(self.topk).expand(len(self.routers), S, B, self.topk).clone()
-        for b, (r, n) in enumerate(zip(recorded, lengths)):
-            target[:, :n, b] = r.long()
-        real = torch.zeros(S, B, dtype=torch.bool)
-        for b, n in enumerate(lengths):
-            real[:n, b] = True
+        S, B, lengths, real = self._layout(mb, samples)
+        target = self._targets(recorded, lengths, S, B)
         if self.replay:
-            for router, t in zip(self.routers, target):
-                router.router_replay.set_target_indices(t.reshape(S * B, self.topk).to(
-                    router.weight.device))
-                router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+            self._start_replay(target)
+        self._filler = False
         try:
             with self._forward() as maps:
                 yield
         finally:
+            self._filler = None
             if self.replay:
-                for router in self.routers:
-                    router.router_replay.clear_router_replay_action()
-                    router.router_replay.clear_indices()
+                self._stop_replay(backward=self.backward_replay)
         self.forwards += 1
+        self.mismatch += self._mismatch(maps, target, real)
         flat_real = real.reshape(-1)
         for layer, m in enumerate(maps):
-            got = self._top_experts(m).cpu().view(S, B, self.topk)
-            differs = (got != target[layer]).any(-1)
-            self.mismatch += torch.tensor([float(differs[real].sum()), float(real.sum())],
-                                          dtype=torch.float64)
             self.load[layer] += m.cpu()[flat_real].sum(0).double()
+
+    @contextlib.contextmanager
+    def filler(self, mb: MicroBatch) -> Iterator[None]:
+        """Around a filler's update forward: routers in eval mode; with replay, it routes to the
+        first k experts like padding (and its re-forward takes that routing in turn)."""
+        S, B = mb.tokens.shape[1], mb.tokens.shape[0]
+        if self.replay:
+            self._start_replay(self._targets([], [], S, B))
+        self._filler = True
+        try:
+            yield
+        finally:
+            self._filler = None
+            if self.replay:
+                self._stop_replay(backward=self.backward_replay)
+
+    @contextlib.contextmanager
+    def schedule(self, micro_batches: Sequence[MicroBatch]) -> Iterator[None]:
+        """Around one optimizer step's schedule: the aux-loss scale; with backward replay, every
+        re-forward has taken its targets at the end."""
+        try:
+            with self.aux_loss_scale(micro_batches):
+                yield
+            if self.backward_replay and any(r.router_replay.replay_backward_list
+                                            for r in self.routers) or any(self._reforwards):
+                raise RuntimeError("MoE routing: a backward re-forward did not take its "
+                                   "routing (activation recompute)")
+        finally:
+            if self.backward_replay:
+                self._stop_replay(backward=False)
+            for pending in self._reforwards:
+                pending.clear()
 
     @contextlib.contextmanager
     def aux_loss_scale(self, micro_batches: Sequence[MicroBatch]) -> Iterator[None]:
         """For one optimizer step's schedule: the aux-loss gradient scale (module docstring)."""
-        tokens = torch.tensor([float(sum(mb.tokens.numel() for mb in micro_batches))],
-                              dtype=torch.float64)
+        tokens = torch.tensor([float(sum(mb.tokens.numel() for mb in micro_batches
+                                         if not is_filler(mb)))], dtype=torch.float64)
         dist.all_reduce(tokens, group=ps.get_data_parallel_group())
         original = MoEAuxLossAutoScaler.set_loss_scale
         divisor = max(float(tokens), 1.0)
@@ -157,15 +334,15 @@ class MoeRouting:
         tracker = moe_utils.get_moe_layer_wise_logging_tracker()
         losses = [tracker[n]["values"].detach().double().sum().cpu() if n in tracker
                   else torch.zeros((), dtype=torch.float64) for n in self.losses]
-        per_dp = torch.stack([*self.mismatch, torch.tensor(float(self.forwards),
-                                                           dtype=torch.float64), *losses])
+        per_dp = torch.stack([*self.mismatch, *self.rollout_mismatch,
+                              torch.tensor(float(self.forwards), dtype=torch.float64), *losses])
         load = torch.zeros(self.num_layers, self.num_experts, dtype=torch.float64)
         for i, n in enumerate(self.layer_numbers):
             load[n - 1] = self.load[i]
         dist.all_reduce(per_dp, group=dp)
         dist.all_reduce(load, group=dp)
-        forwards = float(per_dp[2])  # the same on every stage
-        per_pp = torch.cat([per_dp[:2], per_dp[3:], torch.tensor(
+        forwards = float(per_dp[4])  # the same on every stage
+        per_pp = torch.cat([per_dp[:4], per_dp[5:], torch.tensor(
             [float(len(self.routers))], dtype=torch.float64)])
         dist.all_reduce(per_pp, group=pp)
         dist.all_reduce(load, group=pp)
@@ -175,7 +352,9 @@ class MoeRouting:
         out: dict[str, float] = {}
         if pairs:
             out["moe/routing_mismatch"] = differ / pairs
-        for name, total in zip(self.losses, per_pp[2:-1]):
+        if float(per_pp[3]):
+            out["moe/rollout_routing_mismatch"] = float(per_pp[2]) / float(per_pp[3])
+        for name, total in zip(self.losses, per_pp[4:-1]):
             if forwards:
                 out[_TRACKED_LOSSES[name]] = float(total) / (forwards * layers)
         imbalance = 0.0

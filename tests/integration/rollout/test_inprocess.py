@@ -22,15 +22,6 @@ from megatron_entropy.weight_sync import InPlaceSync
 QUICKSTART = Path(__file__).resolve().parents[3] / "examples" / "quickstart_model"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny models decode many small matmuls: one thread is far faster on a shared 2-core box.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def tokenizer():
     return load_tokenizer(QUICKSTART)

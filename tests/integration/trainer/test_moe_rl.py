@@ -1,6 +1,6 @@
-"""KL-Cov RL on the tiny Qwen3-MoE at EP=2 with routing replay, end to end through the CLI: the
-in-process engines get every expert at each sync (the weight check passes), and a run killed with
-SIGKILL resumes bit for bit."""
+"""KL-Cov RL on the tiny Qwen3-MoE at EP=2 with routing replay (R2, R3), end to end through the
+CLI: the in-process engines get every expert at each sync (the weight check passes), and a run
+killed with SIGKILL resumes bit for bit."""
 
 from __future__ import annotations
 
@@ -40,18 +40,22 @@ def _config(model: Path, run_dir: Path, name: str, replay: str = "recompute",
 
 
 def test_ep2_run_syncs_every_expert_and_replay_removes_the_mismatch(moe_model, tmp_path):
-    run_distributed(train_from_dict, 2, _config(moe_model, tmp_path, "free", "none", 2),
-                    timeout=300)
-    run_distributed(train_from_dict, 2, _config(moe_model, tmp_path, "replay", steps=2),
-                    timeout=300)
-    free, replay = metrics_rows(tmp_path / "free"), metrics_rows(tmp_path / "replay")
-    for rows in (free, replay):
+    """Replay none, recompute (R2) and rollout (R3: the engines' routing travels with their
+    completions to the rank that trains on them)."""
+    runs = {"free": "none", "replay": "recompute", "engine": "rollout"}
+    for name, replay in runs.items():
+        run_distributed(train_from_dict, 2, _config(moe_model, tmp_path, name, replay, 2),
+                        timeout=300)
+    free, replay, engine = (metrics_rows(tmp_path / name) for name in runs)
+    for rows in (free, replay, engine):
         assert [r["step"] for r in rows] == [1, 2]
         # The engines hold the trained experts: the check after each sync passes on both replicas.
         assert all(r["weight_check/replicas"] == 2 for r in rows)
         assert all(r["moe/aux_loss"] > 0 and r["moe/load_imbalance"] >= 1 for r in rows)
+        assert all(0 <= r["moe/rollout_routing_mismatch"] <= 1 for r in rows)
     assert max(r["moe/routing_mismatch"] for r in free) > 0
-    assert all(r["moe/routing_mismatch"] == 0 for r in replay)
+    assert all(r["moe/routing_mismatch"] == 0 for r in replay + engine)
+    assert all(r["moe/rollout_routing_mismatch"] == 0 for r in engine)
 
 
 @pytest.mark.slow

@@ -4,6 +4,8 @@ makes every update route as the recompute did."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 import pytest
 import torch
 
@@ -13,49 +15,77 @@ from tiny_models import random_samples, save_tiny_hf_model
 from tolerance import grad_terms, rounding_tol, transformer_terms, update_tol
 
 from megatron_entropy.models.arch import load_arch
+from megatron_entropy.testing.toy_models import save_tokenizer
 
 UPDATES = 4  # ppo_epochs x mini_batches_per_step
 
 
 @pytest.fixture(scope="module")
 def moe_dir(tmp_path_factory):
-    return save_tiny_hf_model("qwen3_moe", tmp_path_factory.mktemp("moe_train"))
+    out = save_tiny_hf_model("qwen3_moe", tmp_path_factory.mktemp("moe_train"))
+    save_tokenizer(out)  # for the in-process engine
+    return out
 
 
-def _moe_update_worker(hf_dir, expert: int, replay: bool = False, aux: float = 1e-2,
-                       lr: float = 1e-2):
-    """One RL step (2 epochs x 2 mini-batches, KL-Cov) of the tiny MoE from its HF weights at
-    EP=``expert`` on ``random_samples(0)`` split over the DP ranks; returns this rank's weights
-    after (global names: its experts), the metrics and the weights before."""
+@pytest.fixture(scope="module")
+def moe8_dir(tmp_path_factory):
+    """8 experts, top-2: closer calls between the second and third expert than with 4, so that
+    a bf16 engine routes some tokens elsewhere than the fp32 trainer."""
+    out = save_tiny_hf_model("qwen3_moe", tmp_path_factory.mktemp("moe8"), num_experts=8)
+    save_tokenizer(out)
+    return out
+
+
+def _moe_actor(hf_dir, expert: int, replay: str = "none", aux: float = 1e-2, lr: float = 1e-2,
+               recompute: bool = False, pipeline: int = 1, micro_batch_tokens: int = 48):
+    """Inside a rank: Megatron at EP=``expert`` x PP=``pipeline``, the tiny MoE from its HF
+    weights and its Actor (KL-Cov; 2 epochs x 2 mini-batches a step); returns (actor, this
+    stage's full weights before)."""
     from megatron_entropy.config import (AlgorithmConfig, ModelConfig, ParallelConfig,
                                          TrainerConfig)
     from megatron_entropy.models.bridge import load_hf_weights
     from megatron_entropy.models.sharding import full_state_dict
     from megatron_entropy.trainer.actor import Actor
     from megatron_entropy.trainer.model_setup import build_optimizer, build_trainable_model
-    from megatron_entropy.trainer.rollouts import dp_share
 
-    init_megatron(expert=expert)
+    init_megatron(pipeline=pipeline, expert=expert)
     arch = load_arch(hf_dir)
     chunks = build_trainable_model(
         arch, ModelConfig(dtype="fp32", transformer_impl="local", seq_length=64,
-                          moe_aux_loss_coeff=aux),
-        ParallelConfig(expert=expert), routing_replay=replay)
+                          moe_aux_loss_coeff=aux, recompute_activations=recompute),
+        ParallelConfig(pipeline=pipeline, expert=expert), routing_replay=replay != "none")
     load_hf_weights(chunks[0], hf_dir, arch)
     initial = full_state_dict(chunks[0])
     # adam_eps = 1: updates proportional to the gradients (see test_actor.py).
     trainer = TrainerConfig(lr=lr, steps=1, grad_clip=0.0, adam_eps=1.0, weight_decay=0.0,
-                            micro_batch_tokens=48, mini_batches_per_step=2, ppo_epochs=2,
+                            micro_batch_tokens=micro_batch_tokens, mini_batches_per_step=2,
+                            ppo_epochs=2,
                             seed=5)
     optimizer, scheduler = build_optimizer(chunks, trainer)
     algorithm = AlgorithmConfig(loss="kl_cov", kl_cov_ratio=0.1, kl_cov_coef=1.0)
-    actor = Actor(arch, chunks, optimizer, scheduler, algorithm, trainer, 1.0,
-                  routing_replay=replay)
+    return Actor(arch, chunks, optimizer, scheduler, algorithm, trainer, 1.0,
+                 routing_replay=replay), initial
+
+
+def _moe_update_worker(hf_dir, expert: int, replay: str = "none", aux: float = 1e-2,
+                       lr: float = 1e-2, recompute: bool = False,
+                       backward_replay: Optional[bool] = None, pipeline: int = 1,
+                       micro_batch_tokens: int = 48):
+    """One RL step of ``_moe_actor`` on ``random_samples(0)`` split over the DP ranks; returns
+    this rank's weights after (global names: its experts), the metrics and the weights before.
+    ``backward_replay`` overrides whether the backward's re-forward replays (a test's control)."""
+    from megatron_entropy.models.sharding import full_state_dict
+    from megatron_entropy.trainer.rollouts import dp_share
+
+    actor, initial = _moe_actor(hf_dir, expert, replay, aux, lr, recompute, pipeline,
+                                micro_batch_tokens)
+    if backward_replay is not None:
+        actor.routing.backward_replay = backward_replay
     mine = dp_share(random_samples(0))
     actor.recompute(mine)
     metrics = actor.update(mine, step=1)
     metrics["max_abs_logp"] = float(torch.cat([s.old_logprobs for s in mine]).abs().max())
-    return full_state_dict(chunks[0]), metrics, initial
+    return full_state_dict(actor.model[0]), metrics, initial
 
 
 def _whole(results) -> tuple[dict, dict]:
@@ -74,12 +104,46 @@ def _paths(hf_dir) -> tuple[int, int]:
     return logp_path, grad_terms(logp_path, sum(len(s.response_ids) for s in samples))
 
 
-def test_ep2_equals_ep1_losses_metrics_and_weights(moe_dir):
-    ep1 = run_distributed(_moe_update_worker, 2, moe_dir, 1)
-    ep2 = run_distributed(_moe_update_worker, 2, moe_dir, 2)
-    (w1, w0), (w2, _) = _whole(ep1), _whole(ep2)
-    m1, m2 = ep1[0][1], ep2[0][1]
-    logp_path, path = _paths(moe_dir)
+@pytest.mark.parametrize("pipeline, micro_batch_tokens", [(1, 48), (2, 48), (1, 24)])
+def test_ep2_equals_ep1_losses_metrics_and_weights(moe_dir, pipeline, micro_batch_tokens):
+    """DP = 2 at PP = ``pipeline`` (world 2 or 4): each stage's experts, their loads and the
+    router losses summed over the stages. At 24 tokens a micro-batch the DP ranks pack 2 and 1
+    micro-batches into a mini-batch: at EP = 2 a filler evens them out and changes nothing."""
+    world = 2 * pipeline
+    kw = dict(pipeline=pipeline, micro_batch_tokens=micro_batch_tokens)
+    ep1 = run_distributed(_moe_update_worker, world, moe_dir, 1, **kw)
+    ep2 = run_distributed(_moe_update_worker, world, moe_dir, 2, **kw)
+    _assert_same_update(moe_dir, ep1, ep2)
+    (w1, w0), m1 = _whole(ep1), ep1[0][1]
+    # Every expert was trained (its weights moved) and the load counts every routed token.
+    samples = random_samples(0)
+    tokens = UPDATES // 2 * sum(s.length for s in samples)  # each epoch sees every token
+    for layer in (0, 1):
+        assert m1[f"moe/layer{layer}/tokens_per_expert_mean"] * 4 == pytest.approx(2 * tokens)
+        assert m1[f"moe/layer{layer}/tokens_per_expert_max"] >= \
+            m1[f"moe/layer{layer}/tokens_per_expert_mean"]
+    for name in w1:
+        if ".local_experts." in name:
+            assert not torch.equal(w1[name], w0[name]), name
+    assert not undocumented_metrics(k for k in m1 if k.startswith("moe/"))
+
+
+def test_pp2_with_replay_and_recomputed_activations_equals_pp1(moe_dir):
+    """EP = 2, R2, one sample per micro-batch: at PP = 2 with activation recompute (1F1B: stage 0
+    runs two forwards before the first backward, whose re-forwards take their routing in order)
+    the update equals PP = 1's without recompute."""
+    kw = dict(replay="recompute", micro_batch_tokens=24)
+    pp1 = run_distributed(_moe_update_worker, 2, moe_dir, 2, **kw)
+    pp2 = run_distributed(_moe_update_worker, 4, moe_dir, 2, pipeline=2, recompute=True, **kw)
+    _assert_same_update(moe_dir, pp1, pp2)
+
+
+def _assert_same_update(hf_dir, ref: list, got: list) -> None:
+    """Two runs of ``_moe_update_worker`` (results by rank) made the same update: weights,
+    routing, losses and the gradient norm, up to rounding along their paths."""
+    (w1, w0), (w2, _) = _whole(ref), _whole(got)
+    m1, m2 = ref[0][1], got[0][1]
+    logp_path, path = _paths(hf_dir)
     assert w1.keys() == w2.keys() and sum(".local_experts." in n for n in w1) == 2 * 2 * 4
     for name in w1:
         torch.testing.assert_close(w2[name], w1[name], rtol=0, msg=name,
@@ -97,17 +161,6 @@ def test_ep2_equals_ep1_losses_metrics_and_weights(moe_dir):
                                                abs=rounding_tol(m1["moe/aux_loss"], path))
     assert m2["grad_norm"] == pytest.approx(m1["grad_norm"],
                                             abs=rounding_tol(m1["grad_norm"], path))
-    # Every expert was trained (its weights moved) and the load counts every routed token.
-    samples = random_samples(0)
-    tokens = UPDATES // 2 * sum(s.length for s in samples)  # each epoch sees every token
-    for layer in (0, 1):
-        assert m1[f"moe/layer{layer}/tokens_per_expert_mean"] * 4 == pytest.approx(2 * tokens)
-        assert m1[f"moe/layer{layer}/tokens_per_expert_max"] >= \
-            m1[f"moe/layer{layer}/tokens_per_expert_mean"]
-    for name in w1:
-        if ".local_experts." in name:
-            assert not torch.equal(w1[name], w0[name]), name
-    assert not undocumented_metrics(k for k in m1 if k.startswith("moe/"))
 
 
 def test_aux_loss_coefficient_acts_on_the_update(moe_dir):
@@ -122,11 +175,85 @@ def test_routing_replay_routes_every_update_as_the_recompute(moe_dir):
     """Without replay the updated router sends some tokens elsewhere in the later updates; with
     replay (R2) the mismatch is zero by construction, and it changes the update."""
     ((free, m_free, _),) = run_distributed(_moe_update_worker, 1, moe_dir, 1, lr=0.1)
-    ((replayed, m_replay, _),) = run_distributed(_moe_update_worker, 1, moe_dir, 1, replay=True,
-                                                 lr=0.1)
+    ((replayed, m_replay, _),) = run_distributed(_moe_update_worker, 1, moe_dir, 1,
+                                                 replay="recompute", lr=0.1)
     assert m_free["moe/routing_mismatch"] > 0
     assert m_replay["moe/routing_mismatch"] == 0.0
     assert any(not torch.equal(free[n], replayed[n]) for n in free)
+
+
+def test_replay_reaches_the_backward_of_recomputed_activations(moe_dir):
+    """With full activation recompute the backward re-runs each layer's forward; under R2 it
+    replays the same routing (REPLAY_BACKWARD), so the update equals the one without recompute
+    bit for bit (the re-forward repeats the forward's arithmetic). The control: a re-forward
+    that routes afresh (the router moved after the first mini-batch, lr 0.1) changes it."""
+    run = lambda **kw: run_distributed(_moe_update_worker, 1, moe_dir, 1,  # noqa: E731
+                                       replay="recompute", lr=0.1, **kw)[0]
+    plain, recomputed = run(), run(recompute=True)
+    free = run(recompute=True, backward_replay=False)[0]
+    assert recomputed[1]["moe/routing_mismatch"] == 0.0
+    for name, t in plain[0].items():
+        assert torch.equal(recomputed[0][name], t), name
+    assert any(not torch.equal(free[n], plain[0][n]) for n in free)
+
+
+def _engine_samples(hf_dir, dtype: str) -> list:
+    """Rollouts of the in-process engine in ``dtype`` (6 random prompts x 2 samples of up to 12
+    tokens) as Samples with its log-probs and routing; random advantages."""
+    from megatron_entropy.rollout.base import SamplingParams
+    from megatron_entropy.rollout.inprocess import InProcessEngine
+    from megatron_entropy.trainer.batch import Sample
+
+    engine = InProcessEngine(hf_dir, dtype=dtype)
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (5, 8, 6, 9, 4, 7)]
+    done = engine.generate(prompts, SamplingParams(n=2, max_new_tokens=12, seed=11))
+    return [Sample(prompt_ids=p, response_ids=c.token_ids, engine_logprobs=c.logprobs,
+                   reward=float(j == 0), group=i, source="s",
+                   advantage=float(torch.randn(1, generator=g)), engine_routing=c.meta["routing"])
+            for i, (p, cs) in enumerate(zip(prompts, done)) for j, c in enumerate(cs)]
+
+
+def _rollout_replay_worker(hf_dir, expert: int, replay: str, engine_dtype: str):
+    """One RL step of ``_moe_actor`` on the engine's rollouts; returns the metrics, whether each
+    sample's recorded routing is the engine's, and |engine - recompute| per response token."""
+    from megatron_entropy.trainer.rollouts import dp_share
+
+    actor, _ = _moe_actor(hf_dir, expert, replay)
+    mine = dp_share(_engine_samples(hf_dir, engine_dtype))
+    actor.recompute(mine)
+    same = [torch.equal(s.routing, s.engine_routing) for s in mine]
+    drift = torch.cat([(torch.tensor(s.engine_logprobs, dtype=torch.float64)
+                        - s.old_logprobs.double()).abs() for s in mine])
+    return actor.update(mine, step=1), same, drift
+
+
+def test_engine_routing_is_the_trainers_at_equal_precision(moe8_dir):
+    """An fp32 engine's recorded routing is the fp32 trainer's own, token for token and layer
+    for layer (no near-tie in this data): the engine records every position, the prompt's too,
+    in the trainer's layout."""
+    ((metrics, same, drift),) = run_distributed(_rollout_replay_worker, 1, moe8_dir, 1, "none",
+                                                "fp32")
+    assert metrics["moe/rollout_routing_mismatch"] == 0.0 and all(same)
+
+
+@pytest.mark.parametrize("expert", [1, 2])
+def test_rollout_replay_routes_as_the_engine(moe8_dir, expert):
+    """R3 with a bf16 engine and an fp32 trainer: without replay the trainer routes some
+    (token, layer) pairs elsewhere than the engine; with it every sample's recorded routing is
+    the engine's (the routing the trainer's routers produced, read off their output), the
+    updates replay it, and the recompute's log-probs change."""
+    free = run_distributed(_rollout_replay_worker, 1, moe8_dir, 1, "none", "bf16")[0]
+    replayed = run_distributed(_rollout_replay_worker, expert, moe8_dir, expert, "rollout",
+                               "bf16")
+    assert free[0]["moe/rollout_routing_mismatch"] > 0 and not all(free[1])
+    for metrics, same, _ in replayed:
+        assert metrics["moe/rollout_routing_mismatch"] == 0.0 and all(same)
+        assert metrics["moe/routing_mismatch"] == 0.0
+    drift_r3 = torch.cat([d for _, _, d in replayed])
+    assert drift_r3.shape == free[2].shape and not torch.equal(drift_r3.sort().values,
+                                                                free[2].sort().values)
+    assert not undocumented_metrics(k for k in free[0] if k.startswith("moe/"))
 
 
 def _sync_worker(hf_dir, expert: int):
@@ -155,9 +282,6 @@ def test_ep2_weight_sync_fills_the_in_process_engine_bit_for_bit(moe_dir):
     engine's fused expert tensors get each expert's slices: transformers' own weights exactly."""
     import transformers
 
-    from megatron_entropy.testing.toy_models import save_tokenizer
-
-    save_tokenizer(moe_dir)
     ref = transformers.AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32)
     for state, version in run_distributed(_sync_worker, 2, moe_dir, 2):
         assert version == 3 and state.keys() == ref.state_dict().keys()
