@@ -1,8 +1,8 @@
 """SIGUSR1 / SIGTERM / SIGINT (Ctrl-C): a request to checkpoint and exit 75 (to be requeued or
 resumed); and the job's clock, which asks the same before the job's end time would cut a step or a
 checkpoint short. A second Ctrl-C stops the process at once by SIGINT's default action. During
-start-up SIGTERM and SIGINT end the start at once instead (``interruptible``, ``stop_if_requested``):
-there is nothing to checkpoint yet.
+start-up SIGTERM and SIGINT end the start at once instead (``interruptible``,
+``stop_if_requested``): there is nothing to checkpoint yet.
 
 The handler only records the request, so it is installed first thing in ``megatron-entropy train``
 (this module imports nothing heavy), before torch, Megatron, the model and the rollout engine load

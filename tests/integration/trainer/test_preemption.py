@@ -214,7 +214,8 @@ def test_a_signal_during_a_rollout_round_stops_before_the_next_round_and_applies
     assert state["step"] == 1 and state["sampler"] == seen["sampler"]
     said = capfd.readouterr()
     assert "signal received during step 2 (not applied): checkpointed step 1" in said.out
-    assert said.err.count("Ctrl-C: stopping after this step with a checkpoint") == 1  # past start-up
+    # Said once, past start-up.
+    assert said.err.count("Ctrl-C: stopping after this step with a checkpoint") == 1
 
 
 # ------------------------------------------------------------------------------ the job's clock
