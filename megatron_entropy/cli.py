@@ -153,6 +153,10 @@ def _spawn_local(args: argparse.Namespace, nproc: int, run_dir: Path) -> int:
               f"{'s' * (len(ended) > 1)} {', '.join(map(str, ended))} did not end on "
               "it and had to be stopped", file=sys.stderr)
         return 128 + signal.SIGINT if interrupts else PREEMPTED
+    if codes[0] == 2 and 0 not in stopped and len(interrupts) < 2:
+        # Rank 0 named an error of the user's on this terminal (a bad model: every rank finds
+        # it); which rank found it first adds nothing.
+        return 2
     if len(interrupts) > 1:
         cause = "stopped at once by a second Ctrl-C (no checkpoint of the step in progress)"
     else:

@@ -5,6 +5,7 @@ running; a signal that comes before a rank has installed its handler is held for
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -15,6 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 import yaml
+from safetensors.torch import load_file, save_file
 
 from harness import kill_marked
 from serving_model import make_served_model
@@ -293,3 +295,26 @@ def test_a_signal_to_the_group_while_rank_0_waits_for_a_server_stops_every_rank(
         finally:
             launcher.kill()
             kill_marked(str(tmp_path))
+
+
+def test_an_error_of_rank_0_is_its_own_line_only(tmp_path):
+    """The ranks of `--nproc 2` stop on a bad model (a NaN in a weight, found as the weights
+    load): rank 0's line is the last, the launcher adds none ("rank 1 failed first (2)")."""
+    model = tmp_path / "nan_model"
+    shutil.copytree(REPO / "examples" / "quickstart_model", model)
+    weights = load_file(model / "model.safetensors")
+    weights["model.layers.1.mlp.down_proj.weight"][3, 5] = float("nan")
+    save_file(weights, str(model / "model.safetensors"), metadata={"format": "pt"})
+    launcher, log = _launch(tmp_path, 2, {"model": {"hf_path": str(model)}})
+    try:
+        processes = _processes(launcher, 2, log)
+        launcher.wait(timeout=300)
+    finally:
+        launcher.kill()
+        kill_marked(str(tmp_path))
+    out = log.read_text()
+    assert launcher.returncode == 2, out[-3000:]
+    assert out.strip().splitlines()[-1].startswith(
+        "megatron-entropy train: error: model.hf_path: "), out[-3000:]
+    assert "failed first" not in out and "Traceback" not in out, out[-3000:]
+    assert not [p.pid for p in processes if p.is_running() and p.status() != "zombie"]
