@@ -153,10 +153,11 @@ def _spawn_local(args: argparse.Namespace, nproc: int, run_dir: Path) -> int:
               f"{'s' * (len(ended) > 1)} {', '.join(map(str, ended))} did not end on "
               "it and had to be stopped", file=sys.stderr)
         return 128 + signal.SIGINT if interrupts else PREEMPTED
-    if codes[0] == 2 and 0 not in stopped and len(interrupts) < 2:
-        # Rank 0 named an error of the user's on this terminal (a bad model: every rank finds
-        # it); which rank found it first adds nothing.
-        return 2
+    if codes[0] in (1, 2) and 0 not in stopped and codes[first] > 0 and len(interrupts) < 2:
+        # Rank 0 ended on an error it named on this terminal (a bad model or a full disk: every
+        # rank meets it); which rank met it first adds nothing. A rank that was killed, or rank
+        # 0 stopped because another is gone (PEER_LOST_EXIT_CODE), is named below.
+        return codes[0]
     if len(interrupts) > 1:
         cause = "stopped at once by a second Ctrl-C (no checkpoint of the step in progress)"
     else:
@@ -365,9 +366,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         # traceback of the broken collective would only hide that.
         print(f"megatron-entropy {args.command}: rank {os.environ.get('RANK')} stopped: another "
               f"rank of the job is gone ({str(e).splitlines()[0][:200]})", file=sys.stderr)
-        return 1
+        return PEER_LOST_EXIT_CODE
 
 
+# A rank that stopped because another one is gone (not 1: the local launcher then names the rank
+# that failed first, which rank 0's line does not).
+PEER_LOST_EXIT_CODE = 3
 # gloo's errors when the other end of a collective has gone away.
 PEER_LOST_MESSAGES = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
 

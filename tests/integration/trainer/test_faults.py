@@ -307,7 +307,7 @@ def test_rank_whose_peer_died_ends_with_one_line(monkeypatch, capsys):
                                                              broken_collective)})
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
-    assert cli.main(["train", "c.yaml"]) == 1
+    assert cli.main(["train", "c.yaml"]) == cli.PEER_LOST_EXIT_CODE  # not an error of its own
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"megatron-entropy train: rank 0 stopped: another rank of the job is gone "
                    f"({gloo})"]
@@ -338,8 +338,10 @@ def _fill(disk: Path, leave_bytes: int) -> None:
         f.write(b"\0" * max(0, free))
 
 
-def test_full_disk_is_one_line_leaves_nothing_partial_and_keeps_the_steps_metrics(tmp_path):
-    """A 6 MiB file system as runs_dir: the first checkpoint does not fit."""
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_full_disk_is_one_line_leaves_nothing_partial_and_keeps_the_steps_metrics(tmp_path, nproc):
+    """A 6 MiB file system as runs_dir: the first checkpoint does not fit. With `--nproc 2` each
+    rank meets it: rank 0's line is the run's only one."""
     import yaml
 
     with _tmpfs(tmp_path / "disk", "size=6m") as disk:
@@ -355,11 +357,12 @@ def test_full_disk_is_one_line_leaves_nothing_partial_and_keeps_the_steps_metric
         (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
         env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
         done = subprocess.run([sys.executable, "-m", "megatron_entropy.cli", "train",
-                               str(tmp_path / "c.yaml")], capture_output=True, text=True,
-                              env=env, timeout=600)
+                               str(tmp_path / "c.yaml"), "--nproc", str(nproc)],
+                              capture_output=True, text=True, env=env, timeout=600)
         run = disk / "runs" / "full"
         assert done.returncode == 1, done.stderr[-3000:]
-        assert "Traceback" not in done.stderr and "encountered an error" not in done.stderr
+        for noise in ("Traceback", "encountered an error", "failed first"):
+            assert noise not in done.stderr, done.stderr[-3000:]
         assert re.fullmatch(
             rf"megatron-entropy train: error: cannot write {run}/checkpoints/\.step_00000001\.tmp"
             r": ENOSPC \(No space left on device \(\d+ KiB free\)\)",
