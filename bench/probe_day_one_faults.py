@@ -176,9 +176,9 @@ class Probe:
         steps = self.metrics_steps("ctrlc_run")
         self.note(f"checkpoint {saved}, metrics of steps {steps}")
         last = int(saved.split("_")[1]) if saved != "none" else 0
-        self.run("trainer.resume=RUN/checkpoints", "ctrlc_run", ["train"],
+        self.run("trainer.resume=RUN/checkpoints", "ctrlc_resumed", ["train"],
                  f"trainer.resume={self.work / 'runs' / 'ctrlc_run' / 'checkpoints'}",
-                 f"trainer.steps={last + 1}")
+                 f"trainer.steps={last + 1}", folder="ctrlc_run")
         self.note(f"metrics of steps {self.metrics_steps('ctrlc_run')}")
 
         # A second trainer on a running one's folder; then SIGTERM to the first, mid-run.
@@ -269,6 +269,8 @@ def main() -> int:
     parser.add_argument("--source", default=str(Path(__file__).resolve().parents[1]),
                         help="the repository to clone (default: this one)")
     parser.add_argument("--clone", default="/tmp/probe-clone")
+    parser.add_argument("--only", nargs="*", default=[], metavar="PART",
+                        help="run only these parts: start_up, mid_run, disk, model, small")
     args = parser.parse_args()
     clone = Path(args.clone)
     shutil.rmtree(clone, ignore_errors=True)
@@ -283,9 +285,8 @@ def main() -> int:
                 subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
                 if x.startswith("Model name")), "?")
     started = time.monotonic()
-    for part in (probe.start_up_faults, probe.mid_run_faults, probe.disk_faults,
-                 probe.model_faults, probe.small_faults):
-        part()
+    for name in args.only or ["start_up", "mid_run", "disk", "model", "small"]:
+        getattr(probe, f"{name}_faults")()
     print(f"\nProbe of {commit} on a fresh clone, "
           f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {cpu}, "
           f"{os.cpu_count()} cores; load before: {load.split('load average:')[-1].strip()}; "
