@@ -76,6 +76,10 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
 # After the first rank fails: how long the others get to end on their own (their messages are
 # clearer), then after SIGTERM, before SIGKILL. A rank still starting up only records SIGTERM.
 STOP_GRACE_S = 5.0
+# The same after a stop that was asked for (a signal passed on), once one rank has ended on it:
+# the others end with it (they leave a step together), unless one waits for it in a place no
+# signal reaches (the c10d store, at start-up).
+ASKED_STOP_GRACE_S = 15.0
 
 
 def _spawn_local(args: argparse.Namespace, nproc: int, run_dir: Path) -> int:
@@ -90,19 +94,30 @@ def _spawn_local(args: argparse.Namespace, nproc: int, run_dir: Path) -> int:
     cmd = [sys.executable, "-m", "megatron_entropy.cli", "train", args.config, *args.overrides]
     procs: list[subprocess.Popen] = []
     interrupts: list[int] = []
+    asked: list[int] = []  # the signals this process got, to pass on
+    sent: list[int] = []
+
+    def send(signum: int) -> None:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signum)
 
     def forward(signum, frame):
+        asked.append(signum)
         if signum == signal.SIGINT:
             interrupts.append(signum)
             # The terminal sent SIGINT to the ranks too: they count Ctrl-Cs themselves; one
             # sent to the launcher alone asks them for the same through SIGTERM.
             signum = signal.SIGKILL if len(interrupts) > 1 else signal.SIGTERM
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signum)
+        sent.append(signum)
+        send(signum)
 
     for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, forward)
+    # Recorded by this process before `forward` took over: SIGTERM or Ctrl-C starts no rank.
+    preemption.stop_if_requested()
+    if preemption.requested():
+        forward(signal.SIGUSR1, None)
     for rank in range(nproc):
         # Threads per rank: already in our environment (runtime/threads.py, set before torch).
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(nproc), "LOCAL_RANK": str(rank),
@@ -111,23 +126,38 @@ def _spawn_local(args: argparse.Namespace, nproc: int, run_dir: Path) -> int:
         out = None if rank == 0 else _open_rank_log(run_dir / "logs" / f"rank_{rank}.log")
         procs.append(start_held(cmd, env=env, stdout=out,
                                 stderr=subprocess.STDOUT if out else None))
-    if preemption.requested():  # recorded by this process before `forward` took over
-        forward(signal.SIGTERM, None)
-    first, stopped = None, []
+    for signum in list(sent):  # the ranks started after a signal came have not had it
+        send(signum)
+    first, stopped, ended = None, [], []
     while any(p.poll() is None for p in procs):
-        failed = [r for r, p in enumerate(procs) if p.poll() not in (None, 0, PREEMPTED)]
+        failed = [r for r, p in enumerate(procs) if p.poll() not in (None, *_asked_codes(asked))]
         if failed:
             first = failed[0]
             stopped = stop_all(procs, STOP_GRACE_S)
+            break
+        if asked and any(p.poll() is not None for p in procs):
+            ended = stop_all(procs, ASKED_STOP_GRACE_S)  # what stopped them was asked for
             break
         time.sleep(0.2)
     for p in procs:
         p.wait()
     codes = [p.returncode for p in procs]
     if first is None:
-        first = next((r for r, c in enumerate(codes) if c not in (0, PREEMPTED)), None)
-    if first is None:
-        return PREEMPTED if PREEMPTED in codes else 0
+        first = next((r for r, c in enumerate(codes)
+                      if c not in _asked_codes(asked) and r not in ended), None)
+    if first is None and len(interrupts) < 2:
+        if 0 not in ended:
+            return codes[0]  # 0, or the stop that rank 0 printed (75, or 130 in start-up)
+        # Rank 0 said nothing: it waited for the others in a place no signal reaches.
+        print(f"megatron-entropy train: stopped by {signal.Signals(asked[0]).name}; rank"
+              f"{'s' * (len(ended) > 1)} {', '.join(map(str, ended))} did not end on "
+              "it and had to be stopped", file=sys.stderr)
+        return 128 + signal.SIGINT if interrupts else PREEMPTED
+    if codes[0] in (1, 2) and 0 not in stopped and codes[first] > 0 and len(interrupts) < 2:
+        # Rank 0 ended on an error it named on this terminal (a bad model or a full disk: every
+        # rank meets it); which rank met it first adds nothing. A rank that was killed, or rank
+        # 0 stopped because another is gone (PEER_LOST_EXIT_CODE), is named below.
+        return codes[0]
     if len(interrupts) > 1:
         cause = "stopped at once by a second Ctrl-C (no checkpoint of the step in progress)"
     else:
@@ -137,8 +167,14 @@ def _spawn_local(args: argparse.Namespace, nproc: int, run_dir: Path) -> int:
                      f"{', '.join(map(str, stopped))}"
     print(f"megatron-entropy train: {cause}; logs of ranks > 0 are in {run_dir / 'logs'}",
           file=sys.stderr)
-    code = codes[first]
+    code = codes[first or 0]
     return 128 - code if code < 0 else code  # killed by a signal: as a shell reports it
+
+
+def _asked_codes(asked: list[int]) -> tuple[int, ...]:
+    """How ranks end when all is well: done, checkpointed on a signal, or (after one was passed
+    on) stopped in start-up by Ctrl-C, which reaches them from the terminal."""
+    return (0, PREEMPTED, 128 + signal.SIGINT) if asked else (0, PREEMPTED)
 
 
 def _exit_status(code: int) -> str:
@@ -173,6 +209,7 @@ def _train_command(args: argparse.Namespace) -> int:
     _check_model(cfg)  # before any rank starts
     nproc = (args.nproc or tp * pp * ep) if launch.launcher == "single" else launch.world_size
     check_layout(nproc, tp, pp, ep)
+    preemption.stop_if_requested()  # Ctrl-C while the model's files were checked
     with _run_folder_lock(cfg.run_dir, launch.rank):  # a bad start above makes no run folder
         if launch.launcher == "single" and nproc > 1:
             return _spawn_local(args, nproc, cfg.run_dir)
@@ -333,9 +370,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         # traceback of the broken collective would only hide that.
         print(f"megatron-entropy {args.command}: rank {os.environ.get('RANK')} stopped: another "
               f"rank of the job is gone ({str(e).splitlines()[0][:200]})", file=sys.stderr)
-        return 1
+        return PEER_LOST_EXIT_CODE
 
 
+# A rank that stopped because another one is gone (not 1: the local launcher then names the rank
+# that failed first, which rank 0's line does not).
+PEER_LOST_EXIT_CODE = 3
 # gloo's errors when the other end of a collective has gone away.
 PEER_LOST_MESSAGES = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
 

@@ -364,6 +364,9 @@ class RewardConfig(Settings):
     max_consecutive_failures: int = _f(
         256, ge=0, help="stop the run when this many responses in a row got failure_value (a "
                          "reward that always fails trains on nothing); 0 = never stop")
+    max_consecutive_timeouts: int = _f(
+        10, ge=0, help="stop the run when this many calls in a row overran timeout_s (a reward "
+                        "that hangs would cost timeout_s per response); 0 = never stop")
 
 
 @dataclass

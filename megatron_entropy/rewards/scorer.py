@@ -7,7 +7,8 @@ the scorer; a call that overruns ``reward.timeout_s`` kills its worker (the next
 fresh one). In this process the timeout is a timer signal (main thread only), which interrupts
 Python code but not C code that never returns to the interpreter: such rewards want workers. A
 call that raises or overruns gives its responses ``reward.failure_value``, counts them in
-``failures`` and warns once; a result that is no reward (a bug in the function) stops the run.
+``failures`` and warns once; a result that is no reward (a bug in the function) stops the run, and
+so do too many failures or overruns in a row.
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ class RewardScorer:
         self.reward = resolve_reward(config.function)
         self._failures = 0
         self._in_a_row = 0  # responses that failed since the last that did not
+        self._overruns = 0  # calls in a row that overran timeout_s
         self._warned = False
         self._workers: list[LineProcess] = []
         if config.workers > 1 and self.reward.worker_spec is None:
@@ -132,15 +134,19 @@ class RewardScorer:
         own."""
         try:
             if self.reward.kind.self_timed:
-                return call(*args)
-            with _time_limit(self.config.timeout_s):
-                return call(*args)
+                result = call(*args)
+            else:
+                with _time_limit(self.config.timeout_s):
+                    result = call(*args)
         except RewardResultError as e:
             raise self._bad_result(str(e)) from None
         except _Overrun:
-            return f"timed out after {self.config.timeout_s:g} s"
+            return self._overran()
         except Exception as e:  # noqa: BLE001 - the user's reward failed on this call
+            self._overruns = 0
             return f"{type(e).__name__}: {e}"
+        self._overruns = 0
+        return result
 
     def _start_workers(self) -> None:
         if not self._workers:
@@ -191,6 +197,7 @@ class RewardScorer:
                 except ChildExited as e:
                     answer = {"error": f"the reward worker died ({e})"}
                     worker.kill()
+                self._overruns = 0
                 if "invalid" in answer:
                     invalid = invalid or answer["invalid"]
                 else:
@@ -201,11 +208,23 @@ class RewardScorer:
                 if now >= deadline:
                     del busy[worker]
                     worker.kill()
-                    outcomes[call] = f"timed out after {self.config.timeout_s:g} s"
+                    outcomes[call] = self._overran()
                     idle.append(worker)
         if invalid is not None:
             raise self._bad_result(invalid)
         return outcomes
+
+    def _overran(self) -> str:
+        """A call that ran past timeout_s: why it failed. Checked as each call ends, not once the
+        round is scored: a reward that always hangs would cost timeout_s per response."""
+        self._overruns += 1
+        limit, timeout = self.config.max_consecutive_timeouts, self.config.timeout_s
+        if limit and self._overruns >= limit:
+            self.close()  # workers still in a hung call
+            raise self._bad_result(
+                f"overran reward.timeout_s={timeout:g} s on each of the last {self._overruns} "
+                f"calls; the run stops (reward.max_consecutive_timeouts={limit}; 0 never stops)")
+        return f"timed out after {timeout:g} s"
 
     def _failed(self, why: str, responses: int) -> None:
         self._failures += responses

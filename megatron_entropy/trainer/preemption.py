@@ -1,6 +1,8 @@
 """SIGUSR1 / SIGTERM / SIGINT (Ctrl-C): a request to checkpoint and exit 75 (to be requeued or
 resumed); and the job's clock, which asks the same before the job's end time would cut a step or a
-checkpoint short. A second Ctrl-C stops the process at once by SIGINT's default action.
+checkpoint short. A second Ctrl-C stops the process at once by SIGINT's default action. During
+start-up SIGTERM and SIGINT end the start at once instead (``interruptible``,
+``stop_if_requested``): there is nothing to checkpoint yet.
 
 The handler only records the request, so it is installed first thing in ``megatron-entropy train``
 (this module imports nothing heavy), before torch, Megatron, the model and the rollout engine load
@@ -31,22 +33,28 @@ PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: checkpointed on a signal, resume later
 SIGNALS = HELD_SIGNALS  # SIGUSR1, SIGTERM, SIGINT
 _received: list[int] = []
 _starting = False  # inside interruptible(): SIGTERM/SIGINT end the start-up at once
-# During start-up (interruptible) a Ctrl-C stops at once instead, without this note.
+_stopping = False  # StartupInterrupted was raised: a later SIGTERM is only recorded
+_running = False  # start-up is over: a Ctrl-C asks for a checkpoint at the end of the step
+# Printed once the steps run; during start-up a Ctrl-C stops it, without this note.
 CTRL_C_NOTE = (b"Ctrl-C: stopping after this step "
                b"with a checkpoint and exit 75 (run the same command to resume); Ctrl-C again "
                b"stops now without one\n")
 
 
 def _record(signum: int, frame: object) -> None:
-    if _starting and signum in (signal.SIGTERM, signal.SIGINT):
+    global _stopping
+    if _starting and not _stopping and signum in (signal.SIGTERM, signal.SIGINT):
         _received.append(signum)
-        raise StartupInterrupted(signum)  # interruptible(): start-up ends where it waits
+        # interruptible(): start-up ends where it waits. Once: Ctrl-C reaches a launcher's ranks
+        # with the SIGTERM the launcher passes on, which must not replace the first.
+        _stopping = True
+        raise StartupInterrupted(signum)
     if signum == signal.SIGINT:
         if signal.SIGINT in _received:  # the second Ctrl-C: stop now, as SIGINT does
             signal.signal(signal.SIGINT, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGINT)
             return
-        if os.environ.get("RANK", "0") == "0":
+        if _running and os.environ.get("RANK", "0") == "0":
             os.write(2, CTRL_C_NOTE)  # not print(): the handler may interrupt a print
     _received.append(signum)
 
@@ -62,14 +70,16 @@ def install() -> None:
 @contextmanager
 def installed() -> Iterator[None]:
     """``install()`` for the body; the earlier handlers come back after it (for callers that go
-    on after a run: a test, a program that calls the CLI's main)."""
+    on after a run: a test, a program that calls the CLI's main), unless the body ended on a
+    signal: then more may follow (a launcher passes Ctrl-C on as SIGTERM), and by the default
+    action they would kill the process on its way out."""
     previous = {sig: signal.getsignal(sig) for sig in SIGNALS}
     install()
     try:
         yield
     finally:
         for sig, handler in previous.items():
-            if handler is not None:  # None: set outside Python, cannot be put back
+            if handler is not None and not _received:  # None: set outside Python
                 signal.signal(sig, handler)
 
 
@@ -91,25 +101,38 @@ class StartupInterrupted(Exception):
         return PREEMPTED_EXIT_CODE if self.signum == signal.SIGTERM else 128 + self.signum
 
 
+def stop_if_requested() -> None:
+    """In start-up, where it may stop: raise ``StartupInterrupted`` if SIGINT or SIGTERM was
+    recorded. Ctrl-C is named first: a launcher passes it on to its ranks as SIGTERM, and the
+    terminal's SIGINT reaches them too."""
+    global _stopping
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        if sig in _received:
+            _stopping = True
+            raise StartupInterrupted(sig)
+
+
 @contextmanager
 def interruptible() -> Iterator[None]:
     """For start-up (the model loads, the rollout servers come up, the first contact):
     SIGTERM and SIGINT raise ``StartupInterrupted`` at once, whatever the body waits for, from
-    the recording handler (which the body may install again); a SIGTERM recorded before is
+    the recording handler (which the body may install again); one recorded before (while torch
+    and Megatron were imported, where an exception from a handler could abort the process) is
     raised on entry. SIGUSR1 is still only recorded. Only in the main thread (where Python runs
-    signal handlers); elsewhere the body runs as it is."""
-    global _starting
+    signal handlers); elsewhere the body runs as it is. A Ctrl-C after a body that returned asks
+    for a checkpoint at the end of the step."""
+    global _starting, _running
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    if signal.SIGTERM in _received:
-        raise StartupInterrupted(signal.SIGTERM)
+    stop_if_requested()
     install()
-    _starting = True
+    _starting, _running = True, False
     try:
         yield
     finally:
         _starting = False
+    _running = True
 
 
 @contextmanager

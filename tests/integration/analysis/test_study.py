@@ -94,7 +94,7 @@ def test_plan_errors_name_the_problem(tmp_path):
         plan_study(str(cfg), ["study.threshold_sweep.base=x"], str(tmp_path / "out"))
 
 
-@pytest.mark.parametrize("study", ["study.yaml", "study_quickstart.yaml"])
+@pytest.mark.parametrize("study", ["study.yaml", "study_quickstart.yaml", "study_hinted.yaml"])
 def test_quick_studies_update_off_policy_so_the_cov_losses_act(study, tmp_path):
     """With one update per rollout batch KL-Cov trains bit for bit as GRPO (measured: the same
     entropy and validation accuracy at every step of --quick); the shipped quick presets make

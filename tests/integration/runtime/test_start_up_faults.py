@@ -5,7 +5,9 @@ running; a signal that comes before a rank has installed its handler is held for
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -14,8 +16,10 @@ from pathlib import Path
 import psutil
 import pytest
 import yaml
+from safetensors.torch import load_file, save_file
 
 from harness import kill_marked
+from serving_model import make_served_model
 
 from megatron_entropy.runtime.processes import start_held, stop_all
 
@@ -60,7 +64,7 @@ def test_a_signal_before_the_handler_is_installed_is_held_for_it():
     out, err = child.communicate(timeout=60)
     assert child.returncode == 0, err
     assert out.strip() == str(sorted([int(signal.SIGTERM), int(signal.SIGINT)]))
-    assert "Ctrl-C: stopping after this step" in err
+    assert "stopping after this step" not in err  # no step runs yet: no such promise
 
 
 def test_second_ctrl_c_stops_at_once():
@@ -132,8 +136,6 @@ def _config(tmp_path: Path, **sections) -> Path:
 
 
 def test_second_trainer_on_a_run_folder_is_refused_naming_the_holder(tmp_path, capsys):
-    import socket
-
     from megatron_entropy.cli import main
 
     config = _config(tmp_path, parallel={"tensor": 1})
@@ -175,3 +177,144 @@ def test_lock_of_a_dead_holder_is_taken_over_and_said(tmp_path, capsys):
     run_lock.release(fd)
     run_lock.release(run_lock.acquire(lock, "run folder"))  # released cleanly: nothing to say
     assert capsys.readouterr().err == ""
+
+
+
+def _launch(tmp_path: Path, nproc: int, cfg: dict) -> tuple[subprocess.Popen, Path]:
+    """``train`` as a terminal starts it: the leader of its own process group (what Ctrl-C
+    signals), its output in a file; ``--nproc 2`` for ``nproc`` 2."""
+    cfg = {"model": {"hf_path": str(REPO / "examples" / "quickstart_model")},
+           "logging": {"runs_dir": str(tmp_path / "runs"), "name": "r", "progress_bar": False},
+           **cfg}
+    cfg["parallel"] = {"tensor": 1, "timeout_minutes": 30}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    env = {**os.environ, "PYTHONPATH": str(REPO), "ME_TEST_MARK": str(tmp_path),
+           "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID"):
+        env.pop(key, None)
+    log = tmp_path / "train.log"
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "megatron_entropy.cli", "train", str(tmp_path / "c.yaml"),
+         *(["--nproc", str(nproc)] if nproc > 1 else [])], env=env, stdout=log.open("w"),
+        stderr=subprocess.STDOUT, start_new_session=True)
+    return launcher, log
+
+
+def _wait_for(launcher: subprocess.Popen, ready, what: str, log: Path, within_s: float = 180):
+    deadline = time.monotonic() + within_s
+    while not (found := ready()):
+        assert launcher.poll() is None, log.read_text()[-3000:]
+        assert time.monotonic() < deadline, f"no {what}: {log.read_text()[-3000:]}"
+        time.sleep(0.05)
+    return found
+
+
+def _catches_sigterm(pid: int) -> bool:
+    """Whether ``pid`` has a handler for SIGTERM (the trainer's is installed)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    caught = int(next(line for line in status.splitlines() if line.startswith("SigCgt:"))
+                 .split()[1], 16)
+    return bool(caught >> (signal.SIGTERM - 1) & 1)
+
+
+def _processes(launcher: subprocess.Popen, nproc: int, log: Path) -> list[psutil.Process]:
+    """The run's processes: the launcher and, with ``--nproc``, its ranks once both exist."""
+    if nproc == 1:
+        return [psutil.Process(launcher.pid)]
+    ranks = _wait_for(launcher, lambda: r if len(r := _ranks(launcher)) == 2 else None,
+                      "two ranks", log)
+    return [psutil.Process(launcher.pid), *ranks.values()]
+
+
+STOPPED = {signal.SIGINT: (130, "megatron-entropy train: stopped by SIGINT during start-up"),
+           signal.SIGTERM: (75, "megatron-entropy train: stopped by SIGTERM during start-up")}
+
+
+def _stop_with_group_signal(launcher: subprocess.Popen, processes: list[psutil.Process],
+                            sig: int, log: Path) -> None:
+    """Send ``sig`` to the launcher's process group (as Ctrl-C does): the run ends within a
+    minute with one line and the signal's exit code, and leaves no process."""
+    os.killpg(launcher.pid, sig)
+    sent = time.monotonic()
+    launcher.wait(timeout=120)
+    took = time.monotonic() - sent
+    out = log.read_text()
+    assert (launcher.returncode, out.strip().splitlines()[-1]) == STOPPED[sig], out[-3000:]
+    # Not "rank 0 failed first (130)", an abort's 134, Ctrl-C's promise of a step's checkpoint.
+    for noise in ("Traceback", "failed first", "stopping after this step", "core dumped"):
+        assert noise not in out, out[-3000:]
+    assert took < 60, took  # where start-up could not stop at once, imports finish
+    assert not [p.pid for p in processes if p.is_running() and p.status() != "zombie"]
+
+
+@pytest.mark.parametrize("nproc, sig, moment", [
+    (1, signal.SIGINT, "imports"), (1, signal.SIGINT, "model"), (2, signal.SIGINT, "imports"),
+    (2, signal.SIGINT, "model"), (2, signal.SIGTERM, "model")])
+def test_a_signal_to_the_group_during_start_up_is_one_line_and_leaves_nothing(tmp_path, nproc,
+                                                                              sig, moment):
+    """Ctrl-C (SIGINT to the terminal's process group: the launcher and its ranks) or SIGTERM
+    while torch and Megatron are imported (before start-up can be interrupted; the ranks have
+    the signals blocked still) or while the model loads."""
+    launcher, log = _launch(tmp_path, nproc, {})
+    try:
+        processes = _processes(launcher, nproc, log)
+        if moment == "model":
+            _wait_for(launcher, lambda: "Loading weights" in log.read_text(), "model load", log)
+        elif nproc == 1:  # once the handler is there (before, Python's KeyboardInterrupt)
+            _wait_for(launcher, lambda: _catches_sigterm(launcher.pid), "handler", log)
+        _stop_with_group_signal(launcher, processes, sig, log)
+    finally:
+        launcher.kill()
+        kill_marked(str(tmp_path))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_a_signal_to_the_group_while_rank_0_waits_for_a_server_stops_every_rank(tmp_path, sig):
+    """`--nproc 2` whose rollout server takes connections but never answers (a hung server):
+    rank 0 waits for its /health, rank 1 for rank 0; Ctrl-C or SIGTERM ends both."""
+    model = make_served_model(tmp_path / "model")
+    with socket.socket() as hung:
+        hung.bind(("127.0.0.1", 0))
+        hung.listen(64)
+        url = f"http://127.0.0.1:{hung.getsockname()[1]}"
+        launcher, log = _launch(tmp_path, 2, {
+            "model": {"hf_path": str(model), "dtype": "fp32", "seq_length": 256},
+            "rollout": {"engine": "sglang", "n_samples": 2, "max_new_tokens": 8,
+                        "max_prompt_tokens": 96,
+                        "server": {"urls": [url], "health_timeout_s": 1.0,
+                                   "startup_timeout_s": 600}},
+            "data": {"prompts_per_step": 2, "apply_chat_template": False,
+                     "arithmetic": {"num_train": 16}},
+            "trainer": {"steps": 1, "micro_batch_tokens": 400, "save_interval": 0}})
+        try:
+            processes = _processes(launcher, 2, log)
+            _wait_for(launcher, lambda: f"waiting for server 0 ({url}) to answer /health"
+                      in log.read_text(), "health wait", log)
+            _stop_with_group_signal(launcher, processes, sig, log)
+        finally:
+            launcher.kill()
+            kill_marked(str(tmp_path))
+
+
+def test_an_error_of_rank_0_is_its_own_line_only(tmp_path):
+    """The ranks of `--nproc 2` stop on a bad model (a NaN in a weight, found as the weights
+    load): rank 0's line is the last, the launcher adds none ("rank 1 failed first (2)")."""
+    model = tmp_path / "nan_model"
+    shutil.copytree(REPO / "examples" / "quickstart_model", model)
+    weights = load_file(model / "model.safetensors")
+    weights["model.layers.1.mlp.down_proj.weight"][3, 5] = float("nan")
+    save_file(weights, str(model / "model.safetensors"), metadata={"format": "pt"})
+    launcher, log = _launch(tmp_path, 2, {"model": {"hf_path": str(model)}})
+    try:
+        processes = _processes(launcher, 2, log)
+        launcher.wait(timeout=300)
+    finally:
+        launcher.kill()
+        kill_marked(str(tmp_path))
+    out = log.read_text()
+    assert launcher.returncode == 2, out[-3000:]
+    assert out.strip().splitlines()[-1].startswith(
+        "megatron-entropy train: error: model.hf_path: "), out[-3000:]
+    assert "failed first" not in out and "Traceback" not in out, out[-3000:]
+    assert not [p.pid for p in processes if p.is_running() and p.status() != "zombie"]

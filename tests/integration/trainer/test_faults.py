@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -22,6 +23,11 @@ import torch
 from harness import init_megatron, run_distributed
 from tiny_models import tiny_hf_config
 
+from megatron_entropy import cli
+# What `train` loads before it writes, loaded here: a child that becomes another user
+# (_as_nobody) can no longer read the Python installation under /root.
+from megatron_entropy.models import (bridge, hf_io, megatron_checkpoint,  # noqa: F401
+                                     tokenizer_files)
 from megatron_entropy.models.arch import arch_from_hf_config
 from megatron_entropy.models.megatron_checkpoint import CheckpointError
 from megatron_entropy.trainer.checkpoint import CheckpointManager
@@ -301,7 +307,7 @@ def test_rank_whose_peer_died_ends_with_one_line(monkeypatch, capsys):
                                                              broken_collective)})
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
-    assert cli.main(["train", "c.yaml"]) == 1
+    assert cli.main(["train", "c.yaml"]) == cli.PEER_LOST_EXIT_CODE  # not an error of its own
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"megatron-entropy train: rank 0 stopped: another rank of the job is gone "
                    f"({gloo})"]
@@ -332,8 +338,10 @@ def _fill(disk: Path, leave_bytes: int) -> None:
         f.write(b"\0" * max(0, free))
 
 
-def test_full_disk_is_one_line_leaves_nothing_partial_and_keeps_the_steps_metrics(tmp_path):
-    """A 6 MiB file system as runs_dir: the first checkpoint does not fit."""
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_full_disk_is_one_line_leaves_nothing_partial_and_keeps_the_steps_metrics(tmp_path, nproc):
+    """A 6 MiB file system as runs_dir: the first checkpoint does not fit. With `--nproc 2` each
+    rank meets it: rank 0's line is the run's only one."""
     import yaml
 
     with _tmpfs(tmp_path / "disk", "size=6m") as disk:
@@ -349,11 +357,12 @@ def test_full_disk_is_one_line_leaves_nothing_partial_and_keeps_the_steps_metric
         (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
         env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
         done = subprocess.run([sys.executable, "-m", "megatron_entropy.cli", "train",
-                               str(tmp_path / "c.yaml")], capture_output=True, text=True,
-                              env=env, timeout=600)
+                               str(tmp_path / "c.yaml"), "--nproc", str(nproc)],
+                              capture_output=True, text=True, env=env, timeout=600)
         run = disk / "runs" / "full"
         assert done.returncode == 1, done.stderr[-3000:]
-        assert "Traceback" not in done.stderr and "encountered an error" not in done.stderr
+        for noise in ("Traceback", "encountered an error", "failed first"):
+            assert noise not in done.stderr, done.stderr[-3000:]
         assert re.fullmatch(
             rf"megatron-entropy train: error: cannot write {run}/checkpoints/\.step_00000001\.tmp"
             r": ENOSPC \(No space left on device \(\d+ KiB free\)\)",
@@ -384,6 +393,55 @@ def test_read_only_runs_dir_is_one_line_naming_the_path_and_errno(tmp_path, caps
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"megatron-entropy train: error: cannot write {tmp_path / 'runs' / 'r'}: "
                    "EROFS (Read-only file system)"]
+
+
+NOBODY = 65534  # a user with no rights on root's files
+
+
+def _as_nobody(argv: list[str], err: Path) -> int:
+    """``main(argv)`` in a forked child that has given up root (root writes through any
+    permission bits) for ``NOBODY``; its stderr in ``err``. Forked, not started: the Python
+    installation under /root is closed to that user, so what the command needs is imported
+    first."""
+    pid = os.fork()
+    if pid == 0:
+        code = 70
+        with open(err, "w") as out:
+            try:
+                sys.stderr = out
+                os.setgroups([])
+                os.setgid(NOBODY)
+                os.setuid(NOBODY)
+                code = cli.main(argv)
+            except BaseException:  # noqa: BLE001 - for the test to show, not pytest's to run
+                import traceback
+                traceback.print_exc(file=out)
+            finally:
+                out.flush()
+                os._exit(code)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+@pytest.mark.parametrize("closed", ["runs_dir", "run folder"])
+def test_unwritable_run_folder_is_one_line_naming_the_path_and_errno(tmp_path, closed):
+    """EACCES on a writable file system: runs_dir, or an earlier run's folder, that the user
+    may not write to."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to become another user")
+    with contextlib.ExitStack() as undo:
+        # A folder the other user can reach: pytest's tmp_path is root's alone.
+        shared = Path(tempfile.mkdtemp(prefix="me-eacces-"))
+        undo.callback(shutil.rmtree, shared)
+        shared.chmod(0o755)
+        config = _cli_config(shared, parallel={"tensor": 1})
+        closed_dir = shared / "runs" / ("r" if closed == "run folder" else "")
+        closed_dir.mkdir(parents=True)
+        closed_dir.chmod(0o555)
+        code = _as_nobody(["train", str(config)], tmp_path / "err")
+    err = (tmp_path / "err").read_text().strip().splitlines()
+    path = shared / "runs" / "r" / ("train.lock" if closed == "run folder" else "")
+    assert (code, err) == (1, [f"megatron-entropy train: error: cannot write {path}: EACCES "
+                               "(Permission denied)"])
 
 
 # ------------------------------------------------------------------------- bad model folders

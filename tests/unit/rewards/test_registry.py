@@ -182,6 +182,36 @@ def test_a_reward_that_keeps_failing_stops_the_run_naming_the_setting():
     assert never(["raise"] * 50, [""] * 50) == [0.0] * 50
 
 
+def test_defaults_bound_a_hanging_reward_to_about_a_minute_and_a_half():
+    config = RewardConfig()
+    assert (config.timeout_s, config.max_consecutive_timeouts) == (10.0, 10)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_reward_that_keeps_hanging_stops_the_run_naming_the_function_and_timeout(workers):
+    """Every call hangs: the run stops at the limit's overrun, not after the round (64 x 0.3 s
+    in one process), with one line; an answer in between starts the count again."""
+    before = _children(os.getpid())
+    scorer = _scorer(f"{HERE}:hang_or_length", workers=workers, timeout_s=0.3,
+                     max_consecutive_timeouts=3)
+    try:
+        assert scorer(["hang", "hang", "ab", "hang", "hang"], [""] * 5) == [0.0, 0.0, 2.0, 0.0,
+                                                                            0.0]
+        scorer(["a"], [""])
+        started = time.monotonic()
+        with pytest.raises(ConfigError) as stop:
+            scorer(["hang"] * 64, [""] * 64)
+        assert time.monotonic() - started < 3 * 0.3 + 5  # + a fresh worker's start per overrun
+        assert str(stop.value) == (
+            f"reward.function='{HERE}:hang_or_length' overran reward.timeout_s=0.3 s on each of "
+            "the last 3 calls; the run stops (reward.max_consecutive_timeouts=3; 0 never stops)")
+        assert _children(os.getpid()) <= before  # no worker left in its hung call
+    finally:
+        scorer.close()
+    never = _scorer(f"{HERE}:hang_or_length", timeout_s=0.05, max_consecutive_timeouts=0)
+    assert never(["hang"] * 5, [""] * 5) == [0.0] * 5
+
+
 # ------------------------------------------------------------------ processes
 
 
