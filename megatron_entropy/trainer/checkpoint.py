@@ -43,6 +43,7 @@ from megatron_entropy.models.sharding import unwrap_model
 from megatron_entropy.runtime.files import disk_error, write_text_atomic
 from megatron_entropy.runtime.processes import die_with_parent
 from megatron_entropy.trainer import preemption
+from megatron_entropy.trainer.optimizer_chains import members, rekeyed_to_saved, saved_members
 
 # Deferred imports: Megatron (~4-5 s) loads inside the functions that use it: the study's process
 # (analysis/study.py) finds and verifies checkpoints with CheckpointManager without Megatron.
@@ -130,6 +131,7 @@ def _barrier() -> None:
 # save, sliced per rank to load): reshardable across TP/PP/DP. megatron-core 0.16's default,
 # fully_sharded_model_space, fails to save (flattened ShardedTensors); plain optimizers ignore it.
 _OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+_RECHAINED = "optimizer_of_this_chain"  # the load request of optimizer_chains.py
 
 
 def _is_distributed(optimizer) -> bool:
@@ -293,25 +295,40 @@ class CheckpointManager:
         converting = load_optimizer and \
             state.get("distributed_optimizer", _is_distributed(optimizer)) != \
             _is_distributed(optimizer)
+        rechained = None
         if load_optimizer:
-            sharded["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=True,
-                                                                metadata=_OPTIMIZER_METADATA)
+            request = optimizer.sharded_state_dict(model_sd, is_loading=True,
+                                                   metadata=_OPTIMIZER_METADATA)
+            sharded["optimizer"] = request
             if converting:
-                request = sharded["optimizer"]
                 sharded["optimizer"], model_weights = _in_saved_format(request, optimizer)
+            else:
+                # Saved by another chain of optimizers (another EP: optimizer_chains.py): its
+                # tensors alone, under a key of their own, apart from the saved chain's common
+                # state, which dist_checkpointing merges into "optimizer".
+                rechained = rekeyed_to_saved(request, set(check_checkpoint_files(path)
+                                                          .state_dict_metadata))
+                if rechained is not None:
+                    del sharded["optimizer"]
+                    sharded[_RECHAINED] = rechained
         loaded = dist_checkpointing.load(sharded, str(path))
         model.load_state_dict(loaded["model"])
         if converting:
             if model_weights is not None:
                 merge(loaded["optimizer"], dist_checkpointing.load(model_weights, str(path)))
-            optimizer.load_state_dict(_converted_optimizer_state(request, loaded["optimizer"],
-                                                                 optimizer))
+            optimizer.load_state_dict(_converted_optimizer_state(
+                request, loaded["optimizer"], optimizer, _saved_adam_step(loaded["optimizer"])))
+        elif rechained is not None:
+            optimizer.load_state_dict(_converted_optimizer_state(
+                request, loaded[_RECHAINED], optimizer, _saved_adam_step(loaded["optimizer"])))
         elif load_optimizer:
             optimizer.load_state_dict(loaded["optimizer"])
         else:
             optimizer.reload_model_params()
         rng_file = path / f"rng_rank_{_rank():05d}.pt"
-        if state.get("layout") == _layout() and rng_file.is_file():
+        # The expert-parallel RNG streams are per EP rank (a layout from before EP was recorded:
+        # EP = 1).
+        if {"expert": 1, **state.get("layout", {})} == _layout() and rng_file.is_file():
             _set_rng_state(torch.load(rng_file, weights_only=False))
         return state
 
@@ -376,23 +393,25 @@ def _saved_adam_step(saved: dict) -> float:
     """Adam's step in an optimizer state of either format: the distributed optimizer keeps it
     in its param groups, the plain one as ``state.common_step`` (torch's Adam) or in its param
     groups (apex/TE's fused Adam)."""
-    if "param_state_sharding_type" in saved:
-        groups = saved["optimizer"]["param_groups"]
-    else:
-        inner = _plain_inner(saved)
-        groups = [{"step": inner["state"]["common_step"]}] \
-            if "common_step" in inner.get("state", {}) else inner["param_groups"]
+    groups = []
+    for member in saved_members(saved):  # a chain's members step together
+        if "param_state_sharding_type" in member:
+            groups += member["optimizer"]["param_groups"]
+        else:
+            inner = _plain_inner(member)
+            groups += [{"step": inner["state"]["common_step"]}] \
+                if "common_step" in inner.get("state", {}) else inner["param_groups"]
     steps = {float(g["step"]) for g in groups if "step" in g}
     if len(steps) != 1:
         raise CheckpointError(f"the checkpoint's optimizer records several Adam steps {steps}")
     return steps.pop()
 
 
-def _converted_optimizer_state(request: dict, loaded: dict, optimizer) -> dict:
+def _converted_optimizer_state(request: dict, loaded: dict, optimizer, step: float) -> dict:
     """The state ``optimizer.load_state_dict`` takes, in its own format: its load request with
-    each sharded entry replaced by the tensor loaded from the other format, and the saved Adam
-    step (the rest is this run's: param groups, whose rates the LR schedule sets, and an fp16
-    loss scale, which starts over)."""
+    each sharded entry replaced by the tensor loaded from the other format or chain, and the
+    saved Adam ``step`` (the rest is this run's: param groups, whose rates the LR schedule sets,
+    and an fp16 loss scale, which starts over)."""
     from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedBase
 
     def fill(template: Any, got: Any) -> Any:
@@ -409,16 +428,16 @@ def _converted_optimizer_state(request: dict, loaded: dict, optimizer) -> dict:
         return template
 
     state = fill(request, loaded)
-    step = _saved_adam_step(loaded)
-    if _is_distributed(optimizer):
-        for group in state["optimizer"]["param_groups"]:
-            group["step"] = step
-    else:
-        inner = _plain_inner(state)
-        inner["state"]["common_step"] = torch.tensor(step)
-        for group in inner["param_groups"]:
-            if "step" in group:  # apex/TE's fused Adam counts here
-                group["step"] = int(step)
+    for member, part in members(state, optimizer):
+        if _is_distributed(member):
+            for group in part["optimizer"]["param_groups"]:
+                group["step"] = step
+        else:
+            inner = _plain_inner(part)
+            inner["state"]["common_step"] = torch.tensor(step)
+            for group in inner["param_groups"]:
+                if "step" in group:  # apex/TE's fused Adam counts here
+                    group["step"] = int(step)
     return state
 
 
@@ -427,4 +446,5 @@ def _layout() -> dict[str, int]:
 
     return {"world": dist.get_world_size() if dist.is_initialized() else 1,
             "tensor": ps.get_tensor_model_parallel_world_size(),
-            "pipeline": ps.get_pipeline_model_parallel_world_size()}
+            "pipeline": ps.get_pipeline_model_parallel_world_size(),
+            "expert": ps.get_expert_model_parallel_world_size()}
