@@ -1,18 +1,26 @@
 """A mixture-of-experts policy at EP=2 feeding a shared rollout engine (the strict fake SGLang
-server; a real vLLM CPU server), disk sync: DP replica 1 hands its experts to replica 0's weight
-stream, whose leader writes the whole checkpoint; the server reloads it and the weight check
-after each sync passes."""
+server; a real vLLM CPU server): DP replica 1 hands its experts to replica 0's weight stream,
+whose leader writes the whole checkpoint (disk sync) or broadcasts it to the server (distributed
+sync); the server takes it and the weight check after each sync passes."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
+from safetensors import safe_open
 
 from harness import metrics_rows, run_distributed, train_from_dict
 from fake_sglang import fake_command
 
 from megatron_entropy.testing.toy_models import SERVED_ARCH, save_tiny_hf_model, save_tokenizer
+
+
+# The fake computes in fp32 whatever the config says: so told, the weight check holds it to
+# fp32's tolerances (1e-3 nats mean, 1e-2 at p99: weight_check.py), which one EP rank's experts
+# sent in the other's place exceed (2.7e-3 measured); bf16's (3.1e-2 mean) let that pass.
+FAKE_DTYPE = "fp32"
 
 
 def _run(model, tmp_path, name: str, engine: str, server: dict) -> list[dict]:
@@ -41,9 +49,38 @@ def test_ep2_run_feeds_a_server_from_every_ep_rank(tmp_path):
                                max_position_embeddings=512)
     save_tokenizer(model, 512)
     rows = _run(model, tmp_path, "server", "sglang", {
-        "launch": 1, "base_port": 32650, "startup_timeout_s": 120,
+        "launch": 1, "base_port": 32650, "startup_timeout_s": 120, "dtype": FAKE_DTYPE,
         "launch_command": fake_command()})
     assert all(r["weight_sync/bytes"] > 0 for r in rows)
+
+
+def test_ep2_run_broadcasts_every_expert_to_a_server(tmp_path):
+    """weight_sync: distributed (a gloo broadcast from rank 0 to the fake SGLang server's
+    group): each sync sends every tensor of the HF checkpoint once, both EP ranks' experts among
+    them (rank 1's gathered over the EP group into rank 0's stream), and the weight check after
+    each sync passes."""
+    model = save_tiny_hf_model("qwen3_moe", tmp_path / "model", seed=3, vocab_size=512,
+                               max_position_embeddings=512)
+    save_tokenizer(model, 512)
+    log = tmp_path / "requests.jsonl"
+    _run(model, tmp_path, "broadcast", "sglang", {
+        "launch": 1, "base_port": 32660, "startup_timeout_s": 120, "weight_sync": "distributed",
+        "weight_sync_backend": "gloo", "dtype": FAKE_DTYPE,
+        "launch_command": fake_command(log=str(log))})
+    with safe_open(str(model / "model.safetensors"), "pt") as f:
+        names = sorted(f.keys())
+    assert sum(".mlp.experts." in n for n in names) == 2 * 4 * 3  # layers x experts x projs
+    updates = [json.loads(line)["body"] for line in log.read_text().splitlines()
+               if json.loads(line)["path"] == "/update_weights_from_distributed"]
+    syncs, sent = [], []
+    for body in updates:  # the last bucket of a sync carries its weight version
+        sent += body["names"]
+        if body.get("weight_version") is not None:
+            syncs.append(sent)
+            sent = []
+    assert len(syncs) == 2 and not sent
+    for sync in syncs:
+        assert sorted(sync) == names
 
 
 VENV_PYTHON = Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"
