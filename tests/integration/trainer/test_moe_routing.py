@@ -18,6 +18,9 @@ from megatron_entropy.models.arch import load_arch
 from megatron_entropy.testing.toy_models import save_tokenizer
 
 UPDATES = 4  # ppo_epochs x mini_batches_per_step
+KL_COV = dict(loss="kl_cov", kl_cov_ratio=0.1, kl_cov_coef=1.0)
+# Clip-Cov with its candidate band wide open (every token with positive Cov): 10% detached.
+CLIP_COV = dict(loss="clip_cov", clip_cov_ratio=0.1, clip_cov_lb=0.0, clip_cov_ub=100.0)
 
 
 @pytest.fixture(scope="module")
@@ -37,10 +40,11 @@ def moe8_dir(tmp_path_factory):
 
 
 def _moe_actor(hf_dir, expert: int, replay: str = "none", aux: float = 1e-2, lr: float = 1e-2,
-               recompute: bool = False, pipeline: int = 1, micro_batch_tokens: int = 48):
+               recompute: bool = False, pipeline: int = 1, micro_batch_tokens: int = 48,
+               algorithm: Optional[dict] = None):
     """Inside a rank: Megatron at EP=``expert`` x PP=``pipeline``, the tiny MoE from its HF
-    weights and its Actor (KL-Cov; 2 epochs x 2 mini-batches a step); returns (actor, this
-    stage's full weights before)."""
+    weights and its Actor (KL-Cov unless ``algorithm`` says otherwise; 2 epochs x 2 mini-batches
+    a step); returns (actor, this stage's full weights before)."""
     from megatron_entropy.config import (AlgorithmConfig, ModelConfig, ParallelConfig,
                                          TrainerConfig)
     from megatron_entropy.models.bridge import load_hf_weights
@@ -62,15 +66,15 @@ def _moe_actor(hf_dir, expert: int, replay: str = "none", aux: float = 1e-2, lr:
                             ppo_epochs=2,
                             seed=5)
     optimizer, scheduler = build_optimizer(chunks, trainer)
-    algorithm = AlgorithmConfig(loss="kl_cov", kl_cov_ratio=0.1, kl_cov_coef=1.0)
-    return Actor(arch, chunks, optimizer, scheduler, algorithm, trainer, 1.0,
+    settings = AlgorithmConfig(**(algorithm or KL_COV))
+    return Actor(arch, chunks, optimizer, scheduler, settings, trainer, 1.0,
                  routing_replay=replay), initial
 
 
 def _moe_update_worker(hf_dir, expert: int, replay: str = "none", aux: float = 1e-2,
                        lr: float = 1e-2, recompute: bool = False,
                        backward_replay: Optional[bool] = None, pipeline: int = 1,
-                       micro_batch_tokens: int = 48):
+                       micro_batch_tokens: int = 48, algorithm: Optional[dict] = None):
     """One RL step of ``_moe_actor`` on ``random_samples(0)`` split over the DP ranks; returns
     this rank's weights after (global names: its experts), the metrics and the weights before.
     ``backward_replay`` overrides whether the backward's re-forward replays (a test's control)."""
@@ -78,7 +82,7 @@ def _moe_update_worker(hf_dir, expert: int, replay: str = "none", aux: float = 1
     from megatron_entropy.trainer.rollouts import dp_share
 
     actor, initial = _moe_actor(hf_dir, expert, replay, aux, lr, recompute, pipeline,
-                                micro_batch_tokens)
+                                micro_batch_tokens, algorithm)
     if backward_replay is not None:
         actor.routing.backward_replay = backward_replay
     mine = dp_share(random_samples(0))
@@ -104,17 +108,25 @@ def _paths(hf_dir) -> tuple[int, int]:
     return logp_path, grad_terms(logp_path, sum(len(s.response_ids) for s in samples))
 
 
-@pytest.mark.parametrize("pipeline, micro_batch_tokens", [(1, 48), (2, 48), (1, 24)])
-def test_ep2_equals_ep1_losses_metrics_and_weights(moe_dir, pipeline, micro_batch_tokens):
+@pytest.mark.parametrize("pipeline, micro_batch_tokens, algorithm", [
+    (1, 48, KL_COV), (2, 48, KL_COV), (1, 24, KL_COV), (1, 48, CLIP_COV),
+    (1, 24, {**KL_COV, "cov_scope": "global"}), (1, 24, {**CLIP_COV, "cov_scope": "global"})],
+    ids=["kl_cov", "kl_cov-pp2", "kl_cov-filler", "clip_cov", "kl_cov-global-filler",
+         "clip_cov-global-filler"])
+def test_ep2_equals_ep1_losses_metrics_and_weights(moe_dir, pipeline, micro_batch_tokens,
+                                                   algorithm):
     """DP = 2 at PP = ``pipeline`` (world 2 or 4): each stage's experts, their loads and the
     router losses summed over the stages. At 24 tokens a micro-batch the DP ranks pack 2 and 1
-    micro-batches into a mini-batch: at EP = 2 a filler evens them out and changes nothing."""
+    micro-batches into a mini-batch: at EP = 2 a filler evens them out and changes nothing (with
+    cov_scope global too: the filler holds no token of the step's Cov population)."""
     world = 2 * pipeline
-    kw = dict(pipeline=pipeline, micro_batch_tokens=micro_batch_tokens)
+    kw = dict(pipeline=pipeline, micro_batch_tokens=micro_batch_tokens, algorithm=algorithm)
     ep1 = run_distributed(_moe_update_worker, world, moe_dir, 1, **kw)
     ep2 = run_distributed(_moe_update_worker, world, moe_dir, 2, **kw)
     _assert_same_update(moe_dir, ep1, ep2)
     (w1, w0), m1 = _whole(ep1), ep1[0][1]
+    # The Cov selection is discrete: the same tokens (no near-tie in this data), some of them.
+    assert ep2[0][1]["selected_frac"] == m1["selected_frac"] > 0
     # Every expert was trained (its weights moved) and the load counts every routed token.
     samples = random_samples(0)
     tokens = UPDATES // 2 * sum(s.length for s in samples)  # each epoch sees every token
