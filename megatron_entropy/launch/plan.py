@@ -17,8 +17,9 @@ The estimate follows what the trainer builds (models/builder.py, trainer/model_s
 - in-process rollout: a full model copy in ``rollout.dtype`` and its KV cache on each DP leader;
 - a server GPU: weights / server_gpus, the rest of 90% of the GPU is KV cache (vLLM/SGLang default);
 - mixture of experts: each GPU holds its EP rank's experts (num_experts / EP, TP-split) and the
-  router; the distributed optimizer shards the experts' state over DP / EP; a token's activations
-  count its k experts; the all-to-all volume is a note (``all_to_all_bytes``).
+  router; the distributed optimizer shards the experts' state over DP / EP; the weights, grads
+  and optimizer state are printed with their dense and expert parts; a token's activations count
+  its k experts; the all-to-all volume is a note (``all_to_all_bytes``).
 Activation sizes count the tensors autograd keeps (bf16), not the allocator's peaks, so a trainer
 GPU counts as full at 90% of its memory.
 """
@@ -198,6 +199,8 @@ class Plan:
     data_parallel: int = 0
     expert: int = 1
     trainer: list[tuple[str, float]] = field(default_factory=list)  # (item, bytes) worst GPU
+    # A mixture of experts: item -> its (dense part, bytes), (experts' part, bytes).
+    trainer_parts: dict[str, list[tuple[str, float]]] = field(default_factory=dict)
     server: list[tuple[str, float]] = field(default_factory=list)  # (item, bytes) one server GPU
     server_kv_tokens: int = 0
     problems: list[str] = field(default_factory=list)
@@ -245,8 +248,18 @@ def make_plan(cfg: Config, arch: ModelArch, nodes: int, arch_source: str = "") -
     n = stage_params(arch, p.tensor, p.pipeline, p.expert)
     experts = stage_expert_params(arch, p.tensor, p.pipeline, p.expert)
     w = DTYPES[cfg.model.dtype].bytes
-    plan.trainer.append((f"weights ({cfg.model.dtype})", n * w))
-    plan.trainer.append(("grad buffer (fp32)", n * 4))
+
+    def add(item: str, dense: float, expert: float) -> None:
+        """An item of the dense parameters (router included) and the experts, apart for MoE."""
+        plan.trainer.append((item, dense + expert))
+        if experts:
+            plan.trainer_parts[item] = [
+                ("dense (attention, norms, router, embeddings)", dense),
+                (f"experts ({arch.num_experts // p.expert} of {arch.num_experts} a layer)",
+                 expert)]
+
+    add(f"weights ({cfg.model.dtype})", (n - experts) * w, experts * w)
+    add("grad buffer (fp32)", (n - experts) * 4, experts * 4)
     # The distributed optimizer keeps each DP rank's 1/DP of the main weights and moments; an
     # expert's over the DP ranks that hold the same experts (DP / EP).
     sharded = t.uses_distributed_optimizer(plan.data_parallel)
@@ -254,11 +267,11 @@ def make_plan(cfg: Config, arch: ModelArch, nodes: int, arch_source: str = "") -
     dp_shard = f", 1/{plan.data_parallel} by the distributed optimizer" if sharded else ""
     if sharded and experts:
         dp_shard += f" (experts 1/{expert_dp})"
-    optimizer_params = (-(-(n - experts) // plan.data_parallel) + -(-experts // expert_dp)
-                        if sharded else n)
+    dense_opt, expert_opt = ((-(-(n - experts) // plan.data_parallel), -(-experts // expert_dp))
+                             if sharded else (n - experts, experts))
     if w < 4:
-        plan.trainer.append((f"fp32 main weights{dp_shard}", optimizer_params * 4))
-    plan.trainer.append((f"Adam moments (fp32{dp_shard})", optimizer_params * 8))
+        add(f"fp32 main weights{dp_shard}", dense_opt * 4, expert_opt * 4)
+    add(f"Adam moments (fp32{dp_shard})", dense_opt * 8, expert_opt * 8)
     if cfg.algorithm.kl_coef > 0:
         plan.trainer.append((f"reference model ({cfg.model.dtype})", n * w))
     tokens = t.micro_batch_tokens
@@ -358,7 +371,10 @@ def format_plan(plan: Plan) -> str:
                         if plan.expert > 1 else ""))
     if plan.trainer:
         lines.append("trainer memory per GPU (fullest pipeline stage):")
-        lines += [f"  {name:<58} {b / GiB:8.2f} GiB" for name, b in plan.trainer]
+        for name, b in plan.trainer:
+            lines.append(f"  {name:<58} {b / GiB:8.2f} GiB")
+            lines += [f"    {part:<56} {pb / GiB:8.2f} GiB"
+                      for part, pb in plan.trainer_parts.get(name, [])]
         lines.append(f"  {'total':<58} {plan.trainer_bytes / GiB:8.2f} GiB "
                      f"({100 * plan.trainer_bytes / (plan.gpu_memory_gb * GiB):.0f}% of "
                      f"{plan.gpu_memory_gb:g} GiB)")

@@ -16,7 +16,8 @@ from tiny_models import tiny_hf_config, write_config
 from megatron_entropy.cli import main
 from megatron_entropy.config import load_config
 from megatron_entropy.models.arch import arch_from_hf_config
-from megatron_entropy.launch.plan import kv_bytes_per_token, make_plan, stage_params, total_params
+from megatron_entropy.launch.plan import (KNOWN_MODELS, kv_bytes_per_token, make_plan,
+                                          stage_params, total_params)
 
 REPO = Path(__file__).resolve().parents[3]
 RECIPES = sorted((REPO / "examples").glob("qwen2.5-*.yaml"))
@@ -145,15 +146,26 @@ def _allocated(arch, tensor, pipeline, expert=1):
     for p in model.parameters():
         p.main_grad.normal_()
     optimizer.step()  # Adam's moments exist after the first step
-    adam = sum(t.numel() * t.element_size()
-               for opt in getattr(optimizer, "chained_optimizers", [optimizer])
-               for state in opt.optimizer.state.values()
-               for t in state.values() if torch.is_tensor(t) and t.dim() > 0)
-    buffers = list(model.buffers) + list(getattr(model, "expert_parallel_buffers", []))
+    experts = {p for name, p in model.named_parameters() if ".local_experts." in name}
+
+    def adam(params) -> int:
+        return sum(t.numel() * t.element_size()
+                   for opt in getattr(optimizer, "chained_optimizers", [optimizer])
+                   for p, state in opt.optimizer.state.items() if p in params
+                   for t in state.values() if torch.is_tensor(t) and t.dim() > 0)
+
+    def grads(buffers) -> int:
+        return sum(b.grad_data.numel() * b.grad_data.element_size() for b in buffers)
+
+    expert_buffers = list(getattr(model, "expert_parallel_buffers", []))
     return (sum(p.numel() for p in model.parameters()),
             sum(p.numel() * p.element_size() for p in model.parameters()),
-            sum(b.grad_data.numel() * b.grad_data.element_size() for b in buffers), adam,
-            sorted({g["weight_decay"] for g in optimizer.param_groups}))
+            grads(list(model.buffers) + expert_buffers), adam(set(model.parameters())),
+            sorted({g["weight_decay"] for g in optimizer.param_groups}),
+            # The experts' part: weights, grad buffer (Megatron's expert-parallel buffers) and
+            # Adam's moments.
+            (sum(p.numel() * p.element_size() for p in experts), grads(expert_buffers),
+             adam(experts)))
 
 
 @pytest.mark.parametrize("family,tied,tensor,pipeline", [("qwen3", False, 2, 2),
@@ -163,7 +175,7 @@ def test_fullest_gpu_state_equals_megatrons(family, tied, tensor, pipeline, tmp_
     hf = tiny_hf_config(family, tie_word_embeddings=tied)
     arch = arch_from_hf_config(hf)
     ranks = run_distributed(_allocated, tensor * pipeline, arch, tensor, pipeline, timeout=200)
-    params, weights, grads, adam, decays = max(ranks)
+    params, weights, grads, adam, decays, _ = max(ranks)
     # One default: trainer.weight_decay's 0.1 reaches the optimizer (the old OptimSettings mirror
     # had 0.0); biases and norms keep none, as Megatron decides.
     assert decays == [0.0, 0.1]
@@ -214,16 +226,52 @@ def test_moe_stage_state_at_ep2_pp2_equals_megatrons(tmp_path):
     weights, both grad buffers and Adam's moments as Megatron allocates them."""
     arch = arch_from_hf_config(tiny_hf_config("qwen3_moe"))
     ranks = run_distributed(_allocated, 4, arch, 1, 2, 2, timeout=200)
-    params, weights, grads, adam, _ = max(ranks)
+    params, weights, grads, adam, _, expert_parts = max(ranks)
     assert params == stage_params(arch, 1, 2, 2) < stage_params(arch, 1, 2, 1)
     cfg_dir = write_config("qwen3_moe", tmp_path / "m")
     cfg = load_config(overrides=[f"model.hf_path={cfg_dir}", "model.dtype=fp32",
                                  "parallel.pipeline=2", "parallel.expert=2",
                                  "trainer.distributed_optimizer=false", "cluster.gpus_per_node=4"])
-    items = dict(make_plan(cfg, arch, nodes=1).trainer)
+    plan = make_plan(cfg, arch, nodes=1)
+    items = dict(plan.trainer)
     assert items["weights (fp32)"] == weights
     assert items["grad buffer (fp32)"] == grads
     assert items["Adam moments (fp32)"] == adam
+    # The experts' part of each, as Megatron allocates it (the dense part is the rest).
+    keys = ("weights (fp32)", "grad buffer (fp32)", "Adam moments (fp32)")
+    assert tuple(plan.trainer_parts[k][1][1] for k in keys) == expert_parts
+    assert all(0 < b < items[k] for k, b in zip(keys, expert_parts))
+
+
+@pytest.mark.parametrize("overrides", [[], ["model.dtype=fp32", "parallel.expert=4"],
+                                       ["trainer.distributed_optimizer=false"]],
+                         ids=["recipe", "fp32-ep4", "plain-optimizer"])
+def test_moe_plan_prints_dense_and_expert_parts_that_add_up(capsys, overrides):
+    """Weights, grad buffer, main weights and Adam's moments each with a dense and an expert
+    line below: in bytes they add up to the item exactly, as printed to within the rounding of
+    three 0.01 GiB figures; a dense model prints no parts."""
+    recipe = REPO / "examples" / "qwen3-30b-a3b-kl_cov.yaml"
+    code, out = run_plan(capsys, str(recipe), "--nodes", documented_nodes(recipe), *overrides)
+    assert code in (0, 1) and "trainer memory per GPU" in out, out  # over memory: printed too
+    cfg = load_config(recipe, overrides)
+    plan = make_plan(cfg, arch_from_hf_config(KNOWN_MODELS["qwen3-30b-a3b"]), 8)
+    split = [name for name, _ in plan.trainer if name in plan.trainer_parts]
+    want = 3 if cfg.model.dtype == "fp32" else 4  # fp32 keeps no separate main weights
+    assert len(split) == want and split[0].startswith("weights") \
+        and split[-1].startswith("Adam moments")
+    for name, total in plan.trainer:
+        parts = plan.trainer_parts.get(name, [])
+        assert not parts or sum(b for _, b in parts) == total, name
+    lines = out.splitlines()
+    for name in split:
+        i = next(j for j, line in enumerate(lines) if line.startswith(f"  {name} "))
+        item, *parts = [float(re.search(r"([\d.]+) GiB$", line).group(1))
+                        for line in lines[i:i + 3]]
+        assert lines[i + 1].lstrip().startswith("dense") and \
+            lines[i + 2].lstrip().startswith("experts")
+        assert abs(sum(parts) - item) <= 0.015, (name, item, parts)
+    code, out = run_plan(capsys, str(RECIPES[0]), "--nodes", documented_nodes(RECIPES[0]))
+    assert code == 0 and "dense" not in out and "experts (" not in out
 
 
 def test_qwen3_moe_recipe_fits_and_the_built_in_models_have_their_published_sizes(capsys):
