@@ -21,7 +21,6 @@ dist_checkpointing writes each rank's files from processes it forks; those die w
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import queue
@@ -43,7 +42,8 @@ from megatron_entropy.models.sharding import unwrap_model
 from megatron_entropy.runtime.files import disk_error, write_text_atomic
 from megatron_entropy.runtime.processes import die_with_parent
 from megatron_entropy.trainer import preemption
-from megatron_entropy.trainer.optimizer_chains import members, rekeyed_to_saved, saved_members
+from megatron_entropy.trainer.optimizer_chains import (members, rekeyed_to_saved, saved_members,
+                                                       with_keys)
 
 # Deferred imports: Megatron (~4-5 s) loads inside the functions that use it: the study's process
 # (analysis/study.py) finds and verifies checkpoints with CheckpointManager without Megatron.
@@ -365,18 +365,8 @@ def _in_saved_format(request: Any, optimizer) -> tuple[Any, Any]:
     else:
         ours, theirs = _PLAIN_MAIN, _DISTRIBUTED_MAIN
 
-    def rename(tree: Any) -> Any:
-        if isinstance(tree, ShardedBase) and tree.key.startswith(ours):
-            renamed = copy.copy(tree)
-            renamed.key = theirs + tree.key[len(ours):]
-            return renamed
-        if isinstance(tree, dict):
-            return {k: rename(v) for k, v in tree.items()}
-        if isinstance(tree, list):
-            return [rename(v) for v in tree]
-        return tree
-
-    renamed = rename(request)
+    renamed = with_keys(request, lambda key: theirs + key[len(ours):] if key.startswith(ours)
+                        else None)
     if theirs:
         return renamed, None
     model_weights, rest = extract_matching_values(  # renamed to the model's keys

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import copy
 import re
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 # ChainedOptimizer's prefix of member i's sharded keys.
 _CHAIN_PREFIX = re.compile(r"^chained_\d+\.")
@@ -26,33 +26,41 @@ def _unchained(key: str) -> str:
     return _CHAIN_PREFIX.sub("", key, count=1)
 
 
+def with_keys(tree: Any, new_key: Callable[[str], Optional[str]]) -> Any:
+    """``tree`` (a sharded state dict) with each sharded entry for which ``new_key`` gives a key
+    copied under that key; the rest as it is."""
+    from megatron.core.dist_checkpointing.mapping import ShardedBase
+
+    if isinstance(tree, ShardedBase):
+        key = new_key(tree.key)
+        if key is None:
+            return tree
+        renamed = copy.copy(tree)
+        renamed.key = key
+        return renamed
+    if isinstance(tree, dict):
+        return {k: with_keys(v, new_key) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [with_keys(v, new_key) for v in tree]
+    return tree
+
+
 def rekeyed_to_saved(request: Any, saved_keys: set[str]) -> Optional[Any]:
     """``request`` (an optimizer's load request) with each sharded key that the checkpoint lacks
     renamed to the saved key that differs from it only by its chain prefix; None when the
     checkpoint holds every key already (the same chain saved it)."""
-    from megatron.core.dist_checkpointing.mapping import ShardedBase
-
     by_param = {_unchained(k): k for k in saved_keys if k.startswith(("optimizer.", "chained_"))}
-    renamed_any = False
+    renamed: list[str] = []
 
-    def rename(tree: Any) -> Any:
-        nonlocal renamed_any
-        if isinstance(tree, ShardedBase):
-            saved = by_param.get(_unchained(tree.key))
-            if tree.key in saved_keys or saved is None:
-                return tree  # a key missing either way: the load names it
-            renamed_any = True
-            renamed = copy.copy(tree)
-            renamed.key = saved
-            return renamed
-        if isinstance(tree, dict):
-            return {k: rename(v) for k, v in tree.items()}
-        if isinstance(tree, list):
-            return [rename(v) for v in tree]
-        return tree
+    def saved_key(key: str) -> Optional[str]:
+        saved = by_param.get(_unchained(key))
+        if key in saved_keys or saved is None:
+            return None  # a key missing either way: the load names it
+        renamed.append(key)
+        return saved
 
-    out = rename(request)
-    return out if renamed_any else None
+    out = with_keys(request, saved_key)
+    return out if renamed else None
 
 
 def members(state: Any, optimizer) -> list[tuple[Any, Any]]:

@@ -77,22 +77,26 @@ def test_checkpoint_reshards_model_and_optimizer(tmp_path, save_layout, load_lay
 
 
 def _resumed_worker(run_dir: str, dtype: str, distributed: bool, first: int, last: int,
-                    save_at: int):
-    """Steps ``first``..``last`` of the tiny model's optimizer (resuming from the latest
-    checkpoint when ``first`` > 1), each with the same grads on every rank, saving after step
-    ``save_at``; returns the full weights and this checkpoint's recorded optimizer format."""
+                    save_at: Optional[int], family: str = "qwen2", expert: int = 1
+                    ) -> tuple[dict[str, torch.Tensor], bool]:
+    """Steps ``first``..``last`` of the tiny ``family`` model's optimizer at EP=``expert``
+    (resuming from the latest checkpoint when ``first`` > 1), saving after step ``save_at``.
+    Each parameter's grads are drawn from its global name and the step: the same on every rank
+    and in every layout (an expert whichever EP rank holds it). Returns this rank's full weights
+    and this checkpoint's recorded optimizer format."""
     import json
 
-    from megatron_entropy.models.sharding import full_state_dict
-    from megatron_entropy.trainer.checkpoint import TRAINER_STATE, CheckpointManager
     from megatron_entropy.config import ModelConfig, ParallelConfig, TrainerConfig
+    from megatron_entropy.models.sharding import (expert_offset, full_state_dict, layer_offset,
+                                                  to_global_name)
+    from megatron_entropy.trainer.checkpoint import TRAINER_STATE, CheckpointManager
     from megatron_entropy.trainer.model_setup import build_optimizer, build_trainable_model
 
-    init_megatron()
-    arch = arch_from_hf_config(tiny_hf_config("qwen2"))
+    init_megatron(expert=expert)
+    arch = arch_from_hf_config(tiny_hf_config(family))
     chunks = build_trainable_model(
-        arch, ModelConfig(dtype=dtype, transformer_impl="local", seq_length=64), ParallelConfig(),
-        distributed_optimizer=distributed)
+        arch, ModelConfig(dtype=dtype, transformer_impl="local", seq_length=64),
+        ParallelConfig(expert=expert), distributed_optimizer=distributed)
     # No clipping: the two optimizers sum the grad norm in other orders (per shard, then over
     # DP), so a clipped update would differ by the rounding of the clip coefficient.
     optimizer, _ = build_optimizer(chunks, TrainerConfig(lr=1e-2, grad_clip=0, weight_decay=0.0,
@@ -101,9 +105,13 @@ def _resumed_worker(run_dir: str, dtype: str, distributed: bool, first: int, las
     manager = CheckpointManager(run_dir, keep_last=1)
     if first > 1:
         assert manager.load(manager.latest(), chunks, optimizer)["step"] == first - 1
+    module = chunks[0].module
+    names = {p: to_global_name(n, layer_offset(module), expert_offset(module))
+             for n, p in module.named_parameters()}
     for step in range(first, last + 1):
-        for p in chunks[0].parameters():
-            p.main_grad.normal_(generator=torch.Generator().manual_seed(step))
+        for p, name in names.items():
+            seed = zlib.crc32(f"{name}:{step}".encode())
+            p.main_grad.normal_(generator=torch.Generator().manual_seed(seed))
         optimizer.step()
         if step == save_at:
             manager.save(step, chunks, optimizer, {"step": step}, arch, "unused")
@@ -134,41 +142,6 @@ def test_resumed_optimizer_converts_and_reshards_bit_identical(tmp_path, dtype, 
         torch.testing.assert_close(got[name], want[name], rtol=0, atol=0, msg=name)
 
 
-def _moe_resumed_worker(run_dir: str, dtype: str, distributed: bool, expert: int, first: int,
-                        last: int, save_at: Optional[int]) -> dict[str, torch.Tensor]:
-    """``_resumed_worker`` for the tiny Qwen3-MoE at EP=``expert`` on 2 ranks; each parameter's
-    grads are drawn from its global name and the step, so an expert gets the same grads
-    whichever rank holds it. Returns this rank's full weights."""
-    from megatron_entropy.config import ModelConfig, ParallelConfig, TrainerConfig
-    from megatron_entropy.models.sharding import (expert_offset, full_state_dict, layer_offset,
-                                                  to_global_name)
-    from megatron_entropy.trainer.checkpoint import CheckpointManager
-    from megatron_entropy.trainer.model_setup import build_optimizer, build_trainable_model
-
-    init_megatron(expert=expert)
-    arch = arch_from_hf_config(tiny_hf_config("qwen3_moe"))
-    chunks = build_trainable_model(
-        arch, ModelConfig(dtype=dtype, transformer_impl="local", seq_length=64),
-        ParallelConfig(expert=expert), distributed_optimizer=distributed)
-    optimizer, _ = build_optimizer(chunks, TrainerConfig(lr=1e-2, grad_clip=0, weight_decay=0.0,
-                                                         steps=1), dtype,
-                                   distributed_optimizer=distributed)
-    manager = CheckpointManager(run_dir, keep_last=1)
-    if first > 1:
-        assert manager.load(manager.latest(), chunks, optimizer)["step"] == first - 1
-    module = chunks[0].module
-    names = {p: to_global_name(n, layer_offset(module), expert_offset(module))
-             for n, p in module.named_parameters()}
-    for step in range(first, last + 1):
-        for p, name in names.items():
-            seed = zlib.crc32(f"{name}:{step}".encode())
-            p.main_grad.normal_(generator=torch.Generator().manual_seed(seed))
-        optimizer.step()
-        if step == save_at:
-            manager.save(step, chunks, optimizer, {"step": step}, arch, "unused")
-    return full_state_dict(chunks[0])
-
-
 @pytest.mark.parametrize("dtype,distributed", [("bf16", True), ("fp32", False)],
                          ids=["bf16-distributed", "fp32-plain"])
 def test_moe_resume_reshards_experts_and_their_optimizer_state(tmp_path, dtype, distributed):
@@ -179,20 +152,23 @@ def test_moe_resume_reshards_experts_and_their_optimizer_state(tmp_path, dtype, 
     reshards the experts' main weights and Adam's moments into another chain. Adam is
     elementwise and every parameter gets the same grads in every layout, so the weights after
     are the same bit for bit (a misplaced expert or moment, or a reset step, would show)."""
-    run = lambda *a: run_distributed(_moe_resumed_worker, 2, str(tmp_path),  # noqa: E731
-                                     dtype, distributed, *a)
-    ref = run(2, 1, 6, 2)
+    def run(expert: int, first: int, last: int, save_at: Optional[int]) -> dict:
+        return _union_weights(run_distributed(
+            _resumed_worker, 2, str(tmp_path), dtype, distributed, first, last, save_at,
+            family="qwen3_moe", expert=expert))
+
+    want = run(2, 1, 6, 2)
     run(1, 3, 4, 4)
-    out = run(2, 5, 6, None)
-    want, got = _union_weights(ref), _union_weights(out)
+    got = run(2, 5, 6, None)
     assert want.keys() == got.keys() and sum(".local_experts." in n for n in want) == 2 * 4 * 2
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=0, atol=0, msg=name)
 
 
-def _union_weights(results: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+def _union_weights(results: list[tuple[dict[str, torch.Tensor], bool]]
+                   ) -> dict[str, torch.Tensor]:
     """The full weights over all ranks (each EP rank adds its experts)."""
     out: dict[str, torch.Tensor] = {}
-    for weights in results:
+    for weights, _ in results:
         out.update(weights)
     return out
