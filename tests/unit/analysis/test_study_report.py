@@ -57,5 +57,15 @@ def test_points_still_rising_are_no_plateau():
     assert got["rise"] == pytest.approx(0.2, abs=0.01) and not got["flat"]
 
 
+def test_a_measurable_rise_under_two_points_is_still_a_plateau():
+    """A nearly deterministic policy: points 0.1 points apart, rising by 1 point over the
+    window, many standard errors, yet no longer improving in any sense that matters."""
+    steps = range(0, 61, 4)
+    runs = [_result({s: 0.6 + 0.0005 * (s - 40) * (s >= 40) + 0.001 * (-1) ** (s // 4)
+                     for s in steps}, 60)]
+    got = plateau(runs)
+    assert 0.009 < got["rise"] < 0.011 and got["rise"] > 4 * got["se"] and got["flat"]
+
+
 def test_too_few_points_in_the_window_is_not_judged():
     assert plateau([_result({0: 0.3, 30: 0.5, 50: 0.6, 60: 0.6}, 60)]) is None
