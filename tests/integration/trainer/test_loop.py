@@ -277,9 +277,11 @@ def test_dp2_counts_the_tokens_of_every_engine(model_dir, tmp_path):
     for r in rows:
         generated = r["response/length_mean"] * samples  # every generated sample, all ranks
         assert r["rollout/response_tokens"] == pytest.approx(generated, rel=1e-12)
-        # The engines generate side by side inside the rollout phase: the job's rate is at
-        # least all their tokens over that phase's time.
-        assert r["rollout/tokens_per_s"] >= generated / r["time/rollout"]
+        # The rate is all engines' tokens over the longest engine's generating time. Rank 0's
+        # rollout phase need not span the other engine's generation (on a loaded machine rank 1
+        # generated for 0.98 s while rank 0's phase took 0.53 s), but its step does: the ranks
+        # meet in the update's collectives.
+        assert r["rollout/tokens_per_s"] >= generated / r["time/step"]
         # Prompt and response tokens of every kept sample, per second of the step.
         assert r["perf/tokens_per_s"] * r["time/step"] > generated
 
