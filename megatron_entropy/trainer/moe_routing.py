@@ -48,6 +48,7 @@ from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
 from megatron_entropy.models.sharding import unwrap_model
 from megatron_entropy.trainer.batch import MicroBatch, Sample
+from megatron_entropy.trainer.step_metrics import device
 
 REPLAY_MODES = ("none", "recompute", "rollout")
 # Megatron's tracker names -> metric keys.
@@ -67,8 +68,7 @@ def with_fillers(micro_batches: list[MicroBatch]) -> list[MicroBatch]:
     without expert parallelism); a filler has no samples (``is_filler``)."""
     if ps.get_expert_model_parallel_world_size() == 1:
         return micro_batches
-    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    count = torch.tensor([len(micro_batches)], dtype=torch.long, device=device)
+    count = torch.tensor([len(micro_batches)], dtype=torch.long, device=device())
     dist.all_reduce(count, op=dist.ReduceOp.MAX, group=ps.get_expert_model_parallel_group())
     # Sequence parallelism splits the sequence over TP: one token per TP rank.
     length = ps.get_tensor_model_parallel_world_size()
