@@ -175,7 +175,7 @@ def plateau(results: Sequence[RunResult], part: float = PLATEAU_PART) -> Optiona
         slope, intercept = np.polyfit(x, y, 1)
         resid = y - (slope * x + intercept)
         sxx = float(((x - x.mean()) ** 2).sum())
-        sd = math.sqrt(float((resid ** 2).sum()) / (len(x) - 2)) if len(x) > 2 else 0.0
+        sd = math.sqrt(float((resid ** 2).sum()) / (len(x) - 2))  # 3 points at least
         span = float(x[-1] - x[0])
         rises.append(slope * span)
         variances.append((sd / math.sqrt(sxx) * span) ** 2 if sxx else 0.0)
@@ -301,8 +301,9 @@ def _fmt(v: Optional[float], digits: int = 3) -> str:
 
 def targets(summary: dict, plan: StudyPlan) -> list[dict]:
     """Each target of the study (the baseline's collapse, length, law fit, early prediction,
-    plateau, ceiling and dH-vs-Cov correlation; each Cov arm's entropy and accuracy against the baseline; the threshold
-    sweep's order; the time budget): what it asks, the measured value, hit / missed / not judged."""
+    plateau, ceiling and dH-vs-Cov correlation; each Cov arm's entropy and accuracy against the
+    baseline; the threshold sweep's order; the time budget): what it asks, the measured value,
+    hit / missed / not judged."""
     st, arms = plan.study, summary["arms"]
     base_name = st.baseline
     base = arms.get(base_name)

@@ -59,8 +59,8 @@ large model's reload takes minutes); ``/fake/perturb`` {scale, seed, after_reque
 tensor of the weights loaded last gets Gaussian noise of scale x its own std (a wrong copy of
 the model; scale 0 restores it), at once or once that many more ``/generate`` requests were
 answered (weights changed behind a client's back between two of its calls, as another client
-of a shared server loading others would) (``--sync-noise`` sets the noise from the start); ``GET /fake/state``: requests running and
-waiting, tokens decoded.
+of a shared server loading others would) (``--sync-noise`` sets the noise from the start);
+``GET /fake/state``: requests running and waiting, tokens decoded.
 
 Run: python tests/helpers/fake_sglang_server.py --model-path DIR --host 127.0.0.1 --port P
 """

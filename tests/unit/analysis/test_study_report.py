@@ -1,5 +1,5 @@
-"""The study report's plateau judgement (analysis/study_report.py::plateau) against the least-squares
-line computed here by hand."""
+"""The study report's plateau judgement (analysis/study_report.py::plateau) against the
+least-squares line computed here by hand."""
 
 from __future__ import annotations
 
