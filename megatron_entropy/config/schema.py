@@ -218,6 +218,14 @@ class AlgorithmConfig(PolicyLossSettings):
     norm_adv_by_std: bool = _f(True, help="GRPO: divide by the group std (+1e-6)")
     cov_scope: Literal["micro_batch", "global"] = _f(
         "micro_batch", help="micro_batch = paper code/verl; global = the whole optimizer step")
+    old_logprobs: Literal["recompute", "engine"] = _f(
+        "recompute", help="the log-probs the PPO ratio divides by, and the sampling policy's "
+                          "entropies: recompute = a forward-only pass of the actor over the "
+                          "step's tokens before the update; engine = the in-process engine's own "
+                          "of the tokens it sampled, no extra forward (equal up to rounding when "
+                          "it samples in the actor's dtype; no rollout/logprob_drift, per-step "
+                          "weight check of the rollouts or rollout correction, which compare the "
+                          "two; the weight check after each sync still runs)")
     global_selection_logprobs: Literal["recompute", "fresh"] = _f(
         "recompute", help="global scope: select with the old-logprob recompute (free) or with a "
                           "forward-only pass of the current policy per mini-batch (exact, +1 fwd)")

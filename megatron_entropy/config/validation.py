@@ -36,9 +36,29 @@ def validate(cfg: Config) -> None:
                           "vLLM 0.32's CPU build cannot return them: enable_return_routed_experts "
                           "needs its Model Runner V2, which needs Triton): use "
                           "rollout.routing_replay=recompute (R2) or rollout.engine=inprocess")
+    if cfg.algorithm.old_logprobs == "engine":
+        _check_engine_old_logprobs(cfg)
     if cfg.rollout.engine != "inprocess":
         s = cfg.rollout.server
         if not (s.urls or s.urls_file or s.launch):
             raise ConfigError(f"rollout.engine={cfg.rollout.engine} needs servers: set "
                               "rollout.server.urls, rollout.server.urls_file or "
                               "rollout.server.launch")
+
+
+def _check_engine_old_logprobs(cfg: Config) -> None:
+    """algorithm.old_logprobs=engine: what it needs, and what needs the recompute it skips."""
+    a, r = cfg.algorithm, cfg.rollout
+    if r.engine != "inprocess":
+        raise ConfigError(f"algorithm.old_logprobs=engine needs the engine's entropy of every "
+                          f"sampled token, which only rollout.engine=inprocess reports "
+                          f"(rollout.engine={r.engine}): use algorithm.old_logprobs=recompute")
+    if a.rollout_correction.mode != "none":
+        raise ConfigError(f"algorithm.rollout_correction.mode={a.rollout_correction.mode} "
+                          "weighs the actor's recompute against the engine's log-probs, which "
+                          "algorithm.old_logprobs=engine does not compute: use "
+                          "algorithm.old_logprobs=recompute or rollout_correction.mode=none")
+    if r.routing_replay != "none":
+        raise ConfigError(f"rollout.routing_replay={r.routing_replay} replays the routing the "
+                          "actor's recompute records, which algorithm.old_logprobs=engine does "
+                          "not run: use algorithm.old_logprobs=recompute")

@@ -37,7 +37,8 @@ class Completion:
 
     ``logprobs[t]`` is the log-probability of ``token_ids[t]`` under softmax(logits / temperature)
     over the full vocabulary, before top-p/top-k truncation: exactly what the actor recomputes, so
-    that |actor - engine| measures train/rollout drift. (Greedy: temperature 1.)
+    that |actor - engine| measures train/rollout drift. (Greedy: temperature 1.) ``entropies[t]``
+    is the entropy of that distribution at token t, from engines that report it (in-process).
     """
 
     token_ids: list[int]
@@ -46,6 +47,7 @@ class Completion:
     finish_reason: FinishReason
     # Filled by engines that know it: which server answered, weight version used.
     meta: dict = field(default_factory=dict)
+    entropies: Optional[list[float]] = None
 
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]

@@ -6,7 +6,7 @@ the actor recomputes and reproducible per sample:
   ``sample_seed(sampling.seed, i, j)``, one per token, so a sample does not depend on which other
   samples share its batch, and re-running a step after a resume gives the same tokens;
 - ``logprobs`` are taken from softmax(logits / T) over the full vocabulary before top-p/top-k
-  (greedy: T = 1), in fp32;
+  (greedy: T = 1), in fp32, and so are ``entropies`` (of that distribution, at each token);
 - top-k / top-p only restrict where the sampled token may land (inverse-CDF sampling over the
   renormalised kept mass).
 Prompts are left-padded; each distinct prompt is prefilled once and its cache copied to its n
@@ -108,18 +108,21 @@ def _as_list(x) -> list[int]:
 
 
 def sample_tokens(logits: torch.Tensor, uniforms: torch.Tensor, temperature: float,
-                  top_p: float = 1.0, top_k: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+                  top_p: float = 1.0, top_k: int = -1
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sample one token per row by inverse CDF with the given uniforms in [0, 1).
 
-    Returns (tokens [B], logprobs [B]) where logprobs are under softmax(logits / T) over the full
-    vocabulary (T = 1 when greedy, ``temperature == 0``), before any truncation.
+    Returns (tokens [B], logprobs [B], entropies [B]): the log-prob of each token and the entropy
+    of softmax(logits / T) over the full vocabulary (T = 1 when greedy, ``temperature == 0``),
+    before any truncation.
     """
     logits = logits.float()
+    logp = torch.log_softmax(logits / (temperature or 1.0), dim=-1)
+    probs = logp.exp()
+    entropies = -(probs * logp).sum(dim=-1)
     if temperature == 0:
         tokens = logits.argmax(dim=-1)
-        return tokens, torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None])[:, 0]
-    logp = torch.log_softmax(logits / temperature, dim=-1)
-    probs = logp.exp()
+        return tokens, logp.gather(-1, tokens[:, None])[:, 0], entropies
     if top_p < 1.0 or top_k > 0:
         probs, order = probs.sort(dim=-1, descending=True)
         if top_k > 0:
@@ -138,7 +141,7 @@ def sample_tokens(logits: torch.Tensor, uniforms: torch.Tensor, temperature: flo
     last = (probs > 0).cumsum(dim=-1).argmax(dim=-1)
     pos = torch.minimum(pos, last)
     tokens = pos if order is None else order.gather(-1, pos[:, None])[:, 0]
-    return tokens, logp.gather(-1, tokens[:, None])[:, 0]
+    return tokens, logp.gather(-1, tokens[:, None])[:, 0], entropies
 
 
 class InProcessEngine(RolloutEngine):
@@ -226,19 +229,22 @@ class InProcessEngine(RolloutEngine):
         n = len(rows)
         tokens: list[list[int]] = [[] for _ in range(n)]
         logprobs: list[list[float]] = [[] for _ in range(n)]
+        entropies: list[list[float]] = [[] for _ in range(n)]
         reasons: list[Optional[str]] = [None] * n
         stopped_by_text = [False] * n
         active = list(range(n))  # sample index of each row still in the batch
         while True:
             uniforms = torch.stack([torch.rand((), generator=gens[s], dtype=torch.float64)
                                     for s in active])
-            tok, lp = sample_tokens(logits, uniforms.to(dev), sp.temperature, sp.top_p, sp.top_k)
-            tok_list, lp_list = tok.tolist(), lp.tolist()
+            tok, lp, ent = sample_tokens(logits, uniforms.to(dev), sp.temperature, sp.top_p,
+                                         sp.top_k)
+            tok_list, lp_list, ent_list = tok.tolist(), lp.tolist(), ent.tolist()
             keep = []
             for row, s in enumerate(active):
                 t = tok_list[row]
                 tokens[s].append(t)
                 logprobs[s].append(lp_list[row])
+                entropies[s].append(ent_list[row])
                 if t in stop_ids:
                     reasons[s] = "stop"
                 elif sp.stop and any(
@@ -279,7 +285,8 @@ class InProcessEngine(RolloutEngine):
             meta: dict = {"weight_version": self.weight_version}
             if routes[s]:
                 meta["routing"] = torch.cat(routes[s]).permute(1, 0, 2).contiguous()
-            out.append(Completion(token_ids=tokens[s], logprobs=logprobs[s], text=text,
+            out.append(Completion(token_ids=tokens[s], logprobs=logprobs[s],
+                                  entropies=entropies[s], text=text,
                                   finish_reason=reasons[s], meta=meta))
         return out
 

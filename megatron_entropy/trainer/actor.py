@@ -243,9 +243,15 @@ class Actor:
         return self._broadcast_from_last_stage(result)
 
     def recompute(self, samples: list[Sample]) -> None:
-        """Fill old log-probs and entropies (and reference log-probs) of every sample."""
-        for s, (lp, en) in zip(samples, self.compute_logprobs(samples, record_routing=True)):
-            s.old_logprobs, s.entropy = lp, en
+        """Fill old log-probs and entropies (and reference log-probs) of every sample: the
+        policy's, from a forward-only pass, or with ``old_logprobs`` ``engine`` the engine's own
+        of the tokens it sampled (no forward of the policy)."""
+        if self.algorithm.old_logprobs == "engine":
+            for s in samples:
+                s.old_logprobs, s.entropy = _engine_token_stats(s)
+        else:
+            for s, (lp, en) in zip(samples, self.compute_logprobs(samples, record_routing=True)):
+                s.old_logprobs, s.entropy = lp, en
         if self.ref_model is not None:
             for s, (lp, _) in zip(samples, self.compute_logprobs(samples, reference=True)):
                 s.ref_logprobs = lp
@@ -359,18 +365,25 @@ class Actor:
                                            None if inputs is None else inputs[1],
                                            self.ps.get_data_parallel_group())
 
+                # The step's first update runs on the weights that sampled: with the engine's
+                # old log-probs its own forward gives them exactly, as the recompute would (a
+                # ratio of exactly 1; the engine's differ by rounding, which KL-Cov's |logp -
+                # old logp| would turn into gradients of either sign).
+                own_old = self.algorithm.old_logprobs == "engine" and epoch == 0 and k == 0
+
                 def loss_fn(model, output, mb, normalizer=normalizer, selections=selections,
                             draw_seed=draw_seed, step_rules=step_rules, shaping=shaping,
-                            corrections=corrections):
+                            corrections=corrections, own_old=own_old):
                     logp, ent = self._token_stats(model, output, mb)
                     entropy = mb.scatter(ent)
+                    old_logp = mb.scatter(logp.detach()) if own_old else mb.old_logprobs
                     adjust, rule_metrics = step_rules.for_micro_batch(mb.index, entropy, mb.mask)
                     if mb.index in corrections:
                         adjust = _with_correction(adjust, corrections[mb.index], entropy.device)
                         rule_metrics.update(corrections[mb.index].metrics)
                     gen = torch.Generator().manual_seed(micro_batch_draw_seed(draw_seed, mb.index))
                     value, metrics = policy_loss(
-                        loss, mb.scatter(logp), mb.old_logprobs,
+                        loss, mb.scatter(logp), old_logp,
                         mb.advantages, mb.mask, normalizer=normalizer, entropy=entropy,
                         ref_logp=mb.ref_logprobs,
                         selection=None if selections is None else selections[mb.index],
@@ -426,3 +439,18 @@ def _with_correction(adjust: Optional[TokenAdjustments], correction: RolloutCorr
 def _recomputed_entropy(mb: MicroBatch, samples: Sequence[Sample]) -> torch.Tensor:
     """[B, R] the recompute's entropies of the micro-batch's response tokens."""
     return mb.scatter(torch.cat([samples[i].entropy.float() for i in mb.sample_ids]))
+
+
+def _engine_token_stats(s: Sample) -> tuple[torch.Tensor, torch.Tensor]:
+    """The engine's (log-probs, entropies) [R] of a sample's response tokens, in fp32."""
+    n = len(s.response_ids)
+    if len(s.engine_logprobs) != n or s.engine_entropies is None or \
+            len(s.engine_entropies) != n or not s.exact_logprobs:
+        raise ValueError(f"algorithm.old_logprobs=engine needs the engine's log-prob and entropy "
+                         f"of every response token under the full sampling distribution; a "
+                         f"sample of {n} tokens has {len(s.engine_logprobs)} log-probs"
+                         f"{'' if s.exact_logprobs else ' (renormalised by the server)'} and "
+                         f"{'no' if s.engine_entropies is None else len(s.engine_entropies)} "
+                         "entropies")
+    return (torch.tensor(s.engine_logprobs, dtype=torch.float32),
+            torch.tensor(s.engine_entropies, dtype=torch.float32))

@@ -29,6 +29,9 @@ class Sample:
     server: Optional[int] = None
     weight_version: Optional[str] = None
     exact_logprobs: bool = True
+    # The engine's entropy of its sampling distribution at each response token, where it reports
+    # one (the in-process engine); algorithm.old_logprobs=engine takes it as the step's entropy.
+    engine_entropies: Optional[list[float]] = None
     # Per response token, filled by the actor's forward-only passes.
     old_logprobs: Optional[torch.Tensor] = None
     ref_logprobs: Optional[torch.Tensor] = None

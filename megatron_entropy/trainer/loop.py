@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from megatron_entropy.config import Config
+from megatron_entropy.config import Config, ConfigError
 from megatron_entropy.data import PromptSampler, data_notes, load_prompt_dataset, load_tokenizer
 from megatron_entropy.models.arch import load_arch
 from megatron_entropy.models.bridge import load_hf_weights
@@ -122,6 +122,10 @@ class Trainer:
             self.arch = load_arch(m.hf_path)
             self.hf_dir = m.hf_path
         self.arch.check_parallel(cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.expert)
+        if self.arch.is_moe and cfg.algorithm.old_logprobs == "engine":
+            raise ConfigError("algorithm.old_logprobs=engine: a mixture-of-experts policy's "
+                              "updates replay the routing its recompute records; use "
+                              "algorithm.old_logprobs=recompute")
         self.tokenizer = load_tokenizer(self.hf_dir)
 
         self.train_data = load_prompt_dataset(cfg.data, self.tokenizer,
@@ -375,9 +379,10 @@ class Trainer:
                 with timer("recompute"):
                     self.actor.recompute(mine)
                 metrics.update(reduce_token_metrics(mine, dp_group))
-                metrics.update(drift_metrics(mine, dp_group))
-                metrics.update(self.check_rollout_weights(mine, dp_group, step))
-                metrics.update(self.drift.observe(step, metrics, self.logger.write))
+                if cfg.algorithm.old_logprobs == "recompute":  # else nothing to compare with
+                    metrics.update(drift_metrics(mine, dp_group))
+                    metrics.update(self.check_rollout_weights(mine, dp_group, step))
+                    metrics.update(self.drift.observe(step, metrics, self.logger.write))
                 with timer("update"):
                     actor_metrics = self.actor.update(mine, step, loss_knobs(self.controller))
                 metrics.update(update_controller(self.controller, metrics))

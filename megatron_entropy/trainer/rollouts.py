@@ -314,7 +314,8 @@ def groups_to_samples(step: StepGroups, estimator: str, norm_by_std: bool) -> li
     for s in step.kept:
         first.append(first[-1] + len(s.rewards))
     return [Sample(prompt_ids=list(g.item.prompt_ids), response_ids=list(c.token_ids),
-                   engine_logprobs=list(c.logprobs), reward=r, group=gi, source=g.item.source,
+                   engine_logprobs=list(c.logprobs), engine_entropies=c.entropies,
+                   reward=r, group=gi, source=g.item.source,
                    advantage=adv[first[gi] + j], engine_routing=c.meta.get("routing"),
                    **served_by(c))
             for gi, g in step.share for j, (c, r) in enumerate(zip(g.completions, g.rewards))

@@ -39,6 +39,26 @@ def reference(model, prompt: list[int], completion: list[int], temperature: floa
     return lp.tolist(), logprob_tol(logits, lp, terms)
 
 
+def reference_entropies(model, prompt: list[int], completion: list[int],
+                        temperature: float = 1.0) -> tuple[list[float], float]:
+    """The entropy of softmax(logits / T) before each completion token, from ``reference``'s
+    plain fp32 forward, and its tolerance: the log-probs' rounding, plus the sum over the
+    vocabulary (as many terms again as the normaliser)."""
+    import torch
+
+    from megatron_entropy.models.arch import arch_from_hf_config
+    from tolerance import logprob_tol, transformer_terms
+
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1:-1].float() / temperature
+    logp = torch.log_softmax(logits, -1)
+    h = -(logp.exp() * logp).sum(-1)
+    terms = transformer_terms(arch_from_hf_config(model.config.to_dict()), ids.shape[1],
+                              log_softmax=True) + logits.shape[-1]
+    return h.tolist(), logprob_tol(logits, logp, terms)
+
+
 def reference_logprobs(model, prompt: list[int], completion: list[int],
                        temperature: float = 1.0) -> list[float]:
     """The log-probs of ``reference``."""

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from serving_model import reference
+from serving_model import reference, reference_entropies
 from tiny_models import save_tiny_hf_model
 from tolerance import logprob_tol
 
@@ -74,6 +74,12 @@ def test_logprobs_equal_a_plain_forward(model_dirs, prompts, family):
                 ref, tol = reference(ref_model, prompt, c.token_ids, temperature)
                 worst = max(abs(x - y) for x, y in zip(c.logprobs, ref))
                 assert worst <= tol, (temperature, worst, tol)
+                # The entropy at each token, of the same full tempered distribution: its sum
+                # over the vocabulary rounds as often again as the log-softmax's normaliser.
+                ref_h, h_tol = reference_entropies(ref_model, prompt, c.token_ids, temperature)
+                assert len(c.entropies) == len(c.token_ids)
+                worst = max(abs(x - y) for x, y in zip(c.entropies, ref_h))
+                assert worst <= h_tol, (temperature, worst, h_tol)
 
 
 def test_greedy_equals_transformers_generate(model_dirs, prompts):
@@ -142,7 +148,7 @@ def test_sampler_distribution_and_truncation():
     u = torch.rand(n, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     for temperature, top_p, top_k in [(1.0, 1.0, -1), (0.5, 1.0, -1), (1.0, 1.0, 3),
                                       (1.3, 0.6, -1), (1.0, 0.7, 5), (1.0, 0.7, 3)]:
-        tokens, logp = sample_tokens(logits.expand(n, -1), u, temperature, top_p, top_k)
+        tokens, logp, ent = sample_tokens(logits.expand(n, -1), u, temperature, top_p, top_k)
         probs = torch.softmax(logits[0] / temperature, dim=-1)
         # Reference truncation: top-k, renormalise, smallest prefix with mass >= top_p.
         keep = torch.zeros(8, dtype=torch.bool)
@@ -160,10 +166,19 @@ def test_sampler_distribution_and_truncation():
         want = torch.log(probs)[tokens]
         torch.testing.assert_close(logp, want, rtol=0, atol=logprob_tol(
             logits / temperature, want, logits.shape[-1] + 3))
-    greedy, logp = sample_tokens(logits, torch.zeros(1), 0.0)
+        # The entropy of the whole tempered distribution (not the truncated one), in float64;
+        # its sum over the vocabulary adds as many roundings again.
+        p64 = torch.softmax(logits[0].double() / temperature, dim=-1)
+        h = float(-(p64 * p64.log()).sum())
+        assert (ent - h).abs().max() <= logprob_tol(logits / temperature, p64.log(),
+                                                    2 * (logits.shape[-1] + 3)), (ent[0], h)
+    greedy, logp, ent = sample_tokens(logits, torch.zeros(1), 0.0)
     want = torch.log_softmax(logits[0], -1)[0]
     assert greedy.item() == 0 and abs(logp.item() - want.item()) <= logprob_tol(
         logits, want, logits.shape[-1])
+    p64 = torch.softmax(logits[0].double(), dim=-1)  # greedy: the distribution at T = 1
+    assert abs(ent.item() - float(-(p64 * p64.log()).sum())) <= logprob_tol(
+        logits, p64.log(), 2 * logits.shape[-1])
 
 
 def test_stop_conditions(prompts):
