@@ -141,10 +141,15 @@ def layer_spec(arch: ModelArch, impl: Literal["local", "transformer_engine"]):
     if impl == "transformer_engine":
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
             num_experts=arch.num_experts or None, qk_layernorm=arch.qk_layernorm)
-    # Local spec: SequentialMLP experts (one Megatron MLP per local expert, no grouped GEMM).
-    return gpt_layer_specs.get_gpt_layer_local_spec(num_experts=arch.num_experts or None,
+    from megatron_entropy.models.attention import SdpaDotProductAttention
+
+    # Local spec: SequentialMLP experts (one Megatron MLP per local expert, no grouped GEMM);
+    # the core attention through torch's fused SDPA (models/attention.py).
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(num_experts=arch.num_experts or None,
                                                     qk_layernorm=arch.qk_layernorm,
                                                     normalization="RMSNorm")
+    spec.submodules.self_attention.submodules.core_attention = SdpaDotProductAttention
+    return spec
 
 
 def build_gpt_model(arch: ModelArch, tensor: int = 1, pipeline: int = 1, dtype: str = "fp32",

@@ -72,6 +72,7 @@ def update_worker(loss: str, scope: str, selection_logprobs: str,
     # The largest |log-prob| the selection saw, the scale of its rounding.
     metrics["max_abs_logp"] = float(torch.cat([s.old_logprobs for s in mine]).abs().max())
     metrics["recompute_entropies"] = [s.entropy.double() for s in mine]
+    metrics["sample_indices"] = [next(i for i, x in enumerate(samples) if x is s) for s in mine]
     metrics["optimizers"] = [type(o).__name__
                              for o in getattr(optimizer, "chained_optimizers", [optimizer])]
     gather_params(chunks)
@@ -118,6 +119,14 @@ RULES = {
     "shaping": ("kl_cov", "global", 1.0, dict(entropy_advantage=True,
                                               entropy_advantage_alpha=0.05)),
 }
+
+
+def step_entropies(rank_metrics: list[dict]) -> list[torch.Tensor]:
+    """The recompute's entropies of every sample of the step, in sample order, from the metrics
+    of every DP rank (each recomputed its own share)."""
+    by_index = {i: h for m in rank_metrics
+                for i, h in zip(m["sample_indices"], m["recompute_entropies"])}
+    return [by_index[i] for i in range(len(by_index))]
 
 
 def rule_reference(rule: str, entropies: list[torch.Tensor]) -> dict[str, float]:

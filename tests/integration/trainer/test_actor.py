@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from actor_updates import (RULE_TEMPERATURE, RULES, UPDATES, drift_engine_logprobs, rounding_paths,
-                           rule_reference, update_worker)
+                           rule_reference, step_entropies, update_worker)
 from harness import init_megatron, run_distributed
 from loss_references import ref_aggregate, ref_corrected_terms
 from tiny_models import random_samples, tiny_hf_config
@@ -143,16 +143,18 @@ def test_token_rule_update_equals_its_formula_and_ignores_the_split(rule):
     populations, paddings and GEMM shapes at once); without the rule it differs (the rule
     reaches the loss)."""
     ((w1, m1, w0),) = _rule_run(1, rule, 24)
-    (w2, m2, _), (w2b, _, _) = _rule_run(2, rule, 1000)
+    (w2, m2, _), (w2b, m2b, _) = _rule_run(2, rule, 1000)
     ((wo, _, _),) = _rule_run(1, rule, 24, with_rule=False)
-    ref = rule_reference(rule, m1["recompute_entropies"])
+    # Each run against the formula on its own recompute's entropies (another packing computes
+    # them in another order: equal up to rounding, not bit for bit).
     # Shaping runs in fp32 (the advantages' dtype): each positive term of the mean is within one
     # fp32 rounding (2^-24 relative) of the float64 reference. The others select fp32 values
     # and average them in float64.
     rel = 2 ** -23 if rule == "shaping" else 1e-12
-    for name, want in ref.items():
-        for m in (m1, m2):
+    for m, ranks in ((m1, [m1]), (m2, [m2, m2b])):
+        for name, want in rule_reference(rule, step_entropies(ranks)).items():
             assert m[name] == pytest.approx(want, rel=rel), name
+    ref = rule_reference(rule, step_entropies([m1]))
     if rule == "shaping":
         assert 0 < ref["entropy_rule/adv_bonus_capped_frac"] < 1  # both branches of the min
         assert m1["selected_frac"] == m2["selected_frac"] > 0

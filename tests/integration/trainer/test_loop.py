@@ -168,8 +168,8 @@ def _gather_everything_reference(engine, rounds, sampling, reward_fn, shared, ta
         keep.add(groups, [g.rewards for g in groups])
     kept = keep.take()
     samples = [Sample(prompt_ids=list(g.item.prompt_ids), response_ids=list(c.token_ids),
-                      engine_logprobs=list(c.logprobs), reward=r, group=gi, source=g.item.source,
-                      **served_by(c))
+                      engine_logprobs=list(c.logprobs), engine_entropies=c.entropies,
+                      reward=r, group=gi, source=g.item.source, **served_by(c))
                for gi, g in enumerate(kept) for c, r in zip(g.completions, g.rewards)]
     adv = compute_advantages("grpo", torch.tensor([s.reward for s in samples]),
                              torch.tensor([s.group for s in samples]), norm_by_std=True)
