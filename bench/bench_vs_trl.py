@@ -17,6 +17,10 @@ tokens, 2 optimizer updates of 64 samples each per step, PPO-clip with clip-high
 token-mean loss, fp32, no reference model, lr 2e-5. Ours is examples/quickstart_grpo.yaml with
 those overrides (no dynamic sampling, no validation, no weight check); TRL is GRPOTrainer with
 generation_batch_size 128 and steps_per_generation 2, so one of our steps is two of TRL's.
+Both recompute the old policy's log-probs with a forward-only pass before the updates (TRL
+does when an optimizer step is not the generation's only one); the ``-engine`` settings run ours
+with ``algorithm.old_logprobs=engine``, which takes the in-process engine's own instead (the
+same numbers up to rounding, one forward less a step).
 
 Each run is its own process tree, started by this script; runs alternate between ours and TRL
 (which goes first alternates too), so both see the same load. A step's time is the wall time
@@ -51,20 +55,27 @@ TRL_PYTHON = REPO / ".venv-trl" / "bin" / "python"
 PROMPTS, SAMPLES, NEW_TOKENS, UPDATES, LR = 16, 8, 96, 2, 2.0e-5
 THREAD_VARS = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "MKL_NUM_THREADS")
 
-# name -> (what it is, our ranks, our tensor-parallel size, env of ours, env of TRL). An env of
-# None leaves the thread variables unset: the launcher's defaults (ours), torch's (TRL).
-SETTINGS: dict[str, tuple[str, int, int, Optional[dict], Optional[dict]]] = {
-    "default": ("defaults of each (no thread variable set)", 1, 1, None, None),
-    "1t": ("both 1 thread", 1, 1, {"OMP_NUM_THREADS": "1"}, {"OMP_NUM_THREADS": "1"}),
+# name -> (what it is, our ranks, our tensor-parallel size, env of ours, env of TRL, overrides
+# of ours). An env of None leaves the thread variables unset: the launcher's defaults (ours),
+# torch's (TRL).
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+TWO_PASSIVE = {"OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "PASSIVE"}
+ENGINE_OLD_LOGPROBS = ("algorithm.old_logprobs=engine",)
+SETTINGS: dict[str, tuple[str, int, int, Optional[dict], Optional[dict], tuple[str, ...]]] = {
+    "default": ("defaults of each (no thread variable set)", 1, 1, None, None, ()),
+    "1t": ("both 1 thread", 1, 1, ONE_THREAD, ONE_THREAD, ()),
     "2t": ("both 2 threads, OpenMP's default wait policy", 1, 1, {"OMP_NUM_THREADS": "2"},
-           {"OMP_NUM_THREADS": "2"}),
-    "2tp": ("both 2 threads, OMP_WAIT_POLICY=PASSIVE", 1, 1,
-            {"OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "PASSIVE"},
-            {"OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "PASSIVE"}),
-    "dp2": ("ours DP=2 (launcher defaults) vs TRL 1 thread", 2, 1, None,
-            {"OMP_NUM_THREADS": "1"}),
-    "tp2": ("ours TP=2 (launcher defaults) vs TRL 1 thread", 2, 2, None,
-            {"OMP_NUM_THREADS": "1"}),
+           {"OMP_NUM_THREADS": "2"}, ()),
+    "2tp": ("both 2 threads, OMP_WAIT_POLICY=PASSIVE", 1, 1, TWO_PASSIVE, TWO_PASSIVE, ()),
+    "dp2": ("ours DP=2 (launcher defaults) vs TRL 1 thread", 2, 1, None, ONE_THREAD, ()),
+    "tp2": ("ours TP=2 (launcher defaults) vs TRL 1 thread", 2, 2, None, ONE_THREAD, ()),
+    # The engine's log-probs as the old policy: no recompute forward (TRL recomputes its own).
+    "1t-engine": ("both 1 thread, ours algorithm.old_logprobs=engine", 1, 1, ONE_THREAD,
+                  ONE_THREAD, ENGINE_OLD_LOGPROBS),
+    "2tp-engine": ("both 2 threads PASSIVE, ours algorithm.old_logprobs=engine", 1, 1,
+                   TWO_PASSIVE, TWO_PASSIVE, ENGINE_OLD_LOGPROBS),
+    "default-engine": ("defaults of each, ours algorithm.old_logprobs=engine", 1, 1, None, None,
+                       ENGINE_OLD_LOGPROBS),
 }
 
 
@@ -146,8 +157,8 @@ def _summary(marks: list[tuple[float, float, dict]], per_step: int) -> dict:
 
 
 def run_ours(threads: Optional[dict], nproc: int, tensor: int, steps: int, work: Path,
-             repo: Path = REPO) -> dict:
-    """Our quickstart_grpo on the matched work, from the checkout ``repo``."""
+             repo: Path = REPO, overrides: tuple[str, ...] = ()) -> dict:
+    """Our quickstart_grpo on the matched work, from the checkout ``repo``, with ``overrides``."""
     name = f"ours_{time.monotonic_ns()}"
     cmd = [sys.executable, "-m", "megatron_entropy.cli", "train",
            str(repo / "examples" / "quickstart_grpo.yaml"), "--nproc", str(nproc),
@@ -156,7 +167,8 @@ def run_ours(threads: Optional[dict], nproc: int, tensor: int, steps: int, work:
            f"rollout.max_new_tokens={NEW_TOKENS}", f"trainer.mini_batches_per_step={UPDATES}",
            f"trainer.lr={LR}", "data.dynamic_sampling=false", "trainer.val_before_train=false",
            "trainer.val_interval=0", "trainer.save_interval=0", "rollout.weight_check.enabled=false",
-           f"logging.runs_dir={work}", f"logging.name={name}", "logging.progress_bar=false"]
+           f"logging.runs_dir={work}", f"logging.name={name}", "logging.progress_bar=false",
+           *overrides]
     marks = _watch(cmd, _env(threads, repo), work / name / "metrics.jsonl", steps,
                    work / f"{name}.log", timeout=900, cwd=repo)
     out = _summary(marks, 1)
@@ -278,13 +290,15 @@ def main() -> None:
         work = Path(tmp)
         for repeat in range(args.repeats):
             for name in names:
-                _, nproc, tensor, ours_env, trl_env = SETTINGS[name]
-                sides = [("ours", lambda: run_ours(ours_env, nproc, tensor, args.steps, work))]
+                _, nproc, tensor, ours_env, trl_env, overrides = SETTINGS[name]
+                sides = [("ours", lambda: run_ours(ours_env, nproc, tensor, args.steps, work,
+                                                   overrides=overrides))]
                 if with_trl:
                     sides.append(("trl", lambda: run_trl(trl_env, args.steps, work)))
                 if args.baseline:
                     sides.append(("base", lambda: run_ours(ours_env, nproc, tensor, args.steps,
-                                                           work, args.baseline.resolve())))
+                                                           work, args.baseline.resolve(),
+                                                           overrides)))
                 if repeat % 2:
                     sides.reverse()
                 for side, run in sides:
