@@ -281,3 +281,34 @@ def test_quickstart_model_solves_some_of_the_task():
     rewards = math_rewards([g[0].text for g in out], [it.answer for it in val])
     assert all(g[0].finish_reason == "stop" for g in out)  # it ends its answers with EOS
     assert 0.2 <= sum(rewards) / len(rewards) <= 0.5
+
+
+def test_a_small_model_decodes_on_one_thread(model_dirs, prompts, tmp_path, tokenizer):
+    """On the CPU a model under SMALL_MODEL_PARAMS decodes with one intra-op thread (a second
+    one costs more to wake than it saves), a larger one with the process's threads; the count
+    is the process's again afterwards, also when generation fails."""
+    from megatron_entropy.rollout.inprocess import SMALL_MODEL_PARAMS
+
+    big = save_tiny_hf_model("qwen2", tmp_path / "big", hidden_size=512, intermediate_size=1536,
+                             num_attention_heads=8, num_key_value_heads=2,
+                             vocab_size=len(tokenizer))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(QUICKSTART / name, big / name)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for path, want in ((QUICKSTART, 1), (big, 2)):
+            engine = InProcessEngine(path)
+            params = sum(p.numel() for p in engine.model.parameters())
+            assert (params < SMALL_MODEL_PARAMS) == (want == 1), params
+            seen = []
+            engine.model.register_forward_pre_hook(
+                lambda *_: seen.append(torch.get_num_threads()))
+            engine.generate(prompts[:1], SamplingParams(n=2, max_new_tokens=3, seed=0))
+            assert seen and set(seen) == {want}
+            assert torch.get_num_threads() == 2
+            with pytest.raises(IndexError):  # a token id beyond the vocabulary, mid-forward
+                engine.generate([[10 ** 6]], SamplingParams(max_new_tokens=2))
+            assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
