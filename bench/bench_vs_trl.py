@@ -76,6 +76,8 @@ SETTINGS: dict[str, tuple[str, int, int, Optional[dict], Optional[dict], tuple[s
                    TWO_PASSIVE, TWO_PASSIVE, ENGINE_OLD_LOGPROBS),
     "default-engine": ("defaults of each, ours algorithm.old_logprobs=engine", 1, 1, None, None,
                        ENGINE_OLD_LOGPROBS),
+    "dp2-engine": ("ours DP=2, algorithm.old_logprobs=engine vs TRL 1 thread", 2, 1, None,
+                   ONE_THREAD, ENGINE_OLD_LOGPROBS),
 }
 
 
