@@ -43,8 +43,8 @@ from megatron_entropy.runtime.seeds import sample_seed
 # Decoding a small model on the CPU is many small operations, each of which a second OpenMP
 # thread costs more to wake (the launcher's OMP_WAIT_POLICY=PASSIVE) than it saves: such a model
 # decodes on one thread. Measured (fp32, 16 prompts x 8 samples x 48 tokens, 2 threads PASSIVE
-# against 1, 2-core AMD EPYC): 0.83M parameters 0.39-0.45 s against 0.27 s; 20M 1.95 s against
-# 2.5 s; 54M 5.1-5.7 s against 7.7-8.0 s.
+# against 1, 2-core AMD EPYC): 0.83M parameters 0.39-0.45 s against 0.27 s; 12M 1.95 s against
+# 2.5 s; 49M 5.1-5.7 s against 7.7-8.0 s.
 SMALL_MODEL_PARAMS = 4_000_000
 
 _MOE_GATE = re.compile(r"layers\.(\d+)\.mlp\.gate$")
