@@ -297,8 +297,7 @@ def test_rollout_correction_needs_engine_logprobs_unless_it_is_off():
     """A sample without an engine log-prob per token: mode tis names the key and the samples;
     mode none (metrics only) skips that micro-batch, as it skips one with a NaN log-prob."""
     from megatron_entropy.algorithms.rollout_correction import RolloutCorrectionSettings
-    from megatron_entropy.config import (AlgorithmConfig, ModelConfig, ParallelConfig,
-                                         TrainerConfig)
+    from megatron_entropy.config import AlgorithmConfig, TrainerConfig
     from megatron_entropy.trainer.actor import Actor
     from megatron_entropy.trainer.batch import pack_micro_batches
 
