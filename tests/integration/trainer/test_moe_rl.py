@@ -87,3 +87,16 @@ def test_killed_ep2_run_resumes_bit_identical(moe_model, tmp_path):
         g = {k: v for k, v in g.items() if not k.startswith(STABLE)}
         w = {k: v for k, v in w.items() if not k.startswith(STABLE)}
         assert g == w, f"step {g['step']} differs"
+
+
+def test_a_moe_policy_refuses_the_engines_old_logprobs(moe_model, tmp_path):
+    """An MoE policy's updates replay the routing the recompute records (moe/routing_mismatch at
+    least): algorithm.old_logprobs=engine, which skips the recompute, stops the start-up with one
+    error naming the key, before any model is built."""
+    cfg = _config(moe_model, tmp_path, "engine_old", replay="none", steps=1)
+    cfg["parallel"]["expert"] = 1
+    cfg["algorithm"]["old_logprobs"] = "engine"
+    with pytest.raises(AssertionError, match=r"ConfigError: algorithm\.old_logprobs=engine: a "
+                                             r"mixture-of-experts policy's updates replay"):
+        run_distributed(train_from_dict, 1, cfg, timeout=120)
+    assert not (tmp_path / "engine_old" / "checkpoints").exists()
