@@ -143,9 +143,8 @@ class RewardScorer:
         except _Overrun:
             return self._overran()
         except Exception as e:  # noqa: BLE001 - the user's reward failed on this call
-            self._overruns = 0
-            return f"{type(e).__name__}: {e}"
-        self._overruns = 0
+            result = f"{type(e).__name__}: {e}"
+        self._overruns = 0  # the call ended on its own, well or not
         return result
 
     def _start_workers(self) -> None:
