@@ -19,6 +19,22 @@ def make_tp2_model(out_dir: Path) -> Path:
     return out
 
 
+def _plain_forward(model, prompt: list[int], completion: list[int], temperature: float):
+    """The tempered logits [len(completion), V] before each completion token, from one plain fp32
+    forward of the HF model (no padding, no cache), and the rounding terms along one log-prob's
+    path of that forward (tests/helpers/tolerance.py)."""
+    import torch
+
+    from megatron_entropy.models.arch import arch_from_hf_config
+    from tolerance import transformer_terms
+
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1:-1].float() / temperature
+    return logits, transformer_terms(arch_from_hf_config(model.config.to_dict()), ids.shape[1],
+                                     log_softmax=True)
+
+
 def reference(model, prompt: list[int], completion: list[int], temperature: float = 1.0
               ) -> tuple[list[float], float]:
     """log-softmax(logits / T) of each completion token given what precedes it, from one plain
@@ -27,15 +43,10 @@ def reference(model, prompt: list[int], completion: list[int], temperature: floa
     along one log-prob's path (tests/helpers/tolerance.py)."""
     import torch
 
-    from megatron_entropy.models.arch import arch_from_hf_config
-    from tolerance import logprob_tol, transformer_terms
+    from tolerance import logprob_tol
 
-    ids = torch.tensor([prompt + completion])
-    with torch.no_grad():
-        logits = model(ids).logits[0, len(prompt) - 1:-1].float() / temperature
+    logits, terms = _plain_forward(model, prompt, completion, temperature)
     lp = torch.log_softmax(logits, -1).gather(1, torch.tensor(completion)[:, None])[:, 0]
-    terms = transformer_terms(arch_from_hf_config(model.config.to_dict()), ids.shape[1],
-                              log_softmax=True)
     return lp.tolist(), logprob_tol(logits, lp, terms)
 
 
@@ -46,17 +57,12 @@ def reference_entropies(model, prompt: list[int], completion: list[int],
     vocabulary (as many terms again as the normaliser)."""
     import torch
 
-    from megatron_entropy.models.arch import arch_from_hf_config
-    from tolerance import logprob_tol, transformer_terms
+    from tolerance import logprob_tol
 
-    ids = torch.tensor([prompt + completion])
-    with torch.no_grad():
-        logits = model(ids).logits[0, len(prompt) - 1:-1].float() / temperature
+    logits, terms = _plain_forward(model, prompt, completion, temperature)
     logp = torch.log_softmax(logits, -1)
     h = -(logp.exp() * logp).sum(-1)
-    terms = transformer_terms(arch_from_hf_config(model.config.to_dict()), ids.shape[1],
-                              log_softmax=True) + logits.shape[-1]
-    return h.tolist(), logprob_tol(logits, logp, terms)
+    return h.tolist(), logprob_tol(logits, logp, terms + logits.shape[-1])
 
 
 def reference_logprobs(model, prompt: list[int], completion: list[int],

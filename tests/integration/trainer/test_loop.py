@@ -28,11 +28,12 @@ def model_dir(tmp_path_factory) -> Path:
     return make_tp2_model(tmp_path_factory.mktemp("model"))
 
 
-def _engine_actor_tol(model_dir: Path, extra_terms: int = 0) -> float:
+@pytest.fixture(scope="module")
+def engine_actor_rounding(model_dir) -> tuple[float, int, int]:
     """The engine (transformers, batched, KV cache) and the actor (Megatron, TP/PP) compute the
-    same fp32 log-probs in another order: rounding along one log-prob's path (plus
-    ``extra_terms``), at the scale of |log p| <= log V + 2 max|z|. max|z| is the initial model's
-    on random tokens, doubled for what 3 steps at lr 1e-3 can add."""
+    same fp32 log-probs in another order: (the scale of their rounding, |log p| <= log V + 2
+    max|z|; the terms along one log-prob's path; the vocabulary size). max|z| is the initial
+    model's on random tokens, doubled for what 3 steps at lr 1e-3 can add."""
     import torch
     import transformers
 
@@ -45,14 +46,15 @@ def _engine_actor_tol(model_dir: Path, extra_terms: int = 0) -> float:
         max_logit = float(model(tokens).logits.abs().max())
     rollout = _config(model_dir, model_dir, "")["rollout"]
     seq = rollout["max_prompt_tokens"] + rollout["max_new_tokens"]
-    return rounding_tol(math.log(arch.vocab_size) + 4 * max_logit,
-                        transformer_terms(arch, seq, log_softmax=True) + extra_terms)
+    return (math.log(arch.vocab_size) + 4 * max_logit,
+            transformer_terms(arch, seq, log_softmax=True), arch.vocab_size)
 
 
 @pytest.fixture(scope="module")
-def drift_tol(model_dir) -> float:
-    """|engine - actor| of one log-prob (``_engine_actor_tol``)."""
-    return _engine_actor_tol(model_dir)
+def drift_tol(engine_actor_rounding) -> float:
+    """|engine - actor| of one log-prob (``engine_actor_rounding``)."""
+    scale, terms, _ = engine_actor_rounding
+    return rounding_tol(scale, terms)
 
 
 def _config(model_dir: Path, run_dir: Path, name: str, **extra) -> dict:
@@ -292,14 +294,13 @@ def test_dp2_counts_the_tokens_of_every_engine(model_dir, tmp_path):
 
 
 def test_old_logprobs_from_the_engine_train_as_the_recompute_does(model_dir, drift_tol,
+                                                                  engine_actor_rounding,
                                                                   tmp_path):
     """algorithm.old_logprobs=engine at TP=2 (the engine's numbers reach both ranks of the
     replica), KL-Cov, 2 mini-batches: the first step (same weights and seeds: the same rollouts)
     trains as with the recompute, up to the engine-vs-actor rounding; the first update's own
     forward gives its old log-probs (the recompute's, bit for bit: a ratio of exactly 1). Nothing
     compares the engine with itself: no drift metric, no per-step weight check of the rollout."""
-    from megatron_entropy.models.arch import load_arch
-
     rows = {}
     for mode in ("recompute", "engine"):
         cfg = _config(model_dir, tmp_path, mode, algorithm={"old_logprobs": mode},
@@ -310,7 +311,8 @@ def test_old_logprobs_from_the_engine_train_as_the_recompute_does(model_dir, dri
     for key in ("reward/mean", "response/length_mean", "response/length_max"):
         assert eng[key] == rec[key], key
     # Entropies: the same rounding as a log-prob's, plus the sum over the vocabulary.
-    h_tol = _engine_actor_tol(model_dir, extra_terms=load_arch(model_dir).vocab_size)
+    scale, terms, vocab = engine_actor_rounding
+    h_tol = rounding_tol(scale, terms + vocab)
     assert abs(eng["entropy/token_mean"] - rec["entropy/token_mean"]) <= h_tol
     assert eng["entropy/token_mean"] > 100 * h_tol  # a random model: far from 0
     # Token mean of (old - new log-prob) over both updates: the first's terms equal, the second's
