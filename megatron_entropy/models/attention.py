@@ -7,9 +7,10 @@ probabilities for the backward. torch's SDPA computes the same causal attention 
 quickstart model's update (fp32, one CPU thread) a layer's attention forward and backward take
 ~0.7x the time. The result equals Megatron's up to rounding (another order of the same sums).
 
-Only the plain causal case goes through SDPA: an explicit attention mask, window attention, a
-softmax offset (off-by-one / learnable), attention dropout while training, an attention bias or
-packed sequences take Megatron's own path, unchanged.
+The causal case goes through SDPA, and so does an explicit boolean mask (True where a query may
+not see a key, Megatron's convention; the shared-prompt micro-batches' rows, trainer/batch.py):
+window attention, a softmax offset (off-by-one / learnable), attention dropout while training, an
+attention bias, packed sequences or a mask of another dtype take Megatron's own path, unchanged.
 """
 
 from __future__ import annotations
@@ -22,12 +23,14 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 
 
 class SdpaDotProductAttention(DotProductAttention):
-    """``DotProductAttention`` whose plain causal case is one call of torch's SDPA; tensors in
-    Megatron's layout, query [s, b, heads, d], key/value [s, b, groups, d] -> [s, b, heads x d]."""
+    """``DotProductAttention`` whose causal or boolean-masked case is one call of torch's SDPA;
+    tensors in Megatron's layout, query [s, b, heads, d], key/value [s, b, groups, d] -> [s, b,
+    heads x d], a mask [b, 1, s, s]."""
 
     def _sdpa_applies(self, attention_mask: Optional[torch.Tensor], attention_bias,
                       packed_seq_params) -> bool:
-        return (attention_mask is None and attention_bias is None and packed_seq_params is None
+        return ((attention_mask is None or attention_mask.dtype == torch.bool)
+                and attention_bias is None and packed_seq_params is None
                 and self.softmax_offset is None and self.scale_mask_softmax.window_size is None
                 and not (self.training and self.attention_dropout.p > 0))
 
@@ -44,7 +47,8 @@ class SdpaDotProductAttention(DotProductAttention):
         scale = self.softmax_scale * (self.scale_mask_softmax.scale or 1.0)
         out = F.scaled_dot_product_attention(
             query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3),
-            is_causal=True, scale=scale,
+            attn_mask=None if attention_mask is None else ~attention_mask,
+            is_causal=attention_mask is None, scale=scale,
             enable_gqa=self.num_attention_heads_per_partition
             != self.num_query_groups_per_partition)
         # [b, heads, s, d] -> [s, b, heads x d]
