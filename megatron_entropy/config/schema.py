@@ -394,6 +394,11 @@ class TrainerConfig(Settings):
     mini_batches_per_step: int = _f(1, ge=1, help="optimizer steps per rollout batch (per epoch)")
     ppo_epochs: int = _f(1, ge=1, help="passes over each step's rollouts")
     micro_batch_tokens: int = _f(16384, ge=1, help="token budget of one micro-batch (dynamic bsz)")
+    micro_batch_layout: Literal["auto", "padded", "shared_prompt"] = _f(
+        "auto", help="rows of a micro-batch: 'padded' a row per sample; 'shared_prompt' a row "
+                     "per prompt's consecutive samples, the prompt computed once (the same "
+                     "function up to rounding, fewer tokens; dense models, local spec); 'auto' "
+                     "= shared_prompt where it applies, else padded")
     distributed_optimizer: Union[bool, Literal["auto"]] = _f(
         "auto", help="Megatron's distributed optimizer: fp32 main weights and Adam moments "
                      "sharded over DP ranks; 'auto' = on where DP > 1")

@@ -34,6 +34,7 @@ from typing import Any, Callable, ContextManager, Mapping, Optional, Sequence
 import torch
 from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.dot_product_attention import DotProductAttention
 
 from megatron_entropy.algorithms.aggregation import step_normalizer
 from megatron_entropy.algorithms import token_rules as rules_ops
@@ -41,10 +42,11 @@ from megatron_entropy.algorithms.policy_loss import (TokenAdjustments, policy_lo
                                                      reduce_metrics, select_tokens_global)
 from megatron_entropy.algorithms.rollout_correction import RolloutCorrection, correct_rollout
 from megatron_entropy.algorithms.settings import PolicyLossSettings, TokenRuleSettings
-from megatron_entropy.config import AlgorithmConfig, TrainerConfig
+from megatron_entropy.config import AlgorithmConfig, ConfigError, TrainerConfig
 from megatron_entropy.models.arch import ModelArch
 from megatron_entropy.models.output_head import (hidden_states_instead_of_logits,
                                                  output_layer_weight)
+from megatron_entropy.models.positions import token_positions
 from megatron_entropy.ops.logprob_entropy import (fused_linear_logprob_entropy,
                                                   vocab_parallel_logprob_entropy)
 from megatron_entropy.runtime.seeds import micro_batch_draw_seed, update_seed
@@ -129,6 +131,7 @@ class Actor:
         self.device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
         self.routing = (MoeRouting(model_chunks, routing_replay)
                         if arch is not None and arch.is_moe else None)
+        self.layout = micro_batch_layout(trainer.micro_batch_layout, arch, model_chunks)
 
     # ------------------------------------------------------------------ token statistics
 
@@ -147,10 +150,17 @@ class Actor:
         return vocab_parallel_logprob_entropy(rows, mb.targets, **kwargs)
 
     def _model_forward(self, model, mb: MicroBatch) -> torch.Tensor:
-        if self.algorithm.logprob_impl == "fused":
-            with hidden_states_instead_of_logits(model):
-                return model(mb.tokens, mb.position_ids, None)
-        return model(mb.tokens, mb.position_ids, None)
+        with contextlib.ExitStack() as stack:
+            if self.algorithm.logprob_impl == "fused":
+                stack.enter_context(hidden_states_instead_of_logits(model))
+            if mb.attention_mask is not None:  # shared-prompt rows: positions token by token
+                stack.enter_context(token_positions(model, mb.position_ids))
+            return model(mb.tokens, mb.position_ids, mb.attention_mask)
+
+    def _pack(self, samples: list[Sample], ids: Optional[list[int]] = None
+              ) -> list[MicroBatch]:
+        return pack_micro_batches(samples, self.trainer.micro_batch_tokens, ids,
+                                  layout=self.layout)
 
     def _run_schedule(self, model_chunks: list, micro_batches: list[MicroBatch],
                       loss_fn: Callable[[Any, torch.Tensor, MicroBatch], tuple],
@@ -228,7 +238,7 @@ class Actor:
         stores each sample's routing (``Sample.routing``)."""
         if reference and self.ref_model is None:
             raise RuntimeError("reference log-probs need a reference model (algorithm.kl_coef > 0)")
-        mbs = pack_micro_batches(samples, self.trainer.micro_batch_tokens)
+        mbs = self._pack(samples)
         scope = None
         if record_routing and self.routing is not None:
             scope = lambda mb: self.routing.record(mb, samples)  # noqa: E731
@@ -339,7 +349,7 @@ class Actor:
         for epoch in range(self.trainer.ppo_epochs):
             for k in range(n_mini):
                 ids = list(range(bounds[k], bounds[k + 1]))
-                mbs = pack_micro_batches(samples, self.trainer.micro_batch_tokens, ids)
+                mbs = self._pack(samples, ids)
                 corrections = self._correct_rollouts(mbs, samples)
                 shaping = self._shape_advantages(mbs, samples)
                 normalizer = step_normalizer([mb.mask for mb in mbs],
@@ -425,6 +435,24 @@ class Actor:
         if self.routing is not None:
             out.update(self.routing.metrics())
         return out
+
+
+def micro_batch_layout(setting: str, arch: Optional[ModelArch], model_chunks: list) -> str:
+    """``trainer.micro_batch_layout`` resolved for this policy. The shared-prompt rows need an
+    attention that takes their explicit mask (the local spec's; Transformer Engine's causal
+    kernels would ignore it) and a routing recorded a sample's row at a time for MoE replay."""
+    local = bool(model_chunks) and all(
+        any(isinstance(m, DotProductAttention) for m in chunk.modules()) for chunk in model_chunks)
+    why_not = ("a mixture-of-experts policy records and replays its routing a sample's row at a "
+               "time" if arch is not None and arch.is_moe else
+               None if local else "the model's attention is not the local spec's (Transformer "
+               "Engine's causal kernels take no explicit mask)")
+    if setting == "auto":
+        return "padded" if why_not else "shared_prompt"
+    if setting == "shared_prompt" and why_not:
+        raise ConfigError(f"trainer.micro_batch_layout=shared_prompt: {why_not}; use "
+                          "trainer.micro_batch_layout=padded (or auto)")
+    return setting
 
 
 def _with_correction(adjust: Optional[TokenAdjustments], correction: RolloutCorrection,

@@ -1,9 +1,17 @@
 """Rollout samples and their packing into micro-batches for the Megatron model.
 
-A sample is one response to one prompt. A micro-batch right-pads its samples to one length S and
-keeps, for every response token, where in the flattened [B*S] input its prediction sits, so that
-log-probs and entropies are computed for response tokens only and laid out as [B, R] (R = longest
-response in the micro-batch).
+A sample is one response to one prompt. A micro-batch keeps, for every response token, where in
+the flattened [rows*S] input its prediction sits, so that log-probs and entropies are computed for
+response tokens only and laid out as [B, R] (B samples, R = longest response in the micro-batch).
+Two layouts of the input rows:
+
+- ``padded``: a row per sample, prompt then response, right-padded to one length S; the
+  model's own causal mask.
+- ``shared_prompt``: a row per run of consecutive samples of one prompt: the prompt once, then
+  each response; an explicit mask lets each response see the prompt and itself only, and each
+  token keeps the position it has in its own sample (``position_ids``, for RoPE). The same
+  function of each sample, with the prompt's forward (and backward) computed once for the run:
+  with 8 samples of a 34-token prompt and ~21-token responses, ~0.4x the tokens.
 """
 
 from __future__ import annotations
@@ -50,11 +58,12 @@ class Sample:
 
 @dataclass
 class MicroBatch:
-    tokens: torch.Tensor  # [B, S] long, right-padded
-    position_ids: torch.Tensor  # [B, S]
-    flat_positions: torch.Tensor  # [N] index into [B*S] of the logits predicting each response token
+    tokens: torch.Tensor  # [rows, S] long, right-padded
+    position_ids: torch.Tensor  # [rows, S] each token's position within its own sample
+    # [N] index into [rows*S] of the logits predicting each response token
+    flat_positions: torch.Tensor
     targets: torch.Tensor  # [N] the response tokens
-    rows: torch.Tensor  # [N] row b of each response token
+    rows: torch.Tensor  # [N] sample b (of the B) of each response token
     cols: torch.Tensor  # [N] column r (token index within the response)
     mask: torch.Tensor  # [B, R] float, 1 on response tokens
     advantages: torch.Tensor  # [B, R] the sequence's advantage on each of its tokens
@@ -67,6 +76,9 @@ class MicroBatch:
     # [B, R] float64: the engine's log-prob of each response token (rollout correction); None
     # when a sample has none for some token.
     engine_logprobs: Optional[torch.Tensor] = None
+    # [rows, 1, S, S] bool, True where a query may not see a key (Megatron's convention); None:
+    # the model's own causal mask (the padded layout).
+    attention_mask: Optional[torch.Tensor] = None
 
     @property
     def num_tokens(self) -> int:
@@ -79,54 +91,102 @@ class MicroBatch:
 
 
 def pack_micro_batches(samples: list[Sample], token_budget: int,
-                       sample_ids: Optional[list[int]] = None, pad_id: int = 0) -> list[MicroBatch]:
-    """Greedy, order-preserving packing: a micro-batch grows while rows x longest <= token_budget.
-
-    A sample longer than the budget gets a micro-batch of its own.
-    """
+                       sample_ids: Optional[list[int]] = None, pad_id: int = 0,
+                       layout: str = "padded") -> list[MicroBatch]:
+    """Greedy, order-preserving packing: a micro-batch grows while rows x longest row <=
+    token_budget (``layout``: module docstring). A row longer than the budget gets a
+    micro-batch of its own; a shared-prompt row takes another response while it stays within
+    the budget (and always one)."""
     ids = list(range(len(samples))) if sample_ids is None else sample_ids
-    groups: list[list[int]] = []
-    current: list[int] = []
+    if layout == "padded":
+        rows = [[i] for i in ids]
+    elif layout == "shared_prompt":
+        rows = _shared_prompt_rows(samples, ids, token_budget)
+    else:
+        raise ValueError(f"unknown micro-batch layout {layout!r} (padded, shared_prompt)")
+    batches: list[list[list[int]]] = []
+    current: list[list[int]] = []
     longest = 0
-    for i in ids:
-        n = samples[i].length
+    for row in rows:
+        n = _row_length(samples, row)
         if current and (len(current) + 1) * max(longest, n) > token_budget:
-            groups.append(current)
+            batches.append(current)
             current, longest = [], 0
-        current.append(i)
+        current.append(row)
         longest = max(longest, n)
     if current:
-        groups.append(current)
-    return [_make_micro_batch(samples, g, pad_id, k) for k, g in enumerate(groups)]
+        batches.append(current)
+    return [_make_micro_batch(samples, b, pad_id, k) for k, b in enumerate(batches)]
 
 
-def _make_micro_batch(samples: list[Sample], ids: list[int], pad_id: int, index: int
+def _row_length(samples: list[Sample], row: list[int]) -> int:
+    return len(samples[row[0]].prompt_ids) + sum(len(samples[i].response_ids) for i in row)
+
+
+def _shared_prompt_rows(samples: list[Sample], ids: list[int], token_budget: int
+                        ) -> list[list[int]]:
+    """Runs of consecutive samples with the same prompt, each cut where it would pass the
+    budget."""
+    rows: list[list[int]] = []
+    for i in ids:
+        s = samples[i]
+        if rows and samples[rows[-1][0]].prompt_ids == s.prompt_ids and \
+                _row_length(samples, rows[-1]) + len(s.response_ids) <= token_budget:
+            rows[-1].append(i)
+        else:
+            rows.append([i])
+    return rows
+
+
+def _make_micro_batch(samples: list[Sample], rows: list[list[int]], pad_id: int, index: int
                       ) -> MicroBatch:
+    """A micro-batch of input rows, each the prompt of its samples once and their responses;
+    a row of one sample is the padded layout's (no explicit mask)."""
+    ids = [i for row in rows for i in row]
     rows_s = [samples[i] for i in ids]
-    B = len(rows_s)
-    S = max(s.length for s in rows_s)
+    S = max(_row_length(samples, row) for row in rows)
     R = max(max(len(s.response_ids) for s in rows_s), 1)
-    tokens = torch.full((B, S), pad_id, dtype=torch.long)
-    mask = torch.zeros(B, R)
-    adv = torch.zeros(B, R)
+    tokens = torch.full((len(rows), S), pad_id, dtype=torch.long)
+    positions = torch.arange(S).expand(len(rows), S).contiguous()
+    shared = any(len(row) > 1 for row in rows)
+    # True where query q may see key k; padding sees itself only (a softmax needs one key).
+    sees = torch.eye(S, dtype=torch.bool).repeat(len(rows), 1, 1) if shared else None
+    mask = torch.zeros(len(ids), R)
+    adv = torch.zeros(len(ids), R)
     flat, tgt, rr, cc = [], [], [], []
-    for b, s in enumerate(rows_s):
-        seq = s.prompt_ids + s.response_ids
-        tokens[b, :len(seq)] = torch.tensor(seq, dtype=torch.long)
-        P, L = len(s.prompt_ids), len(s.response_ids)
-        mask[b, :L] = 1.0
-        adv[b, :L] = s.advantage
-        # logits at position P-1+t predict response token t
-        flat.extend(b * S + P - 1 + t for t in range(L))
-        tgt.extend(s.response_ids)
-        rr.extend([b] * L)
-        cc.extend(range(L))
+    b = 0
+    for g, row in enumerate(rows):
+        prompt = samples[row[0]].prompt_ids
+        P = len(prompt)
+        tokens[g, :P] = torch.tensor(prompt, dtype=torch.long)
+        if shared:
+            sees[g, :P, :P] = torch.ones(P, P, dtype=torch.bool).tril()
+        start = P  # where the next response begins in the row
+        for i in row:
+            response = samples[i].response_ids
+            L = len(response)
+            tokens[g, start:start + L] = torch.tensor(response, dtype=torch.long)
+            positions[g, start:start + L] = torch.arange(P, P + L)
+            if shared:
+                sees[g, start:start + L, :P] = True
+                sees[g, start:start + L, start:start + L] = torch.ones(L, L,
+                                                                        dtype=torch.bool).tril()
+            mask[b, :L] = 1.0
+            adv[b, :L] = samples[i].advantage
+            # response token t is predicted at the prompt's last token (t = 0), else at its
+            # response's token t - 1
+            flat.extend(g * S + (P - 1 if t == 0 else start + t - 1) for t in range(L))
+            tgt.extend(response)
+            rr.extend([b] * L)
+            cc.extend(range(L))
+            start += L
+            b += 1
     mb = MicroBatch(
-        tokens=tokens, position_ids=torch.arange(S).expand(B, S).contiguous(),
+        tokens=tokens, position_ids=positions,
         flat_positions=torch.tensor(flat, dtype=torch.long),
         targets=torch.tensor(tgt, dtype=torch.long), rows=torch.tensor(rr, dtype=torch.long),
-        cols=torch.tensor(cc, dtype=torch.long), mask=mask, advantages=adv, sample_ids=list(ids),
-        index=index)
+        cols=torch.tensor(cc, dtype=torch.long), mask=mask, advantages=adv, sample_ids=ids,
+        index=index, attention_mask=None if sees is None else ~sees.unsqueeze(1))
     mb.old_logprobs = _per_token(mb, [s.old_logprobs for s in rows_s])
     mb.ref_logprobs = _per_token(mb, [s.ref_logprobs for s in rows_s])
     if all(len(s.engine_logprobs) == len(s.response_ids) for s in rows_s):

@@ -21,13 +21,16 @@ def update_worker(loss: str, scope: str, selection_logprobs: str,
                    clip_ratio: float = 1.0, temperature: float = 1.0,
                    distributed_optimizer: bool = False, correction: dict | None = None,
                    overlap: bool = False, kl_cov_ratio: float = 0.1,
-                   loss_knobs: dict | None = None, algorithm_extra: dict | None = None):
+                   loss_knobs: dict | None = None, algorithm_extra: dict | None = None,
+                   layout: str = "padded", shared_prompts: bool = False):
     """One RL step's updates (2 epochs x 2 mini-batches) of the tiny model on ``random_samples(0)`` (plus
     a sample with an empty response, last), with the token rules ``rules`` (TokenRuleSettings
     fields) and the rollout correction ``correction`` (RolloutCorrectionSettings fields; engine
     log-probs from ``drift_engine_logprobs``) and the step's ``loss_knobs`` (as the entropy
-    controller passes them), ``algorithm_extra`` any other AlgorithmConfig fields; returns the
-    weights after, the metrics (and this rank's recompute entropies), the weights before."""
+    controller passes them), ``algorithm_extra`` any other AlgorithmConfig fields, the
+    micro-batch ``layout``, with ``shared_prompts`` the samples of a group sharing their prompt;
+    returns the weights after, the metrics (and this rank's recompute entropies), the weights
+    before."""
     from megatron_entropy.algorithms.rollout_correction import RolloutCorrectionSettings
     from megatron_entropy.algorithms.token_rules import TokenRuleSettings
     from megatron_entropy.config import (AlgorithmConfig, ModelConfig, ParallelConfig,
@@ -49,7 +52,7 @@ def update_worker(loss: str, scope: str, selection_logprobs: str,
     # One step of 2 epochs x 2 mini-batches: 4 updates.
     trainer = TrainerConfig(lr=1e-2, steps=1, grad_clip=0.0, adam_eps=1.0, weight_decay=0.0,
                             micro_batch_tokens=micro_batch_tokens, mini_batches_per_step=2,
-                            ppo_epochs=2, seed=5)
+                            ppo_epochs=2, seed=5, micro_batch_layout=layout)
     optimizer, scheduler = build_optimizer(chunks, trainer,
                                            distributed_optimizer=distributed_optimizer)
     algorithm = AlgorithmConfig(
@@ -61,7 +64,7 @@ def update_worker(loss: str, scope: str, selection_logprobs: str,
         rollout_correction=RolloutCorrectionSettings(**(correction or {})),
         **(algorithm_extra or {}))
     actor = Actor(arch, chunks, optimizer, scheduler, algorithm, trainer, temperature)
-    samples = random_samples(0)
+    samples = random_samples(0, shared_prompts=shared_prompts)
     if empty_response:
         samples.append(replace(samples[0], response_ids=[], engine_logprobs=[]))
     mine = dp_share(samples)

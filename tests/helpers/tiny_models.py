@@ -22,9 +22,11 @@ def write_config(family: str, out_dir: Path, **overrides) -> Path:
 def random_samples(seed: int, groups: int = 4, per_group: int = 2,
                    prompt_len: tuple[int, int] = (4, 9), response_len: tuple[int, int] = (6, 12),
                    adv_scale: float = 2.0, source: Callable[[int], str] = lambda group: "s",
-                   vocab_size: int = 1000) -> list:
+                   vocab_size: int = 1000, shared_prompts: bool = False) -> list:
     """Rollout samples for actor tests: random token ids in [3, vocab_size), lengths drawn from
-    [low, high), a random advantage each; the first sample of a group has reward 1."""
+    [low, high), a random advantage each; the first sample of a group has reward 1. With
+    ``shared_prompts`` the samples of a group share its first sample's prompt (as the samples of
+    one prompt do)."""
     import torch
 
     from megatron_entropy.trainer.batch import Sample
@@ -39,11 +41,26 @@ def random_samples(seed: int, groups: int = 4, per_group: int = 2,
             resp = torch.randint(3, vocab_size, (int(torch.randint(*response_len, (1,),
                                                                    generator=g)),),
                                  generator=g).tolist()
+            if shared_prompts and j > 0:
+                prompt = out[-1].prompt_ids
             out.append(Sample(prompt_ids=prompt, response_ids=resp,
                               engine_logprobs=[0.0] * len(resp), reward=1.0 if j == 0 else 0.0,
                               group=group, source=source(group),
                               advantage=float(torch.randn(1, generator=g)) * adv_scale))
     return out
+
+
+def initial_weights_worker() -> dict:
+    """Inside a rank of ``run_distributed``: the full initial weights of the tiny qwen2 policy
+    as one process builds them (for ``tiny_actor``'s ``initial`` at other layouts)."""
+    from megatron_entropy.models.arch import arch_from_hf_config
+    from megatron_entropy.models.builder import build_gpt_model
+    from megatron_entropy.models.sharding import full_state_dict
+    from megatron_entropy.testing.ranks import init_megatron
+
+    init_megatron()
+    return full_state_dict(build_gpt_model(arch_from_hf_config(tiny_hf_config("qwen2")),
+                                           dtype="fp32", transformer_impl="local", seq_length=64))
 
 
 def tiny_actor(tensor: int, pipeline: int, algorithm, trainer, temperature: float = 1.0,

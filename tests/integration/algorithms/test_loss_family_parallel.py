@@ -9,22 +9,14 @@ import pytest
 import torch
 
 from actor_updates import rounding_paths, update_worker
-from harness import init_megatron, run_distributed
-from tiny_models import hf_weights, random_samples, tiny_actor, tiny_hf_config
+from harness import run_distributed
+from tiny_models import (hf_weights, initial_weights_worker, random_samples, tiny_actor,
+                         tiny_hf_config)
 from tolerance import grad_terms, rounding_tol, transformer_terms, update_tol
 
 from megatron_entropy.models.arch import arch_from_hf_config
 
 UPDATES = 4  # ppo_epochs x mini_batches_per_step
-
-
-def _initial_weights_worker():
-    from megatron_entropy.models.builder import build_gpt_model
-    from megatron_entropy.models.sharding import full_state_dict
-
-    init_megatron()
-    return full_state_dict(build_gpt_model(arch_from_hf_config(tiny_hf_config("qwen2")),
-                                           dtype="fp32", transformer_impl="local", seq_length=64))
 
 
 def _step_worker(tensor: int, pipeline: int, loss: str, mode: str, initial: dict):
@@ -60,7 +52,7 @@ def _path() -> int:
 @pytest.mark.parametrize("loss", ["gspo", "gmpo"])
 def test_sequence_loss_update_is_the_same_at_tp2_pp2_and_dp2(loss):
     mode = "seq-mean-token-mean"
-    (initial,) = run_distributed(_initial_weights_worker, 1)
+    (initial,) = run_distributed(initial_weights_worker, 1)
     ((w0, w1, m1),) = run_distributed(_step_worker, 1, 1, 1, loss, mode, initial)
     ((_, wp, _),) = run_distributed(_step_worker, 1, 1, 1, "ppo_clip", mode, initial)
     assert m1["pg_clipfrac"] > 0  # the sequence clip took part

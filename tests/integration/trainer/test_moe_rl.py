@@ -100,3 +100,16 @@ def test_a_moe_policy_refuses_the_engines_old_logprobs(moe_model, tmp_path):
                                              r"mixture-of-experts policy's updates replay"):
         run_distributed(train_from_dict, 1, cfg, timeout=120)
     assert not (tmp_path / "engine_old" / "checkpoints").exists()
+
+
+def test_a_moe_policy_refuses_shared_prompt_rows(moe_model, tmp_path):
+    """The shared-prompt layout packs several samples into a row, where the MoE routing is
+    recorded and replayed a sample's row at a time: asked for, it stops the start-up with one
+    error naming the key (``auto``, which every other MoE test runs, resolves to padded)."""
+    cfg = _config(moe_model, tmp_path, "shared_rows", replay="none", steps=1)
+    cfg["parallel"]["expert"] = 1
+    cfg["trainer"]["micro_batch_layout"] = "shared_prompt"
+    with pytest.raises(AssertionError, match=r"ConfigError: trainer\.micro_batch_layout="
+                                             r"shared_prompt: a mixture-of-experts policy"):
+        run_distributed(train_from_dict, 1, cfg, timeout=120)
+    assert not (tmp_path / "shared_rows" / "checkpoints").exists()
