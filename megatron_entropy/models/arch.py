@@ -65,6 +65,14 @@ class ModelArch:
         return self.num_experts > 0
 
     @property
+    def attention_pairs_per_token(self) -> float:
+        """A token's multiply-adds through a layer's linear layers (QKV, output, SwiGLU MLP) in
+        units of one (query, key) pair of its attention (QK^T and PV over every head)."""
+        q, kv = self.num_attention_heads * self.head_dim, self.num_query_groups * self.head_dim
+        h = self.hidden_size
+        return (h * (q + 2 * kv) + q * h + 3 * h * self.ffn_hidden_size) / (2 * q)
+
+    @property
     def padded_vocab_size(self) -> int:
         return int(math.ceil(self.vocab_size / VOCAB_PAD_MULTIPLE) * VOCAB_PAD_MULTIPLE)
 

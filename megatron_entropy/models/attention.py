@@ -53,3 +53,11 @@ class SdpaDotProductAttention(DotProductAttention):
             != self.num_query_groups_per_partition)
         # [b, heads, s, d] -> [s, b, heads x d]
         return out.permute(2, 0, 1, 3).reshape(s, b, self.hidden_size_per_partition)
+
+
+def takes_explicit_masks(model_chunks: list) -> bool:
+    """Whether every chunk's core attention is the local spec's (ours or Megatron's
+    ``DotProductAttention``), which applies an explicit mask; Transformer Engine's causal
+    kernels would not."""
+    return all(any(isinstance(m, DotProductAttention) for m in chunk.modules())
+               for chunk in model_chunks)

@@ -34,7 +34,6 @@ from typing import Any, Callable, ContextManager, Mapping, Optional, Sequence
 import torch
 from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import get_forward_backward_func
-from megatron.core.transformer.dot_product_attention import DotProductAttention
 
 from megatron_entropy.algorithms.aggregation import step_normalizer
 from megatron_entropy.algorithms import token_rules as rules_ops
@@ -44,6 +43,7 @@ from megatron_entropy.algorithms.rollout_correction import RolloutCorrection, co
 from megatron_entropy.algorithms.settings import PolicyLossSettings, TokenRuleSettings
 from megatron_entropy.config import AlgorithmConfig, ConfigError, TrainerConfig
 from megatron_entropy.models.arch import ModelArch
+from megatron_entropy.models.attention import takes_explicit_masks
 from megatron_entropy.models.output_head import (hidden_states_instead_of_logits,
                                                  output_layer_weight)
 from megatron_entropy.models.positions import token_positions
@@ -160,7 +160,9 @@ class Actor:
     def _pack(self, samples: list[Sample], ids: Optional[list[int]] = None
               ) -> list[MicroBatch]:
         return pack_micro_batches(samples, self.trainer.micro_batch_tokens, ids,
-                                  layout=self.layout)
+                                  layout=self.layout,
+                                  pairs_per_token=None if self.arch is None
+                                  else self.arch.attention_pairs_per_token)
 
     def _run_schedule(self, model_chunks: list, micro_batches: list[MicroBatch],
                       loss_fn: Callable[[Any, torch.Tensor, MicroBatch], tuple],
@@ -441,8 +443,7 @@ def micro_batch_layout(setting: str, arch: Optional[ModelArch], model_chunks: li
     """``trainer.micro_batch_layout`` resolved for this policy. The shared-prompt rows need an
     attention that takes their explicit mask (the local spec's; Transformer Engine's causal
     kernels would ignore it) and a routing recorded a sample's row at a time for MoE replay."""
-    local = bool(model_chunks) and all(
-        any(isinstance(m, DotProductAttention) for m in chunk.modules()) for chunk in model_chunks)
+    local = bool(model_chunks) and takes_explicit_masks(model_chunks)
     why_not = ("a mixture-of-experts policy records and replays its routing a sample's row at a "
                "time" if arch is not None and arch.is_moe else
                None if local else "the model's attention is not the local spec's (Transformer "

@@ -11,7 +11,11 @@ Two layouts of the input rows:
   each response; an explicit mask lets each response see the prompt and itself only, and each
   token keeps the position it has in its own sample (``position_ids``, for RoPE). The same
   function of each sample, with the prompt's forward (and backward) computed once for the run:
-  with 8 samples of a 34-token prompt and ~21-token responses, ~0.4x the tokens.
+  with 8 samples of a 34-token prompt and ~21-token responses, ~0.4x the tokens. A response
+  joins its prompt's row only while that pays: the prompt tokens it saves cost more in the
+  linear layers than the row's longer attention adds (counted in full over the row, S^2 (query,
+  key) pairs, since a masked kernel need not skip the hidden ones), so long responses to short
+  prompts keep rows of their own.
 """
 
 from __future__ import annotations
@@ -92,16 +96,18 @@ class MicroBatch:
 
 def pack_micro_batches(samples: list[Sample], token_budget: int,
                        sample_ids: Optional[list[int]] = None, pad_id: int = 0,
-                       layout: str = "padded") -> list[MicroBatch]:
+                       layout: str = "padded", pairs_per_token: Optional[float] = None
+                       ) -> list[MicroBatch]:
     """Greedy, order-preserving packing: a micro-batch grows while rows x longest row <=
     token_budget (``layout``: module docstring). A row longer than the budget gets a
     micro-batch of its own; a shared-prompt row takes another response while it stays within
-    the budget (and always one)."""
+    the budget (and always one) and, given ``pairs_per_token`` (the cost of one token through
+    the linear layers in attention pairs), while that saves work."""
     ids = list(range(len(samples))) if sample_ids is None else sample_ids
     if layout == "padded":
         rows = [[i] for i in ids]
     elif layout == "shared_prompt":
-        rows = _shared_prompt_rows(samples, ids, token_budget)
+        rows = _shared_prompt_rows(samples, ids, token_budget, pairs_per_token)
     else:
         raise ValueError(f"unknown micro-batch layout {layout!r} (padded, shared_prompt)")
     batches: list[list[list[int]]] = []
@@ -123,19 +129,29 @@ def _row_length(samples: list[Sample], row: list[int]) -> int:
     return len(samples[row[0]].prompt_ids) + sum(len(samples[i].response_ids) for i in row)
 
 
-def _shared_prompt_rows(samples: list[Sample], ids: list[int], token_budget: int
-                        ) -> list[list[int]]:
+def _shared_prompt_rows(samples: list[Sample], ids: list[int], token_budget: int,
+                        pairs_per_token: Optional[float]) -> list[list[int]]:
     """Runs of consecutive samples with the same prompt, each cut where it would pass the
-    budget."""
+    budget or stop paying."""
     rows: list[list[int]] = []
     for i in ids:
         s = samples[i]
-        if rows and samples[rows[-1][0]].prompt_ids == s.prompt_ids and \
-                _row_length(samples, rows[-1]) + len(s.response_ids) <= token_budget:
-            rows[-1].append(i)
-        else:
-            rows.append([i])
+        if rows and samples[rows[-1][0]].prompt_ids == s.prompt_ids:
+            row, prompt, response = _row_length(samples, rows[-1]), len(s.prompt_ids), \
+                len(s.response_ids)
+            if row + response <= token_budget and (pairs_per_token is None or _pays(
+                    row, prompt, response, pairs_per_token)):
+                rows[-1].append(i)
+                continue
+        rows.append([i])
     return rows
+
+
+def _pays(row: int, prompt: int, response: int, pairs_per_token: float) -> bool:
+    """Whether a response costs less in a row of length ``row`` than in its own row: the
+    prompt's tokens saved against the attention pairs added."""
+    added_pairs = (row + response) ** 2 - row ** 2 - (prompt + response) ** 2
+    return prompt * pairs_per_token >= added_pairs
 
 
 def _make_micro_batch(samples: list[Sample], rows: list[list[int]], pad_id: int, index: int

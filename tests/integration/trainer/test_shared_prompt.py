@@ -20,11 +20,18 @@ BUDGET = 64  # tokens of a micro-batch: rows of 2-3 responses
 # At temperature 1 the tiny random model's entropies all sit near log V; at 0.1 they spread over
 # ~1-4 nats and show any token that sees other context.
 TEMPERATURE = 0.1
+ARCH = arch_from_hf_config(tiny_hf_config("qwen2"))
+
+
+def _shared_rows(samples) -> list[torch.Tensor]:
+    """The token rows the actor packs (its cost rule with the tiny model's numbers)."""
+    return [mb.tokens for mb in pack_micro_batches(
+        samples, BUDGET, layout="shared_prompt", pairs_per_token=ARCH.attention_pairs_per_token)]
 
 
 def test_shared_prompt_layout_equals_the_padded_one():
     samples = random_samples(0, shared_prompts=True)
-    rows = [mb.tokens for mb in pack_micro_batches(samples, BUDGET, layout="shared_prompt")]
+    rows = _shared_rows(samples)
     assert sum(t.shape[0] for t in rows) < len(samples)  # some rows hold several responses
     ((wp, mp, w0),) = run_distributed(update_worker, 1, "kl_cov", "global", "recompute",
                                       micro_batch_tokens=BUDGET, shared_prompts=True,
@@ -34,8 +41,7 @@ def test_shared_prompt_layout_equals_the_padded_one():
                                      layout="shared_prompt", temperature=TEMPERATURE)
     # Along one log-prob: the transformer over the longest row (its softmax and P.V sums run
     # over the row's keys, the masked ones adding zeros), then the step's tokens for a gradient.
-    arch = arch_from_hf_config(tiny_hf_config("qwen2"))
-    logp_path = transformer_terms(arch, max(t.shape[1] for t in rows), log_softmax=True)
+    logp_path = transformer_terms(ARCH, max(t.shape[1] for t in rows), log_softmax=True)
     path = grad_terms(logp_path, sum(len(s.response_ids) for s in samples))
     for a, b in zip(ms["recompute_entropies"], mp["recompute_entropies"]):
         torch.testing.assert_close(a, b, rtol=0, atol=rounding_tol(b, logp_path, torch.float32))
@@ -71,9 +77,8 @@ def test_shared_prompt_layout_at_tp2_and_pp2():
     ((w0, w1, m1, layout),) = run_distributed(_step_worker, 1, 1, 1, "padded", initial)
     assert layout == "padded"
     samples = random_samples(0, shared_prompts=True)
-    rows = [mb.tokens for mb in pack_micro_batches(samples, BUDGET, layout="shared_prompt")]
-    arch = arch_from_hf_config(tiny_hf_config("qwen2"))
-    path = grad_terms(transformer_terms(arch, max(t.shape[1] for t in rows), log_softmax=True),
+    rows = _shared_rows(samples)
+    path = grad_terms(transformer_terms(ARCH, max(t.shape[1] for t in rows), log_softmax=True),
                       sum(len(s.response_ids) for s in samples))
     for tensor, pipeline in ((2, 1), (1, 2)):
         results = run_distributed(_step_worker, 2, tensor, pipeline, "auto", initial)

@@ -66,6 +66,22 @@ def test_shared_prompt_rows_keep_the_budget_and_the_order():
     assert mb.tokens.shape[0] == 8 and mb.attention_mask is None
 
 
+def test_a_response_joins_its_prompts_row_only_while_that_pays():
+    """768 attention pairs a token (the quickstart model's): 20-token responses to a 30-token
+    prompt share one row (each saves 30 x 768 pair-costs and adds at most ~6,000 pairs), while
+    2000-token ones keep their own rows (the second would add (4030^2 - 2 x 2030^2) = 8.0M
+    pairs to save 23,040), unless a token's linear layers cost far more than that."""
+    def rows(response_len: int, pairs_per_token: float) -> int:
+        samples = random_samples(5, groups=1, per_group=4, shared_prompts=True,
+                                 prompt_len=(30, 31), response_len=(response_len,
+                                                                    response_len + 1))
+        return sum(mb.tokens.shape[0] for mb in pack_micro_batches(
+            samples, 10 ** 6, layout="shared_prompt", pairs_per_token=pairs_per_token))
+    assert rows(20, 768.0) == 1
+    assert rows(2000, 768.0) == 4
+    assert rows(2000, 1e6) == 1
+
+
 def test_unknown_layout_is_named():
     with pytest.raises(ValueError, match="'packed'"):
         pack_micro_batches(random_samples(0), 100, layout="packed")
