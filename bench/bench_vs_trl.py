@@ -20,7 +20,10 @@ generation_batch_size 128 and steps_per_generation 2, so one of our steps is two
 Both recompute the old policy's log-probs with a forward-only pass before the updates (TRL
 does when an optimizer step is not the generation's only one); the ``-engine`` settings run ours
 with ``algorithm.old_logprobs=engine``, which takes the in-process engine's own instead (the
-same numbers up to rounding, one forward less a step).
+same numbers up to rounding, one forward less a step). Ours packs each prompt's samples into
+shared-prompt rows (``trainer.micro_batch_layout`` auto: the prompt's forward once for its 8
+samples, the same function up to rounding); the ``-padded`` settings run ours with a row per
+sample, as TRL's batches are.
 
 Each run is its own process tree, started by this script; runs alternate between ours and TRL
 (which goes first alternates too), so both see the same load. A step's time is the wall time
@@ -61,6 +64,7 @@ THREAD_VARS = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "MKL_NUM_
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 TWO_PASSIVE = {"OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "PASSIVE"}
 ENGINE_OLD_LOGPROBS = ("algorithm.old_logprobs=engine",)
+PADDED = ("trainer.micro_batch_layout=padded",)
 SETTINGS: dict[str, tuple[str, int, int, Optional[dict], Optional[dict], tuple[str, ...]]] = {
     "default": ("defaults of each (no thread variable set)", 1, 1, None, None, ()),
     "1t": ("both 1 thread", 1, 1, ONE_THREAD, ONE_THREAD, ()),
@@ -78,6 +82,11 @@ SETTINGS: dict[str, tuple[str, int, int, Optional[dict], Optional[dict], tuple[s
                        ENGINE_OLD_LOGPROBS),
     "dp2-engine": ("ours DP=2, algorithm.old_logprobs=engine vs TRL 1 thread", 2, 1, None,
                    ONE_THREAD, ENGINE_OLD_LOGPROBS),
+    # A row per sample (the layout before shared-prompt rows; TRL's too).
+    "1t-padded": ("both 1 thread, ours trainer.micro_batch_layout=padded", 1, 1, ONE_THREAD,
+                  ONE_THREAD, PADDED),
+    "2tp-padded": ("both 2 threads PASSIVE, ours trainer.micro_batch_layout=padded", 1, 1,
+                   TWO_PASSIVE, TWO_PASSIVE, PADDED),
 }
 
 
