@@ -89,27 +89,23 @@ def test_killed_ep2_run_resumes_bit_identical(moe_model, tmp_path):
         assert g == w, f"step {g['step']} differs"
 
 
-def test_a_moe_policy_refuses_the_engines_old_logprobs(moe_model, tmp_path):
-    """An MoE policy's updates replay the routing the recompute records (moe/routing_mismatch at
-    least): algorithm.old_logprobs=engine, which skips the recompute, stops the start-up with one
-    error naming the key, before any model is built."""
-    cfg = _config(moe_model, tmp_path, "engine_old", replay="none", steps=1)
+@pytest.mark.parametrize("section,key,value,error", [
+    # the updates replay the routing the recompute records; the engine's log-probs skip it
+    ("algorithm", "old_logprobs", "engine",
+     r"algorithm\.old_logprobs=engine: a mixture-of-experts policy's updates replay"),
+    # the routing is recorded and replayed a sample's row at a time (auto, which every other
+    # MoE test runs, resolves to padded rows)
+    ("trainer", "micro_batch_layout", "shared_prompt",
+     r"trainer\.micro_batch_layout=shared_prompt: a mixture-of-experts policy"),
+], ids=["engine_old_logprobs", "shared_prompt_rows"])
+def test_a_moe_policy_refuses_what_skips_its_routing_record(moe_model, tmp_path, section, key,
+                                                            value, error):
+    """An MoE policy's updates replay the routing its recompute records, a sample's row at a
+    time: a setting that skips the record or packs several samples into a row stops the start-up
+    with one error naming the key, and no checkpoint is written."""
+    cfg = _config(moe_model, tmp_path, key, replay="none", steps=1)
     cfg["parallel"]["expert"] = 1
-    cfg["algorithm"]["old_logprobs"] = "engine"
-    with pytest.raises(AssertionError, match=r"ConfigError: algorithm\.old_logprobs=engine: a "
-                                             r"mixture-of-experts policy's updates replay"):
+    cfg[section][key] = value
+    with pytest.raises(AssertionError, match=rf"ConfigError: {error}"):
         run_distributed(train_from_dict, 1, cfg, timeout=120)
-    assert not (tmp_path / "engine_old" / "checkpoints").exists()
-
-
-def test_a_moe_policy_refuses_shared_prompt_rows(moe_model, tmp_path):
-    """The shared-prompt layout packs several samples into a row, where the MoE routing is
-    recorded and replayed a sample's row at a time: asked for, it stops the start-up with one
-    error naming the key (``auto``, which every other MoE test runs, resolves to padded)."""
-    cfg = _config(moe_model, tmp_path, "shared_rows", replay="none", steps=1)
-    cfg["parallel"]["expert"] = 1
-    cfg["trainer"]["micro_batch_layout"] = "shared_prompt"
-    with pytest.raises(AssertionError, match=r"ConfigError: trainer\.micro_batch_layout="
-                                             r"shared_prompt: a mixture-of-experts policy"):
-        run_distributed(train_from_dict, 1, cfg, timeout=120)
-    assert not (tmp_path / "shared_rows" / "checkpoints").exists()
+    assert not (tmp_path / key / "checkpoints").exists()
