@@ -98,11 +98,12 @@ def drift_engine_logprobs(samples) -> None:
         s.engine_logprobs = (s.old_logprobs.double() - shift).tolist()
 
 
-def rounding_paths(samples) -> tuple:
-    """The rounding paths (tests/helpers/tolerance.py) of one log-prob of the tiny model over the
-    longest sample, and of one gradient (that path plus every response token of the step)."""
+def rounding_paths(samples, seq: int | None = None) -> tuple:
+    """The rounding paths (tests/helpers/tolerance.py) of one log-prob of the tiny model over
+    ``seq`` tokens (the longest sample; a shared-prompt row is longer), and of one gradient (that
+    path plus every response token of the step)."""
     logp_path = transformer_terms(arch_from_hf_config(tiny_hf_config("qwen2")),
-                                  max(s.length for s in samples), log_softmax=True)
+                                  seq or max(s.length for s in samples), log_softmax=True)
     return logp_path, grad_terms(logp_path, sum(len(s.response_ids) for s in samples))
 
 

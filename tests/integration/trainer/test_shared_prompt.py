@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import torch
 
-from actor_updates import UPDATES, update_worker
+from actor_updates import UPDATES, rounding_paths, update_worker
 from harness import run_distributed
 from tiny_models import (hf_weights, initial_weights_worker, random_samples, tiny_actor,
                          tiny_hf_config)
-from tolerance import grad_terms, rounding_tol, transformer_terms, update_tol
+from tolerance import rounding_tol, update_tol
 
 from megatron_entropy.models.arch import arch_from_hf_config
 from megatron_entropy.trainer.batch import pack_micro_batches
@@ -29,20 +29,24 @@ def _shared_rows(samples) -> list[torch.Tensor]:
         samples, BUDGET, layout="shared_prompt", pairs_per_token=ARCH.attention_pairs_per_token)]
 
 
+def _paths(samples) -> tuple[int, int]:
+    """The rounding paths of a log-prob and a gradient: the transformer over the longest row (its
+    softmax and P.V sums run over the row's keys, the masked ones adding zeros), then the step's
+    tokens for a gradient."""
+    return rounding_paths(samples, max(t.shape[1] for t in _shared_rows(samples)))
+
+
 def test_shared_prompt_layout_equals_the_padded_one():
     samples = random_samples(0, shared_prompts=True)
-    rows = _shared_rows(samples)
-    assert sum(t.shape[0] for t in rows) < len(samples)  # some rows hold several responses
+    # some rows hold several responses
+    assert sum(t.shape[0] for t in _shared_rows(samples)) < len(samples)
     ((wp, mp, w0),) = run_distributed(update_worker, 1, "kl_cov", "global", "recompute",
                                       micro_batch_tokens=BUDGET, shared_prompts=True,
                                       temperature=TEMPERATURE)
     ((ws, ms, _),) = run_distributed(update_worker, 1, "kl_cov", "global", "recompute",
                                      micro_batch_tokens=BUDGET, shared_prompts=True,
                                      layout="shared_prompt", temperature=TEMPERATURE)
-    # Along one log-prob: the transformer over the longest row (its softmax and P.V sums run
-    # over the row's keys, the masked ones adding zeros), then the step's tokens for a gradient.
-    logp_path = transformer_terms(ARCH, max(t.shape[1] for t in rows), log_softmax=True)
-    path = grad_terms(logp_path, sum(len(s.response_ids) for s in samples))
+    logp_path, path = _paths(samples)
     for a, b in zip(ms["recompute_entropies"], mp["recompute_entropies"]):
         torch.testing.assert_close(a, b, rtol=0, atol=rounding_tol(b, logp_path, torch.float32))
     assert ms["selected_frac"] == mp["selected_frac"] > 0  # the same tokens chosen
@@ -76,10 +80,7 @@ def test_shared_prompt_layout_at_tp2_and_pp2():
     (initial,) = run_distributed(initial_weights_worker, 1)
     ((w0, w1, m1, layout),) = run_distributed(_step_worker, 1, 1, 1, "padded", initial)
     assert layout == "padded"
-    samples = random_samples(0, shared_prompts=True)
-    rows = _shared_rows(samples)
-    path = grad_terms(transformer_terms(ARCH, max(t.shape[1] for t in rows), log_softmax=True),
-                      sum(len(s.response_ids) for s in samples))
+    _, path = _paths(random_samples(0, shared_prompts=True))
     for tensor, pipeline in ((2, 1), (1, 2)):
         results = run_distributed(_step_worker, 2, tensor, pipeline, "auto", initial)
         _, w2, m2, layout = results[0]
