@@ -162,47 +162,56 @@ def _make_micro_batch(samples: list[Sample], rows: list[list[int]], pad_id: int,
     rows_s = [samples[i] for i in ids]
     S = max(_row_length(samples, row) for row in rows)
     R = max(max(len(s.response_ids) for s in rows_s), 1)
-    tokens = torch.full((len(rows), S), pad_id, dtype=torch.long)
-    positions = torch.arange(S).expand(len(rows), S).contiguous()
-    shared = any(len(row) > 1 for row in rows)
-    # True where query q may see key k; padding sees itself only (a softmax needs one key).
-    sees = torch.eye(S, dtype=torch.bool).repeat(len(rows), 1, 1) if shared else None
-    mask = torch.zeros(len(ids), R)
-    adv = torch.zeros(len(ids), R)
-    flat, tgt, rr, cc = [], [], [], []
+    # Built as lists and turned into tensors once: a small tensor operation per sample would
+    # cost more than the work (each one can wake the other OpenMP threads).
+    tokens, positions, segments = [], [], []
+    lengths = []
+    flat, tgt, rr, cc, adv = [], [], [], [], []
     b = 0
     for g, row in enumerate(rows):
         prompt = samples[row[0]].prompt_ids
         P = len(prompt)
-        tokens[g, :P] = torch.tensor(prompt, dtype=torch.long)
-        if shared:
-            sees[g, :P, :P] = torch.ones(P, P, dtype=torch.bool).tril()
-        start = P  # where the next response begins in the row
-        for i in row:
+        row_tokens, row_positions, row_segments = list(prompt), list(range(P)), [0] * P
+        for n, i in enumerate(row, start=1):
             response = samples[i].response_ids
             L = len(response)
-            tokens[g, start:start + L] = torch.tensor(response, dtype=torch.long)
-            positions[g, start:start + L] = torch.arange(P, P + L)
-            if shared:
-                sees[g, start:start + L, :P] = True
-                sees[g, start:start + L, start:start + L] = torch.ones(L, L,
-                                                                        dtype=torch.bool).tril()
-            mask[b, :L] = 1.0
-            adv[b, :L] = samples[i].advantage
+            start = len(row_tokens)  # where this response begins in the row
+            row_tokens.extend(response)
+            row_positions.extend(range(P, P + L))
+            row_segments.extend([n] * L)
             # response token t is predicted at the prompt's last token (t = 0), else at its
             # response's token t - 1
             flat.extend(g * S + (P - 1 if t == 0 else start + t - 1) for t in range(L))
             tgt.extend(response)
             rr.extend([b] * L)
             cc.extend(range(L))
-            start += L
+            lengths.append(L)
+            adv.append(samples[i].advantage)
             b += 1
+        pad = S - len(row_tokens)
+        tokens.append(row_tokens + [pad_id] * pad)
+        positions.append(row_positions + list(range(len(row_tokens), S)))
+        segments.append(row_segments + [-1] * pad)
+    tokens_t = torch.tensor(tokens, dtype=torch.long)
+    mask = (torch.arange(R)[None, :] < torch.tensor(lengths)[:, None]).float()
+    attention_mask = None
+    if any(len(row) > 1 for row in rows):
+        # A query sees the keys before it (and itself) of the prompt and of its own response;
+        # padding sees itself only (a softmax row needs one key).
+        seg = torch.tensor(segments)
+        query, key = seg[:, :, None], seg[:, None, :]
+        sees = ((key == 0) | (key == query)) & (query >= 0) & (key >= 0) & \
+            torch.ones(S, S, dtype=torch.bool).tril()
+        sees |= torch.eye(S, dtype=torch.bool)
+        attention_mask = ~sees.unsqueeze(1)
     mb = MicroBatch(
-        tokens=tokens, position_ids=positions,
+        tokens=tokens_t, position_ids=torch.tensor(positions, dtype=torch.long),
         flat_positions=torch.tensor(flat, dtype=torch.long),
         targets=torch.tensor(tgt, dtype=torch.long), rows=torch.tensor(rr, dtype=torch.long),
-        cols=torch.tensor(cc, dtype=torch.long), mask=mask, advantages=adv, sample_ids=ids,
-        index=index, attention_mask=None if sees is None else ~sees.unsqueeze(1))
+        cols=torch.tensor(cc, dtype=torch.long), mask=mask,
+        advantages=torch.where(mask > 0, torch.tensor(adv, dtype=torch.float32)[:, None], 0.0),
+        sample_ids=ids,
+        index=index, attention_mask=attention_mask)
     mb.old_logprobs = _per_token(mb, [s.old_logprobs for s in rows_s])
     mb.ref_logprobs = _per_token(mb, [s.ref_logprobs for s in rows_s])
     if all(len(s.engine_logprobs) == len(s.response_ids) for s in rows_s):
