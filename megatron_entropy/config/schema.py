@@ -220,8 +220,10 @@ class AlgorithmConfig(PolicyLossSettings):
         "micro_batch", help="micro_batch = paper code/verl; global = the whole optimizer step")
     old_logprobs: Literal["recompute", "engine"] = _f(
         "recompute", help="the log-probs the PPO ratio divides by, and the sampling policy's "
-                          "entropies: recompute = a forward-only pass of the actor over the "
-                          "step's tokens before the update; engine = the in-process engine's own "
+                          "entropies: recompute = the actor's own, from a forward-only pass over "
+                          "the step's tokens before the update (the first mini-batch's from its "
+                          "own update's forward where nothing reads them earlier: "
+                          "docs/performance.md); engine = the in-process engine's own "
                           "of the tokens it sampled, no extra forward (equal up to rounding when "
                           "it samples in the actor's dtype; no rollout/logprob_drift, per-step "
                           "weight check of the rollouts or rollout correction, which compare the "

@@ -3,6 +3,8 @@ entropies and takes PPO-style updates through Megatron's pipeline schedules.
 
 Data flow inside one RL step (per rank; every rank of a DP replica holds the same samples):
   recompute(samples)             forward-only: old log-probs + entropies (+ reference log-probs)
+                                 of every sample, or of all but the first mini-batch's when that
+                                 one scores itself (``first_update_scores_itself``)
   update(samples)                ppo_epochs x mini-batches: [entropy advantage shaping]
                                  -> [global Cov / token-rule selection] -> micro-batches
                                  through forward_backward_func -> Megatron optimizer step
@@ -40,7 +42,7 @@ from megatron_entropy.algorithms import token_rules as rules_ops
 from megatron_entropy.algorithms.policy_loss import (TokenAdjustments, policy_loss,
                                                      reduce_metrics, select_tokens_global)
 from megatron_entropy.algorithms.rollout_correction import RolloutCorrection, correct_rollout
-from megatron_entropy.algorithms.settings import PolicyLossSettings, TokenRuleSettings
+from megatron_entropy.algorithms.settings import PolicyLossSettings
 from megatron_entropy.config import AlgorithmConfig, ConfigError, TrainerConfig
 from megatron_entropy.models.arch import ModelArch
 from megatron_entropy.models.attention import takes_explicit_masks
@@ -54,57 +56,7 @@ from megatron_entropy.trainer.batch import MicroBatch, Sample, pack_micro_batche
 from megatron_entropy.trainer.entropy_change import entropy_change_metrics
 from megatron_entropy.trainer.model_setup import optimizer_step
 from megatron_entropy.trainer.moe_routing import MoeRouting, is_filler, with_fillers
-
-
-class StepRules:
-    """The token rules of one optimizer step: what the whole step decides before the training
-    forwards (``global`` populations, the 80/20 normalizer), and per micro-batch the rest.
-    Built on the last PP stage (where the loss runs) by every rank of its DP group."""
-
-    def __init__(self, rules: TokenRuleSettings, loss: PolicyLossSettings, masks: list,
-                 select_entropies: Optional[list], dp_group) -> None:
-        self.rules, self.loss = rules, loss
-        self.adjust: dict[int, TokenAdjustments] = {}
-        self.metrics: dict[int, dict] = {i: {} for i in range(len(masks))}
-        self.pg_normalizer: Optional[float] = None
-        mode = loss.loss_agg_mode
-        if rules.high_entropy_minority and rules.high_entropy_scope == "global":
-            chosen, norm = rules_ops.select_high_entropy_global(rules, select_entropies, masks,
-                                                                mode, dp_group)
-            for i, (sel, h, m) in enumerate(zip(chosen, select_entropies, masks)):
-                self.adjust[i] = TokenAdjustments(pg_mask=sel, pg_normalizer=norm)
-                self.metrics[i].update(rules_ops.high_entropy_metrics(sel, h, m))
-        elif rules.high_entropy_minority:
-            self.pg_normalizer = rules_ops.high_entropy_normalizer(rules, masks, mode, dp_group)
-        if rules.entropy_clip and rules.entropy_clip_scope == "global":
-            adjusts, metrics = rules_ops.entropy_clip_global(rules, loss, select_entropies,
-                                                             masks, dp_group)
-            for i, (a, m) in enumerate(zip(adjusts, metrics)):
-                self.adjust[i] = a
-                self.metrics[i].update(m)
-
-    @staticmethod
-    def needs_select_entropies(rules: TokenRuleSettings) -> bool:
-        return (rules.high_entropy_minority and rules.high_entropy_scope == "global") or \
-            (rules.entropy_clip and rules.entropy_clip_scope == "global")
-
-    def for_micro_batch(self, index: int, entropy: torch.Tensor, mask: torch.Tensor
-                        ) -> tuple[Optional[TokenAdjustments], dict]:
-        """(adjustments, metrics) of micro-batch ``index``; ``entropy`` is its training
-        forward's, for the per-micro-batch populations."""
-        r = self.rules
-        metrics = dict(self.metrics[index])
-        if index in self.adjust:
-            return self.adjust[index], metrics
-        if r.high_entropy_minority:
-            chosen = rules_ops.select_high_entropy(r, entropy, mask)
-            metrics.update(rules_ops.high_entropy_metrics(chosen, entropy.detach(), mask))
-            return TokenAdjustments(pg_mask=chosen, pg_normalizer=self.pg_normalizer), metrics
-        if r.entropy_clip:
-            adjust, m = rules_ops.entropy_clip_micro_batch(r, self.loss, entropy, mask)
-            metrics.update(m)
-            return adjust, metrics
-        return None, metrics
+from megatron_entropy.trainer.step_rules import StepRules
 
 
 class Actor:
@@ -132,6 +84,8 @@ class Actor:
         self.routing = (MoeRouting(model_chunks, routing_replay)
                         if arch is not None and arch.is_moe else None)
         self.layout = micro_batch_layout(trainer.micro_batch_layout, arch, model_chunks)
+        self.first_update_scores_itself = first_update_scores_itself(algorithm,
+                                                                     self.routing is not None)
 
     # ------------------------------------------------------------------ token statistics
 
@@ -233,37 +187,53 @@ class Actor:
         return {o["index"]: (o["logp"], o["entropy"]) for o in outs}
 
     def compute_logprobs(self, samples: list[Sample], reference: bool = False,
-                         record_routing: bool = False
-                         ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                         record_routing: bool = False, ids: Optional[list[int]] = None
+                         ) -> list[Optional[tuple[torch.Tensor, torch.Tensor]]]:
         """(log-probs, entropies) of each sample's response tokens under the current policy (or
-        the frozen reference), on every rank of the replica; ``record_routing``: an MoE policy
-        stores each sample's routing (``Sample.routing``)."""
+        the frozen reference), on every rank of the replica; only of the samples ``ids`` when
+        given (None for the others); ``record_routing``: an MoE policy stores each sample's
+        routing (``Sample.routing``)."""
         if reference and self.ref_model is None:
             raise RuntimeError("reference log-probs need a reference model (algorithm.kl_coef > 0)")
-        mbs = self._pack(samples)
+        mbs = self._pack(samples, ids)
         scope = None
         if record_routing and self.routing is not None:
             scope = lambda mb: self.routing.record(mb, samples)  # noqa: E731
         stats = self._forward_only([self.ref_model] if reference else self.model, mbs, scope)
-        result: list = [None] * len(samples)
+        by_sample = self._by_sample(mbs, stats, samples)
+        return [by_sample.get(i) for i in range(len(samples))]
+
+    def _by_sample(self, mbs: list[MicroBatch], stats: dict[int, tuple[torch.Tensor, torch.Tensor]],
+                   samples: Sequence[Sample]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """Per-micro-batch (log-probs [N], entropies [N]) of the last PP stage as sample index ->
+        its response tokens' (log-probs, entropies), on every stage of the replica."""
+        result = {}
         if self.ps.is_pipeline_last_stage():
             for mb in mbs:
-                lengths = mb.mask.sum(1).long().tolist()
+                lengths = [len(samples[i].response_ids) for i in mb.sample_ids]
                 logp, ent = stats[mb.index]
                 for sid, lp, en in zip(mb.sample_ids, logp.split(lengths), ent.split(lengths)):
                     result[sid] = (lp, en)
         return self._broadcast_from_last_stage(result)
 
     def recompute(self, samples: list[Sample]) -> None:
-        """Fill old log-probs and entropies (and reference log-probs) of every sample: the
+        """Fill old log-probs and entropies (and reference log-probs) of the samples: the
         policy's, from a forward-only pass, or with ``old_logprobs`` ``engine`` the engine's own
-        of the tokens it sampled (no forward of the policy)."""
+        of the tokens it sampled (no forward of the policy). Where the step's first update
+        scores itself, the first mini-batch's samples are left to it (``update`` fills them)."""
         if self.algorithm.old_logprobs == "engine":
             for s in samples:
                 s.old_logprobs, s.entropy = _engine_token_stats(s)
         else:
-            for s, (lp, en) in zip(samples, self.compute_logprobs(samples, record_routing=True)):
-                s.old_logprobs, s.entropy = lp, en
+            ids = None
+            if self.first_update_scores_itself:
+                ids = list(range(self._mini_batch_bounds(len(samples))[1], len(samples)))
+                for i in range(ids[0] if ids else len(samples)):
+                    samples[i].old_logprobs = samples[i].entropy = None
+            stats = self.compute_logprobs(samples, record_routing=True, ids=ids)
+            for s, st in zip(samples, stats):
+                if st is not None:
+                    s.old_logprobs, s.entropy = st
         if self.ref_model is not None:
             for s, (lp, _) in zip(samples, self.compute_logprobs(samples, reference=True)):
                 s.ref_logprobs = lp
@@ -322,21 +292,34 @@ class Actor:
         every rank, before the step normalizer). Micro-batches without (finite) engine
         log-probs are left out when the mode is ``none`` (it only logs metrics: a run without
         correction never stops for them) and an error otherwise."""
-        settings = self.algorithm.rollout_correction
         out = {}
         for mb in mbs:
-            if settings.mode == "none" and (mb.engine_logprobs is None or not bool(
-                    torch.isfinite(mb.engine_logprobs[mb.mask.bool()]).all())):
+            if mb.old_logprobs is None:  # scored in its own forward (mode none): done there
                 continue
-            if mb.engine_logprobs is None:
-                raise ValueError(f"algorithm.rollout_correction.mode={settings.mode} needs the "
-                                 "engine's log-prob of every response token; samples "
-                                 f"{mb.sample_ids} lack some")
-            out[mb.index] = correct_rollout(settings, mb.old_logprobs,
-                                            mb.engine_logprobs, mb.mask,
-                                            [samples[i].source for i in mb.sample_ids])
-            mb.mask = out[mb.index].mask
+            correction = self._rollout_correction(mb, mb.old_logprobs, samples)
+            if correction is not None:
+                out[mb.index] = correction
+                mb.mask = correction.mask
         return out
+
+    def _rollout_correction(self, mb: MicroBatch, old_logprobs: torch.Tensor,
+                            samples: Sequence[Sample]) -> Optional[RolloutCorrection]:
+        settings = self.algorithm.rollout_correction
+        if settings.mode == "none" and (mb.engine_logprobs is None or not bool(
+                torch.isfinite(mb.engine_logprobs[mb.mask.bool()]).all())):
+            return None
+        if mb.engine_logprobs is None:
+            raise ValueError(f"algorithm.rollout_correction.mode={settings.mode} needs the "
+                             "engine's log-prob of every response token; samples "
+                             f"{mb.sample_ids} lack some")
+        return correct_rollout(settings, old_logprobs, mb.engine_logprobs, mb.mask,
+                               [samples[i].source for i in mb.sample_ids])
+
+    def _mini_batch_bounds(self, n: int) -> list[int]:
+        """Where each of the step's mini-batches of ``n`` samples starts (and the end)."""
+        n_mini = self.trainer.mini_batches_per_step
+        return [round(i * n / n_mini) for i in range(n_mini + 1)]
+
 
     def update(self, samples: list[Sample], step: int,
                loss_knobs: Optional[Mapping[str, float]] = None) -> dict[str, float]:
@@ -345,7 +328,7 @@ class Actor:
         (the entropy controller's knob); the ``algorithm`` section keeps the configured ones."""
         loss = replace(self.algorithm, **loss_knobs) if loss_knobs else self.algorithm
         n_mini = self.trainer.mini_batches_per_step
-        bounds = [round(i * len(samples) / n_mini) for i in range(n_mini + 1)]
+        bounds = self._mini_batch_bounds(len(samples))
         all_metrics: list[dict] = []
         opt_stats: list[dict] = []
         for epoch in range(self.trainer.ppo_epochs):
@@ -377,19 +360,28 @@ class Actor:
                                            None if inputs is None else inputs[1],
                                            self.ps.get_data_parallel_group())
 
-                # The step's first update runs on the weights that sampled: with the engine's
-                # old log-probs its own forward gives them exactly, as the recompute would (a
-                # ratio of exactly 1; the engine's differ by rounding, which KL-Cov's |logp -
-                # old logp| would turn into gradients of either sign).
-                own_old = self.algorithm.old_logprobs == "engine" and epoch == 0 and k == 0
+                # The step's first update runs on the weights that sampled: its own forward
+                # gives their old log-probs, as the recompute would (a ratio of exactly 1; the
+                # engine's differ by rounding, which KL-Cov's |logp - old logp| would turn into
+                # gradients of either sign). Without the engine's, the recompute left them out
+                # and this forward's are kept as the samples' own.
+                own_old = self.first_update_scores_itself and epoch == 0 and k == 0
+                keeps = own_old and self.algorithm.old_logprobs == "recompute"
+                scored: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
                 def loss_fn(model, output, mb, normalizer=normalizer, selections=selections,
                             draw_seed=draw_seed, step_rules=step_rules, shaping=shaping,
-                            corrections=corrections, own_old=own_old):
+                            corrections=corrections, own_old=own_old, keeps=keeps,
+                            scored=scored):
                     logp, ent = self._token_stats(model, output, mb)
                     entropy = mb.scatter(ent)
                     old_logp = mb.scatter(logp.detach()) if own_old else mb.old_logprobs
                     adjust, rule_metrics = step_rules.for_micro_batch(mb.index, entropy, mb.mask)
+                    if keeps:
+                        scored[mb.index] = (logp.detach().float().cpu(), ent.detach().float().cpu())
+                        correction = self._rollout_correction(mb, old_logp, samples)
+                        if correction is not None:  # mode none: its metrics only
+                            rule_metrics.update(correction.metrics)
                     if mb.index in corrections:
                         adjust = _with_correction(adjust, corrections[mb.index], entropy.device)
                         rule_metrics.update(corrections[mb.index].metrics)
@@ -410,6 +402,9 @@ class Actor:
                 with step_scope:
                     outs = self._run_schedule(self.model, mbs, loss_fn, forward_only=False,
                                               scope=scope)
+                if keeps:  # the samples' old log-probs and entropies, on every stage
+                    for sid, (lp, en) in self._by_sample(mbs, scored, samples).items():
+                        samples[sid].old_logprobs, samples[sid].entropy = lp, en
                 all_metrics.extend(o["m"] for o in outs)
                 opt_stats.append(optimizer_step(self.optimizer, self.scheduler, self.model))
         return self._summarize(all_metrics, opt_stats)
@@ -437,6 +432,21 @@ class Actor:
         if self.routing is not None:
             out.update(self.routing.metrics())
         return out
+
+
+def first_update_scores_itself(algorithm: AlgorithmConfig, moe: bool) -> bool:
+    """Whether the step's first update takes its old log-probs from its own forward (on the
+    weights that sampled: the recompute's function). With the engine's old log-probs, always;
+    with the recompute, where nothing reads the first mini-batch's before that forward: the
+    global Cov scope and global token rules choose, entropy advantage shaping and a weighting or
+    masking rollout correction adjust before it, and an MoE policy replays the routing its
+    recompute records."""
+    if algorithm.old_logprobs == "engine":
+        return True
+    return not (moe or algorithm.cov_scope == "global"
+                or StepRules.needs_select_entropies(algorithm.token_rules)
+                or algorithm.token_rules.entropy_advantage
+                or algorithm.rollout_correction.mode != "none")
 
 
 def micro_batch_layout(setting: str, arch: Optional[ModelArch], model_chunks: list) -> str:

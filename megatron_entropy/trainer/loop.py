@@ -309,8 +309,9 @@ class Trainer:
                                         self.weight_check_limits, when, w.quantile)
 
     def check_rollout_weights(self, samples: list, dp_group, step: int) -> dict[str, float]:
-        """The recompute of this step's rollout tokens against the engine's log-probs, before
-        the update; raises if they disagree (trainer/weight_check.py)."""
+        """The actor's old log-probs of this step's rollout tokens against the engine's, after
+        the update and before the weight sync; raises if they disagree (trainer/weight_check.py):
+        the engine never gets weights trained on such a step, nor does a checkpoint."""
         w = self.cfg.rollout.weight_check
         if not w.enabled:
             return {}
@@ -378,13 +379,14 @@ class Trainer:
             if rolled.kept:
                 with timer("recompute"):
                     self.actor.recompute(mine)
+                with timer("update"):
+                    actor_metrics = self.actor.update(mine, step, loss_knobs(self.controller))
+                # After the update: its first mini-batch may have scored its own samples.
                 metrics.update(reduce_token_metrics(mine, dp_group))
                 if cfg.algorithm.old_logprobs == "recompute":  # else nothing to compare with
                     metrics.update(drift_metrics(mine, dp_group))
                     metrics.update(self.check_rollout_weights(mine, dp_group, step))
                     metrics.update(self.drift.observe(step, metrics, self.logger.write))
-                with timer("update"):
-                    actor_metrics = self.actor.update(mine, step, loss_knobs(self.controller))
                 metrics.update(update_controller(self.controller, metrics))
                 metrics.update({LOSS_METRIC_NAMES.get(k, k): v for k, v in actor_metrics.items()})
                 if cfg.analysis.entropy_change:

@@ -8,9 +8,9 @@ tokens, so on correct weights they differ only by rounding:
   first ``rollout.weight_check.prompts`` training prompts, each continued by ``tokens`` tokens
   that every serving replica (each server of a pool) samples at the rollout temperature with a
   fixed seed over the full vocabulary; the actor scores the same tokens with its recompute path;
-- the rollout (``check_rollout_weights``), each step, before the update: the recompute's
-  log-probs of every rollout token generated on the weights the trainer holds (all of them
-  when rollouts are synchronous), per server.
+- the rollout (``check_rollout_weights``), each step, after the update and before the weight
+  sync: the actor's old log-probs (the weights that sampled) of every rollout token generated
+  on the weights the trainer held (all of them when rollouts are synchronous), per server.
 Each fails when a replica's mean exceeds ``tolerance`` or its ``quantile`` (0.99) exceeds
 ``quantile_tolerance`` (``tolerances``), with one error that names the replica and the numbers.
 """
@@ -170,7 +170,7 @@ def check_rollout_weights(samples: Sequence[Sample], group, limits: tuple[float,
     stats, _, why = _judge(per_server, names, group, quantile, limits, device)
     if why:
         raise WeightCheckError(_error(
-            when, f"on this step's rollout tokens, recomputed before the update (version "
+            when, f"on this step's rollout tokens, scored by the actor before its update (version "
                   f"{version or 'any'})", why, stats))
     return {"weight_check/rollout_drift_mean": max((m for m, _, _ in stats.values()),
                                                    default=0.0),

@@ -174,14 +174,14 @@ def test_a_connected_server_killed_under_the_first_probe_ends_the_run_with_one_l
 
 
 @pytest.mark.slow
-def test_a_run_whose_server_changes_weights_after_the_probe_stops_before_the_update(tmp_path):
+def test_a_run_whose_server_changes_weights_after_the_probe_stops_before_the_sync(tmp_path):
     """The connected server answers the first-contact probe (2 prompts x 4 tokens) with the
     trainer's weights, then holds the model with noise of 0.05 x each tensor's std (another
     client of a shared server loaded other weights): the run starts, and step 1's check of its
-    rollout tokens (the recompute against the engine's log-probs) stops it with one line naming
-    the server and the numbers, before the update: no metrics row, no checkpoint. Without that
-    check the step trains on them (and the sync after it hides the fault: the server then
-    loads the trained weights)."""
+    rollout tokens (the actor's old log-probs against the engine's) stops it with one line
+    naming the server and the numbers, before the weights trained on them reach the server or a
+    checkpoint: no metrics row, no checkpoint. Without that check the step trains on them (and
+    the sync after it hides the fault: the server then loads the trained weights)."""
     model = make_served_model(tmp_path / "model")
     fake, url = start_fake(model, 32820)
     try:
@@ -204,8 +204,8 @@ def test_a_run_whose_server_changes_weights_after_the_probe_stops_before_the_upd
     print(last)
     assert last.startswith(
         "megatron-entropy train: error: weight check at step 1: the rollout engine's log-probs "
-        "disagree with the trainer's on this step's rollout tokens, recomputed before the "
-        "update (version any), so it does not hold the trained weights: server 0: "
+        "disagree with the trainer's on this step's rollout tokens, scored by the actor "
+        "before its update (version any), so it does not hold the trained weights: server 0: "
         "|engine - trainer| "), last
     assert re.search(r"(mean|p99) [0-9.e-]+ nats > [0-9.e-]+ .*over \d+ tokens", last), last
     assert "Traceback" not in out
