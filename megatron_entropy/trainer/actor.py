@@ -291,7 +291,9 @@ class Actor:
         """The rollout correction of each micro-batch; ``mis``'s mask replaces ``mb.mask`` (on
         every rank, before the step normalizer). Micro-batches without (finite) engine
         log-probs are left out when the mode is ``none`` (it only logs metrics: a run without
-        correction never stops for them) and an error otherwise."""
+        correction never stops for them) and an error otherwise. A micro-batch that scores
+        itself (``first_update_scores_itself``; mode ``none`` only) gets its metrics in its
+        forward."""
         out = {}
         for mb in mbs:
             if mb.old_logprobs is None:  # scored in its own forward (mode none): done there
@@ -319,7 +321,6 @@ class Actor:
         """Where each of the step's mini-batches of ``n`` samples starts (and the end)."""
         n_mini = self.trainer.mini_batches_per_step
         return [round(i * n / n_mini) for i in range(n_mini + 1)]
-
 
     def update(self, samples: list[Sample], step: int,
                loss_knobs: Optional[Mapping[str, float]] = None) -> dict[str, float]:

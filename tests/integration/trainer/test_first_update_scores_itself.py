@@ -22,7 +22,8 @@ def _step_worker(pipeline: int, scores_itself: bool, initial: dict):
     """From the full weights ``initial``: recompute -> 2 epochs x 2 mini-batches of PPO-clip
     (a ratio far from its clip, so the gradient is a smooth function of the old log-probs);
     which samples the recompute left out, every sample's (old log-probs, entropies) after the
-    update on this rank, the full weights before and after (on the replica's leader)."""
+    update on this rank, the full weights before and after (on the replica's leader), the
+    update's metrics."""
     from megatron_entropy.config import AlgorithmConfig, TrainerConfig
 
     trainer = TrainerConfig(lr=1e-2, steps=1, grad_clip=0.0, adam_eps=1.0, weight_decay=0.0,
@@ -36,19 +37,20 @@ def _step_worker(pipeline: int, scores_itself: bool, initial: dict):
     before = hf_weights(actor)
     actor.recompute(samples)
     left_out = [s.old_logprobs is None and s.entropy is None for s in samples]
-    actor.update(samples, step=1)
-    return left_out, [(s.old_logprobs, s.entropy) for s in samples], before, hf_weights(actor)
+    metrics = actor.update(samples, step=1)
+    return (left_out, [(s.old_logprobs, s.entropy) for s in samples], before, hf_weights(actor),
+            metrics)
 
 
 @pytest.mark.parametrize("pipeline", [1, 2])
 def test_the_first_update_scores_its_samples_as_the_recompute_would(pipeline):
     (initial,) = run_distributed(initial_weights_worker, 1)
-    ((left, ref_stats, w0, ref_w),) = run_distributed(_step_worker, 1, 1, False, initial)
+    ((left, ref_stats, w0, ref_w, ref_m),) = run_distributed(_step_worker, 1, 1, False, initial)
     assert not any(left)
     samples = random_samples(0)
     logp_path, path = rounding_paths(samples)
     ranks = run_distributed(_step_worker, pipeline, pipeline, True, initial)
-    for rank, (left, stats, _, _) in enumerate(ranks):
+    for rank, (left, stats, _, _, metrics) in enumerate(ranks):
         # the recompute scored the second mini-batch only (8 samples, 2 mini-batches)
         assert left == [True] * 4 + [False] * 4, rank
         for i, ((lp, h), (ref_lp, ref_h)) in enumerate(zip(stats, ref_stats)):
@@ -57,7 +59,12 @@ def test_the_first_update_scores_its_samples_as_the_recompute_would(pipeline):
                                        atol=rounding_tol(ref_lp, logp_path, torch.float32))
             torch.testing.assert_close(h, ref_h, rtol=0, msg=f"rank {rank} sample {i}",
                                        atol=rounding_tol(ref_h, logp_path, torch.float32))
-    weights = {n: t for _, _, _, w in ranks for n, t in w.items()}
+        # The rollout correction's metrics (mode none) cover the first mini-batch too: the mean
+        # of engine - old log-prob over every token (the engine's are 0 in these samples).
+        max_logp = max(float(lp.abs().max()) for lp, _ in ref_stats)
+        assert metrics["rollout_corr/kl_k1"] == pytest.approx(
+            ref_m["rollout_corr/kl_k1"], rel=0, abs=rounding_tol(max_logp, logp_path))
+    weights = {n: t for _, _, _, w, _ in ranks for n, t in w.items()}
     assert weights.keys() == ref_w.keys()
     for name in ref_w:
         torch.testing.assert_close(weights[name], ref_w[name], rtol=0, msg=name,
