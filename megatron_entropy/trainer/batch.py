@@ -165,8 +165,7 @@ def _make_micro_batch(samples: list[Sample], rows: list[list[int]], pad_id: int,
     # Built as lists and turned into tensors once: a small tensor operation per sample would
     # cost more than the work (each one can wake the other OpenMP threads).
     tokens, positions, segments = [], [], []
-    lengths = []
-    flat, tgt, rr, cc, adv = [], [], [], [], []
+    flat, tgt, rr, cc, lengths, adv = [], [], [], [], [], []
     b = 0
     for g, row in enumerate(rows):
         prompt = samples[row[0]].prompt_ids
@@ -192,7 +191,6 @@ def _make_micro_batch(samples: list[Sample], rows: list[list[int]], pad_id: int,
         tokens.append(row_tokens + [pad_id] * pad)
         positions.append(row_positions + list(range(len(row_tokens), S)))
         segments.append(row_segments + [-1] * pad)
-    tokens_t = torch.tensor(tokens, dtype=torch.long)
     mask = (torch.arange(R)[None, :] < torch.tensor(lengths)[:, None]).float()
     attention_mask = None
     if any(len(row) > 1 for row in rows):
@@ -205,13 +203,13 @@ def _make_micro_batch(samples: list[Sample], rows: list[list[int]], pad_id: int,
         sees |= torch.eye(S, dtype=torch.bool)
         attention_mask = ~sees.unsqueeze(1)
     mb = MicroBatch(
-        tokens=tokens_t, position_ids=torch.tensor(positions, dtype=torch.long),
+        tokens=torch.tensor(tokens, dtype=torch.long),
+        position_ids=torch.tensor(positions, dtype=torch.long),
         flat_positions=torch.tensor(flat, dtype=torch.long),
         targets=torch.tensor(tgt, dtype=torch.long), rows=torch.tensor(rr, dtype=torch.long),
         cols=torch.tensor(cc, dtype=torch.long), mask=mask,
         advantages=torch.where(mask > 0, torch.tensor(adv, dtype=torch.float32)[:, None], 0.0),
-        sample_ids=ids,
-        index=index, attention_mask=attention_mask)
+        sample_ids=ids, index=index, attention_mask=attention_mask)
     mb.old_logprobs = _per_token(mb, [s.old_logprobs for s in rows_s])
     mb.ref_logprobs = _per_token(mb, [s.ref_logprobs for s in rows_s])
     if all(len(s.engine_logprobs) == len(s.response_ids) for s in rows_s):
