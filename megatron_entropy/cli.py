@@ -22,7 +22,7 @@ from megatron_entropy.runtime import ParallelLayoutError, check_layout, detect_l
 from megatron_entropy.runtime import files, run_lock
 from megatron_entropy.runtime.harmless import silence_harmless_warnings
 from megatron_entropy.runtime.launch_env import UrlFileError
-from megatron_entropy.runtime.processes import start_held, stop_all
+from megatron_entropy.runtime.processes import end_rank_at_once, start_held, stop_all
 from megatron_entropy.runtime.threads import apply_thread_defaults
 from megatron_entropy.trainer import preemption
 from megatron_entropy.trainer.preemption import PREEMPTED_EXIT_CODE as PREEMPTED
@@ -353,6 +353,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return commands[args.command][2](args) or 0
     except preemption.StartupInterrupted as e:
         print(f"megatron-entropy {args.command}: {e}", file=sys.stderr)
+        end_rank_at_once(e.exit_code)  # a rank of a group: no teardown of its collectives
         return e.exit_code
     except _user_errors() as e:
         print(f"megatron-entropy {args.command}: error: {e}", file=sys.stderr)

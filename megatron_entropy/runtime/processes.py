@@ -1,7 +1,9 @@
-"""Child processes that never outlive their parent."""
+"""Child processes that never outlive their parent, and a rank that ends without waiting on its
+peers."""
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import functools
 import os
@@ -68,3 +70,19 @@ def stop_all(procs: list[subprocess.Popen], grace_s: float) -> list[int]:
     for p in procs:
         p.wait()
     return stopped
+
+
+def end_rank_at_once(code: int) -> None:
+    """End this rank with ``code`` now: the exit handlers run (atexit: engines' and reward
+    workers' shutdown, logging) and the output is flushed, but the interpreter's teardown is
+    skipped. After a stop cut a collective short (a signal during start-up, while another rank
+    waits for this one), tearing down gloo's process group can abort the process
+    (std::terminate on a joinable thread) or wait on a peer that is leaving too. Does nothing
+    (returns) where no process group was started."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return
+    atexit._run_exitfuncs()  # what a normal exit runs first; os._exit runs none of it
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)
