@@ -227,9 +227,10 @@ class Actor:
         else:
             ids = None
             if self.first_update_scores_itself:
-                ids = list(range(self._mini_batch_bounds(len(samples))[1], len(samples)))
-                for i in range(ids[0] if ids else len(samples)):
-                    samples[i].old_logprobs = samples[i].entropy = None
+                first_end = self._mini_batch_bounds(len(samples))[1]
+                ids = list(range(first_end, len(samples)))
+                for s in samples[:first_end]:
+                    s.old_logprobs = s.entropy = None
             stats = self.compute_logprobs(samples, record_routing=True, ids=ids)
             for s, st in zip(samples, stats):
                 if st is not None:
