@@ -87,9 +87,11 @@ def requested() -> bool:
     return bool(_received)
 
 
-class StartupInterrupted(Exception):
+class StartupInterrupted(BaseException):
     """SIGTERM or SIGINT during start-up: the trainer stops where it is (it has nothing new to
-    checkpoint yet)."""
+    checkpoint yet). Not an ``Exception``, as KeyboardInterrupt is not: it is raised from the
+    handler inside whatever start-up runs, and libraries turn an ``Exception`` there into their
+    own error (transformers' tokenizer load raises "Can't load tokenizer" for any)."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(f"stopped by {signal.Signals(signum).name} during start-up")

@@ -146,6 +146,38 @@ def test_a_signal_during_the_hold_is_not_lost(monkeypatch):
             signal.signal(sig, handler)
 
 
+def test_a_stop_during_start_up_passes_through_a_librarys_except_exception(monkeypatch):
+    """SIGTERM while transformers loads the tokenizer (it turns any ``Exception`` from its file
+    lookup into an OSError "Can't load tokenizer"): the start-up stop reaches the caller as
+    itself, as it does in a rank whose model loads when Ctrl-C comes."""
+    import transformers.tokenization_utils_base as tokenization
+
+    from megatron_entropy.data.dataset import load_tokenizer
+
+    for name, value in (("_received", []), ("_stopping", False), ("_starting", False),
+                        ("_running", False)):
+        monkeypatch.setattr(preemption, name, value)
+    lookup = tokenization.cached_file
+
+    def lookup_then_signalled(where, name, *args, **kwargs):
+        found = lookup(where, name, *args, **kwargs)
+        if name == "vocab.json":  # one of the files looked up inside that except
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler raises inside the sleep
+        return found
+
+    monkeypatch.setattr(tokenization, "cached_file", lookup_then_signalled)
+    previous = {sig: signal.getsignal(sig) for sig in preemption.SIGNALS}
+    try:
+        with pytest.raises(preemption.StartupInterrupted) as stopped:
+            with preemption.interruptible():
+                load_tokenizer(REPO / "examples" / "quickstart_model")
+        assert stopped.value.signum == signal.SIGTERM
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 # --------------------------------------------------------------- a stop request inside a step
 
 
