@@ -87,11 +87,12 @@ def requested() -> bool:
     return bool(_received)
 
 
-class StartupInterrupted(BaseException):
+class StartupInterrupted(KeyboardInterrupt):
     """SIGTERM or SIGINT during start-up: the trainer stops where it is (it has nothing new to
-    checkpoint yet). Not an ``Exception``, as KeyboardInterrupt is not: it is raised from the
-    handler inside whatever start-up runs, and libraries turn an ``Exception`` there into their
-    own error (transformers' tokenizer load raises "Can't load tokenizer" for any)."""
+    checkpoint yet). Raised from the handler inside whatever start-up runs, so it is what
+    libraries let through there: not an ``Exception`` (transformers' tokenizer load turns any
+    into "Can't load tokenizer"), and a KeyboardInterrupt (asyncio logs any other exception of
+    a callback and goes on, and keeps a task's in the task: the wait for a server went on)."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(f"stopped by {signal.Signals(signum).name} during start-up")

@@ -7,9 +7,11 @@ die of one sent to the whole process tree, as Slurm's proctrack/linuxproc delive
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -22,6 +24,9 @@ import yaml
 from harness import free_port, kill_marked, metrics_rows
 from serving_model import make_served_model, make_tp2_model
 
+from megatron_entropy.config.schema import ServerConfig
+from megatron_entropy.rollout.server.pool import ServerPool
+from megatron_entropy.rollout.server.supervisor import Supervisor
 from megatron_entropy.trainer import preemption
 
 REPO = Path(__file__).resolve().parents[3]
@@ -176,6 +181,50 @@ def test_a_stop_during_start_up_passes_through_a_librarys_except_exception(monke
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+@pytest.mark.parametrize("lands_in", ["task", "callback"])
+def test_a_stop_during_start_up_ends_the_wait_for_a_server_wherever_it_lands(
+        tmp_path, monkeypatch, lands_in):
+    """SIGTERM while the start-up waits for a hung server's /health (the server pool's event
+    loop in the main thread): the handler raises inside a probe (a task, gathered with the
+    others' outcomes) or inside a plain callback of the loop (as aiohttp's and the timers' are),
+    and the wait ends at once with the stop, not with a "did not come up" error nor (asyncio
+    logs a callback's exception and goes on) after startup_timeout_s."""
+    for name, value in (("_received", []), ("_stopping", False), ("_starting", False),
+                        ("_running", False)):
+        monkeypatch.setattr(preemption, name, value)
+    probe = Supervisor.probe
+
+    def signalled():
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler raises inside the sleep
+
+    async def signalled_probe(self, session, server):
+        if lands_in == "task":
+            signalled()
+        else:
+            asyncio.get_running_loop().call_soon(signalled)
+        return await probe(self, session, server)
+
+    monkeypatch.setattr(Supervisor, "probe", signalled_probe)
+    with socket.socket() as hung:
+        hung.bind(("127.0.0.1", 0))
+        hung.listen(64)
+        cfg = ServerConfig(urls=[f"http://127.0.0.1:{hung.getsockname()[1]}"],
+                           health_timeout_s=1.0, startup_timeout_s=60)
+        pool = ServerPool(cfg, tmp_path, "sglang", str(tmp_path), lambda port, model: [])
+        previous = {sig: signal.getsignal(sig) for sig in preemption.SIGNALS}
+        started = time.monotonic()
+        try:
+            with pytest.raises(preemption.StartupInterrupted):
+                with preemption.interruptible():
+                    pool.start()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            pool.stop()
+    assert time.monotonic() - started < 30
 
 
 # --------------------------------------------------------------- a stop request inside a step
