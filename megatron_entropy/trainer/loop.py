@@ -126,6 +126,10 @@ class Trainer:
             raise ConfigError("algorithm.old_logprobs=engine: a mixture-of-experts policy's "
                               "updates replay the routing its recompute records; use "
                               "algorithm.old_logprobs=recompute")
+        n = dist.get_world_size()
+        self._starting(f"{n} rank{'s' * (n > 1)} joined (TP={cfg.parallel.tensor}, "
+                       f"PP={cfg.parallel.pipeline}, DP={ps.get_data_parallel_world_size()}); "
+                       "loading the tokenizer and the prompts")
         self.tokenizer = load_tokenizer(self.hf_dir)
 
         self.train_data = load_prompt_dataset(cfg.data, self.tokenizer,
@@ -134,6 +138,8 @@ class Trainer:
                                             cfg.rollout.max_prompt_tokens, "val")
         self.sampler = PromptSampler(len(self.train_data), cfg.data.shuffle, cfg.data.seed)
         self._stop_if_asked()
+        self._starting(f"{len(self.train_data):,} train and {len(self.val_data):,} validation "
+                       "prompts; building the policy and loading its weights")
 
         self.ckpt = CheckpointManager(self.run_dir, cfg.trainer.keep_last)
         resume_from = resume_checkpoint(cfg.trainer.resume, self.ckpt)
@@ -174,6 +180,7 @@ class Trainer:
             self.drift.restore(saved)
 
         self._stop_if_asked()
+        self._starting(f"starting the rollout engine ({cfg.rollout.engine})")
         self.async_rollouts: Optional[AsyncRollouts] = None  # made by run() if max_staleness > 0
         # Rollout engine: per DP leader (in-process) or one set of servers for the job.
         self.engine = build_engine(cfg.rollout, self.hf_dir, self.run_dir) \
@@ -229,6 +236,11 @@ class Trainer:
                 print(f"{reason} during start-up: nothing to checkpoint; exiting with "
                       f"{PREEMPTED_EXIT_CODE} to be resumed", flush=True)
             raise Preempted()
+
+    def _starting(self, part: str) -> None:
+        """What the start-up does next, on the console (it runs for minutes on a large model)."""
+        if self.rank0:
+            print(f"start-up: {part}", flush=True)
 
     def _load_initial_weights(self, model) -> None:
         if self.cfg.model.megatron_ckpt:
