@@ -197,6 +197,10 @@ class Trainer:
                                     cfg.to_dict(), start_step=self.state.step)
         if resume_from is not None:
             self.logger.write(f"resumed from {resume_from} at step {self.state.step}")
+            if self.state.step >= cfg.trainer.steps:  # the same command run again, say
+                self.logger.write(f"the run is at step {self.state.step} of trainer.steps="
+                                  f"{cfg.trainer.steps}: no step to run (raise trainer.steps "
+                                  "to train on; another logging.name starts a new run)")
         asked = (f"trainer.val_interval={cfg.trainer.val_interval}" if cfg.trainer.val_interval
                  else "trainer.val_before_train=true" if cfg.trainer.val_before_train else "")
         notes, self.data_metrics = data_notes(self.train_data, self.val_data,

@@ -465,9 +465,15 @@ def test_killed_run_resumes_bit_identical(tmp_path):
                    log=tmp_path / "resumed.log", **threads)
     assert resumed.wait(timeout=300) == 0, (tmp_path / "resumed.log").read_text()[-3000:]
     resumed_log = (tmp_path / "resumed.log").read_text()
-    assert "resumed from" in resumed_log
+    assert "resumed from" in resumed_log and "no step to run" not in resumed_log
     # torch.distributed.checkpoint's deprecations, three per rank on every resume: hidden.
     assert "FutureWarning" not in resumed_log, resumed_log[-3000:]
+    # The same command once more: the run is done; it says so and runs no step.
+    again = train_cli(cfg_path, "logging.name=victim", "--nproc", "2",
+                      log=tmp_path / "again.log", **threads)
+    assert again.wait(timeout=300) == 0, (tmp_path / "again.log").read_text()[-3000:]
+    assert (f"the run is at step {steps} of trainer.steps={steps}: no step to run"
+            in (tmp_path / "again.log").read_text())
     got, want = _metrics(tmp_path, "victim"), _metrics(tmp_path, "ref")
     assert [r["step"] for r in got] == list(range(1, steps + 1))  # each step once
     assert killed_at < steps
