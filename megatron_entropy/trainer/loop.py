@@ -126,10 +126,10 @@ class Trainer:
             raise ConfigError("algorithm.old_logprobs=engine: a mixture-of-experts policy's "
                               "updates replay the routing its recompute records; use "
                               "algorithm.old_logprobs=recompute")
-        n = dist.get_world_size()
+        n, ep = dist.get_world_size(), cfg.parallel.expert
         self._starting(f"{n} rank{'s' * (n > 1)} joined (TP={cfg.parallel.tensor}, "
-                       f"PP={cfg.parallel.pipeline}, DP={ps.get_data_parallel_world_size()}); "
-                       "loading the tokenizer and the prompts")
+                       f"PP={cfg.parallel.pipeline}, DP={ps.get_data_parallel_world_size()}"
+                       f"{f', EP={ep}' if ep > 1 else ''}); loading the tokenizer and the prompts")
         self.tokenizer = load_tokenizer(self.hf_dir)
 
         self.train_data = load_prompt_dataset(cfg.data, self.tokenizer,
