@@ -135,23 +135,30 @@ def test_processes_started_while_held_do_not_die_of_the_signals():
         manager.shutdown()
 
 
-def test_a_signal_during_the_hold_is_not_lost(monkeypatch):
-    monkeypatch.setattr(preemption, "_received", [])
+@pytest.fixture
+def fresh_signals(monkeypatch):
+    """preemption's state as in a new process; this process's handlers back after the test."""
+    for name, value in (("_received", []), ("_stopping", False), ("_starting", False),
+                        ("_running", False)):
+        monkeypatch.setattr(preemption, name, value)
     previous = {sig: signal.getsignal(sig) for sig in preemption.SIGNALS}
-    try:
-        preemption.install()
-        with preemption.held():
-            os.kill(os.getpid(), signal.SIGUSR1)
-            time.sleep(0.1)
+    yield
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
+
+
+def test_a_signal_during_the_hold_is_not_lost(fresh_signals):
+    preemption.install()
+    with preemption.held():
+        os.kill(os.getpid(), signal.SIGUSR1)
         time.sleep(0.1)
-        assert preemption.requested()
-        assert preemption._received == [signal.SIGUSR1]
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    time.sleep(0.1)
+    assert preemption.requested()
+    assert preemption._received == [signal.SIGUSR1]
 
 
-def test_a_stop_during_start_up_passes_through_a_librarys_except_exception(monkeypatch):
+def test_a_stop_during_start_up_passes_through_a_librarys_except_exception(monkeypatch,
+                                                                           fresh_signals):
     """SIGTERM while transformers loads the tokenizer (it turns any ``Exception`` from its file
     lookup into an OSError "Can't load tokenizer"): the start-up stop reaches the caller as
     itself, as it does in a rank whose model loads when Ctrl-C comes."""
@@ -159,9 +166,6 @@ def test_a_stop_during_start_up_passes_through_a_librarys_except_exception(monke
 
     from megatron_entropy.data.dataset import load_tokenizer
 
-    for name, value in (("_received", []), ("_stopping", False), ("_starting", False),
-                        ("_running", False)):
-        monkeypatch.setattr(preemption, name, value)
     lookup = tokenization.cached_file
 
     def lookup_then_signalled(where, name, *args, **kwargs):
@@ -172,28 +176,20 @@ def test_a_stop_during_start_up_passes_through_a_librarys_except_exception(monke
         return found
 
     monkeypatch.setattr(tokenization, "cached_file", lookup_then_signalled)
-    previous = {sig: signal.getsignal(sig) for sig in preemption.SIGNALS}
-    try:
-        with pytest.raises(preemption.StartupInterrupted) as stopped:
-            with preemption.interruptible():
-                load_tokenizer(REPO / "examples" / "quickstart_model")
-        assert stopped.value.signum == signal.SIGTERM
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    with pytest.raises(preemption.StartupInterrupted) as stopped:
+        with preemption.interruptible():
+            load_tokenizer(REPO / "examples" / "quickstart_model")
+    assert stopped.value.signum == signal.SIGTERM
 
 
 @pytest.mark.parametrize("lands_in", ["task", "callback"])
 def test_a_stop_during_start_up_ends_the_wait_for_a_server_wherever_it_lands(
-        tmp_path, monkeypatch, lands_in):
+        tmp_path, monkeypatch, fresh_signals, lands_in):
     """SIGTERM while the start-up waits for a hung server's /health (the server pool's event
     loop in the main thread): the handler raises inside a probe (a task, gathered with the
     others' outcomes) or inside a plain callback of the loop (as aiohttp's and the timers' are),
     and the wait ends at once with the stop, not with a "did not come up" error nor (asyncio
     logs a callback's exception and goes on) after startup_timeout_s."""
-    for name, value in (("_received", []), ("_stopping", False), ("_starting", False),
-                        ("_running", False)):
-        monkeypatch.setattr(preemption, name, value)
     probe = Supervisor.probe
 
     def signalled():
@@ -214,15 +210,12 @@ def test_a_stop_during_start_up_ends_the_wait_for_a_server_wherever_it_lands(
         cfg = ServerConfig(urls=[f"http://127.0.0.1:{hung.getsockname()[1]}"],
                            health_timeout_s=1.0, startup_timeout_s=60)
         pool = ServerPool(cfg, tmp_path, "sglang", str(tmp_path), lambda port, model: [])
-        previous = {sig: signal.getsignal(sig) for sig in preemption.SIGNALS}
         started = time.monotonic()
         try:
             with pytest.raises(preemption.StartupInterrupted):
                 with preemption.interruptible():
                     pool.start()
         finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
             pool.stop()
     assert time.monotonic() - started < 30
 
