@@ -8,12 +8,14 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import psutil
 
@@ -95,3 +97,12 @@ def train_cli(config: Path, *overrides: str, log: Path, **env: str) -> subproces
     return subprocess.Popen([sys.executable, "-m", "megatron_entropy.cli", "train", str(config),
                              *overrides], cwd=REPO, env=env, stdout=log.open("w"),
                             stderr=subprocess.STDOUT, start_new_session=True)
+
+
+@contextmanager
+def hung_server() -> Iterator[str]:
+    """The URL of a server that takes connections and never answers (a hung one)."""
+    with socket.socket() as hung:
+        hung.bind(("127.0.0.1", 0))
+        hung.listen(64)
+        yield f"http://127.0.0.1:{hung.getsockname()[1]}"

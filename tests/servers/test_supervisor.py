@@ -9,7 +9,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,7 +20,7 @@ import pytest
 import yaml
 
 from fake_sglang import start_fake
-from harness import free_port, kill_marked
+from harness import free_port, hung_server, kill_marked
 from serving_model import make_served_model
 
 REPO = Path(__file__).resolve().parents[2]
@@ -85,10 +84,7 @@ def test_sigterm_stops_a_start_up_that_waits_for_a_server_that_never_answers(tmp
     """A socket that takes connections but never answers (a hung server): the trainer says what
     it waits for, and SIGTERM ends the wait with one line and exit 75 (it used to be recorded
     for the loop, which the start-up never reached)."""
-    with socket.socket() as hung:
-        hung.bind(("127.0.0.1", 0))
-        hung.listen(64)
-        url = f"http://127.0.0.1:{hung.getsockname()[1]}"
+    with hung_server() as url:
         proc, log = _start_trainer(tmp_path, url, health_timeout_s=1.0, startup_timeout_s=600)
         try:
             deadline = time.monotonic() + 180

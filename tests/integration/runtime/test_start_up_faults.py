@@ -18,7 +18,7 @@ import pytest
 import yaml
 from safetensors.torch import load_file, save_file
 
-from harness import kill_marked
+from harness import hung_server, kill_marked
 from serving_model import make_served_model
 
 from megatron_entropy.runtime.processes import start_held, stop_all
@@ -278,10 +278,7 @@ def test_a_signal_to_the_group_while_rank_0_waits_for_a_server_stops_every_rank(
     """`--nproc 2` whose rollout server takes connections but never answers (a hung server):
     rank 0 waits for its /health, rank 1 for rank 0; Ctrl-C or SIGTERM ends both."""
     model = make_served_model(tmp_path / "model")
-    with socket.socket() as hung:
-        hung.bind(("127.0.0.1", 0))
-        hung.listen(64)
-        url = f"http://127.0.0.1:{hung.getsockname()[1]}"
+    with hung_server() as url:
         launcher, log = _launch(tmp_path, 2, {
             "model": {"hf_path": str(model), "dtype": "fp32", "seq_length": 256},
             "rollout": {"engine": "sglang", "n_samples": 2, "max_new_tokens": 8,

@@ -11,7 +11,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,7 +20,7 @@ import psutil
 import pytest
 import yaml
 
-from harness import free_port, kill_marked, metrics_rows
+from harness import free_port, hung_server, kill_marked, metrics_rows
 from serving_model import make_served_model, make_tp2_model
 
 from megatron_entropy.config.schema import ServerConfig
@@ -204,10 +203,8 @@ def test_a_stop_during_start_up_ends_the_wait_for_a_server_wherever_it_lands(
         return await probe(self, session, server)
 
     monkeypatch.setattr(Supervisor, "probe", signalled_probe)
-    with socket.socket() as hung:
-        hung.bind(("127.0.0.1", 0))
-        hung.listen(64)
-        cfg = ServerConfig(urls=[f"http://127.0.0.1:{hung.getsockname()[1]}"],
+    with hung_server() as url:
+        cfg = ServerConfig(urls=[url],
                            health_timeout_s=1.0, startup_timeout_s=60)
         pool = ServerPool(cfg, tmp_path, "sglang", str(tmp_path), lambda port, model: [])
         started = time.monotonic()
