@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator, Mapping, Optional
 
+from megatron_entropy import __version__
 from megatron_entropy.config import ConfigError, load_config
 from megatron_entropy.models.arch import UnsupportedModelError, load_arch
 from megatron_entropy.models.tokenizer_files import tokenizer_problem
@@ -322,6 +323,7 @@ def _commands() -> Mapping[str, Command]:
         "study": "megatron_entropy.analysis.commands:STUDY",
         "eval": "megatron_entropy.evaluation.command:EVAL",
         "config-reference": "megatron_entropy.config.reference:CONFIG_REFERENCE",
+        "examples": "megatron_entropy.launch.examples:EXAMPLES",
     })
 
 
@@ -336,9 +338,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         # the same defaults as a one-process run, before a command's module loads torch.
         apply_thread_defaults(1)
     parser = argparse.ArgumentParser(prog="megatron-entropy", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"megatron-entropy {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     commands = _commands()
-    # The command is the first argument (the top level has no option but --help).
+    # The command is the first argument (the top level has no option but --help and --version).
     named = [argv[0]] if argv and argv[0] in commands else list(commands)
     for name in named:
         help_text, add_args, _ = commands[name]

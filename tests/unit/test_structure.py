@@ -67,7 +67,9 @@ def upward_imports(files: list[Path]) -> list[str]:
         layer = _layer(path)
         for module in _imported(ast.parse(path.read_text()), path):
             parts = module.split(".")
-            if parts[0] != "megatron_entropy" or len(parts) < 2 or parts[1] == layer:
+            # The root package (its __version__) sits below every layer.
+            if parts[0] != "megatron_entropy" or len(parts) < 2 or parts[1] == layer \
+                    or parts[1].startswith("__"):
                 continue
             if (layer, module) in COMPOSED:
                 continue

@@ -358,7 +358,7 @@ def _tool(name: str, *args: str, env: Optional[dict] = None) -> subprocess.Compl
 def test_tools_run_with_any_accepted_megatron_without_the_cpu_layer(tmp_path):
     """The tools hide the GPUs, so on a GPU cluster they run where the CPU compatibility layer
     would apply; conversion needs none of it, and the layer refuses any megatron-core but the
-    one it was written for. Under a megatron-core that reports 0.17.0 (setup.py accepts it) both
+    one it was written for. Under a megatron-core that reports 0.17.0 (the package metadata accepts it) both
     tools convert, and the round trip is bit-identical."""
     from safetensors.torch import load_file
 
