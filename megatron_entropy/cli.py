@@ -129,6 +129,17 @@ def _spawn_local(args: argparse.Namespace, nproc: int, run_dir: Path) -> int:
                                 stderr=subprocess.STDOUT if out else None))
     for signum in list(sent):  # the ranks started after a signal came have not had it
         send(signum)
+    first, stopped, ended = _wait_for_ranks(procs, asked)
+    return _launcher_exit_code([p.returncode for p in procs], first, stopped, ended, asked,
+                               len(interrupts), run_dir)
+
+
+def _wait_for_ranks(procs: list[subprocess.Popen], asked: list[int]
+                    ) -> tuple[Optional[int], list[int], list[int]]:
+    """Until every rank has ended: the first to fail stops the others (SIGTERM, then SIGKILL);
+    after a stop that was asked for, the others get a grace period once one has ended.
+    Returns (the rank that failed first or None, the ranks stopped after a failure, the ranks
+    stopped after an asked-for stop)."""
     first, stopped, ended = None, [], []
     while any(p.poll() is None for p in procs):
         failed = [r for r, p in enumerate(procs) if p.poll() not in (None, *_asked_codes(asked))]
@@ -142,11 +153,18 @@ def _spawn_local(args: argparse.Namespace, nproc: int, run_dir: Path) -> int:
         time.sleep(0.2)
     for p in procs:
         p.wait()
-    codes = [p.returncode for p in procs]
+    return first, stopped, ended
+
+
+def _launcher_exit_code(codes: list[int], first: Optional[int], stopped: list[int],
+                        ended: list[int], asked: list[int], interrupts: int, run_dir: Path
+                        ) -> int:
+    """The local launcher's exit code from its ranks' (``codes``), with a line on stderr that
+    names the rank that failed first where rank 0 did not say it."""
     if first is None:
         first = next((r for r, c in enumerate(codes)
                       if c not in _asked_codes(asked) and r not in ended), None)
-    if first is None and len(interrupts) < 2:
+    if first is None and interrupts < 2:
         if 0 not in ended:
             return codes[0]  # 0, or the stop that rank 0 printed (75, or 130 in start-up)
         # Rank 0 said nothing: it waited for the others in a place no signal reaches.
@@ -154,12 +172,12 @@ def _spawn_local(args: argparse.Namespace, nproc: int, run_dir: Path) -> int:
               f"{'s' * (len(ended) > 1)} {', '.join(map(str, ended))} did not end on "
               "it and had to be stopped", file=sys.stderr)
         return 128 + signal.SIGINT if interrupts else PREEMPTED
-    if codes[0] in (1, 2) and 0 not in stopped and codes[first] > 0 and len(interrupts) < 2:
+    if codes[0] in (1, 2) and 0 not in stopped and codes[first] > 0 and interrupts < 2:
         # Rank 0 ended on an error it named on this terminal (a bad model or a full disk: every
         # rank meets it); which rank met it first adds nothing. A rank that was killed, or rank
         # 0 stopped because another is gone (PEER_LOST_EXIT_CODE), is named below.
         return codes[0]
-    if len(interrupts) > 1:
+    if interrupts > 1:
         cause = "stopped at once by a second Ctrl-C (no checkpoint of the step in progress)"
     else:
         cause = f"rank {first} failed first ({_exit_status(codes[first])})"

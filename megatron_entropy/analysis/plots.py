@@ -109,6 +109,28 @@ def _plot_lines(ax, records, keys: Sequence[str], marker_keys: Sequence[str] = (
     return drawn
 
 
+def _draw_entropy_law(ax, records: list[dict], name: str) -> None:
+    """The run's (entropy, reward) points, early to late, with the fitted law and its ceiling
+    (when it fits)."""
+    h, r, hk, rk = law_points(records)
+    ax.scatter(h, r, s=14, c=range(len(h)), cmap="viridis", label="steps (dark = early)")
+    try:
+        fit: Optional[EntropyLawFit] = fit_entropy_law(h, r)
+    except ValueError:
+        fit = None
+    if fit is not None:
+        grid = np.linspace(0.0, max(h) * 1.05, 200)
+        ax.plot(grid, fit.predict(grid), "r-",
+                label=f"R = -{fit.a:.3g} exp(H) + {fit.b:.3g}  (R² {fit.r2:.3f})")
+        ax.axhline(fit.ceiling, color="gray", ls="--", lw=1,
+                   label=f"ceiling b - a = {fit.ceiling:.3f}")
+    ax.set_xlabel(hk)
+    ax.set_ylabel(rk)
+    ax.set_title(f"{name}: {rk} vs {hk}", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+
+
 def plot_run(run_dir: Union[str, Path], out_dir: Optional[Union[str, Path]] = None) -> list[Path]:
     """Write PNGs of a run (default ``<run_dir>/plots``); returns the files written."""
     import matplotlib
@@ -169,25 +191,8 @@ def plot_run(run_dir: Union[str, Path], out_dir: Optional[Union[str, Path]] = No
     save(fig, "training.png", drawn)
 
     # Performance against entropy, with the fitted law R = -a exp(H) + b.
-    h, r, hk, rk = law_points(records)
-    if h:
+    if law_points(records)[0]:
         fig, ax = plt.subplots(figsize=(6, 4.5))
-        ax.scatter(h, r, s=14, c=range(len(h)), cmap="viridis", label="steps (dark = early)")
-        title = f"{name}: {rk} vs {hk}"
-        try:
-            fit: Optional[EntropyLawFit] = fit_entropy_law(h, r)
-        except ValueError:
-            fit = None
-        if fit is not None:
-            grid = np.linspace(0.0, max(h) * 1.05, 200)
-            ax.plot(grid, fit.predict(grid), "r-",
-                    label=f"R = -{fit.a:.3g} exp(H) + {fit.b:.3g}  (R² {fit.r2:.3f})")
-            ax.axhline(fit.ceiling, color="gray", ls="--", lw=1,
-                       label=f"ceiling b - a = {fit.ceiling:.3f}")
-        ax.set_xlabel(hk)
-        ax.set_ylabel(rk)
-        ax.set_title(title, fontsize=9)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        _draw_entropy_law(ax, records, name)
         save(fig, "entropy_law.png", 1)
     return written

@@ -57,6 +57,18 @@ def _subplots(*grid: int, figsize: tuple[float, float], **kwargs):
     return fig, fig.subplots(*grid, **kwargs)
 
 
+# The figures of each arm's seeds as bands over steps: (metric, figure, y label, title, marker).
+ARM_BANDS = (
+    (ENTROPY, "entropy", "entropy (nats / token)",
+     "policy entropy, mean of per-sequence means; band: min-max over seeds", False),
+    (VAL, "val_accuracy", "validation accuracy", "validation accuracy", True),
+    (DIRECT_SHARE, "mode_share", "share of direct answers",
+     "share of the direct mode among the sampled responses; band: min-max over seeds", False),
+    (WORKED_ACC, "worked_accuracy", "accuracy of worked answers",
+     "accuracy of the worked mode's sampled responses (while it is sampled); band: "
+     "min-max over seeds", False))
+
+
 def plot_study(plan: StudyPlan, results: Sequence[RunResult], summary: dict, out: Path
                ) -> dict[str, Path]:
     """Write the study's PNGs into ``out``; returns figure name -> file, in report order."""
@@ -66,29 +78,39 @@ def plot_study(plan: StudyPlan, results: Sequence[RunResult], summary: dict, out
     arm_records = {a: [by_name[n].records for n in arm["runs"]] for a, arm in arms.items()}
     written: dict[str, Path] = {}
 
-    def save(fig, name: str, drawn: bool) -> None:
+    def save(name: str, fig, drawn: bool) -> None:
         if drawn:
             fig.tight_layout()
             fig.savefig(out / f"{name}.png", dpi=110)
             written[name] = out / f"{name}.png"
 
-    def arm_bands(key: str, name: str, ylabel: str, title: str, marker: bool = False) -> None:
-        fig, ax = _subplots(figsize=(7, 4.2))
-        drawn = [_band(ax, recs, key, a, colors(i), marker)
-                 for i, (a, recs) in enumerate(arm_records.items())]
-        if any(drawn):
-            _finish(ax, ylabel, title)
-        save(fig, name, any(drawn))
+    for key, name, ylabel, title, marker in ARM_BANDS:
+        save(name, *_arm_bands(arm_records, key, ylabel, title, marker, colors))
+    save("pass_at_k", *_pass_at_k(arms, colors))
+    save("entropy_law", *_laws(arms, summary["performance_key"], colors))
+    save("early_prediction", *_early_prediction(arms, summary, colors))
+    save("covariance", *_covariance(arm_records, colors))
+    save("delta_vs_cov", *_delta_vs_cov(arms, by_name, colors))
+    for part in ("entropy_bonus", "threshold_sweep"):
+        sweep = summary["sweeps"].get(part)
+        if sweep:
+            save(part, *_sweep(sweep, by_name, colors))
+    return written
 
-    arm_bands(ENTROPY, "entropy", "entropy (nats / token)",
-              "policy entropy, mean of per-sequence means; band: min-max over seeds")
-    arm_bands(VAL, "val_accuracy", "validation accuracy", "validation accuracy", marker=True)
-    arm_bands(DIRECT_SHARE, "mode_share", "share of direct answers",
-              "share of the direct mode among the sampled responses; band: min-max over seeds")
-    arm_bands(WORKED_ACC, "worked_accuracy", "accuracy of worked answers",
-              "accuracy of the worked mode's sampled responses (while it is sampled); band: "
-              "min-max over seeds")
-    # pass@k of each arm on the test split (eval of each run's last checkpoint), mean of seeds.
+
+def _arm_bands(arm_records: dict[str, list], key: str, ylabel: str, title: str, marker: bool,
+               colors) -> tuple[Figure, bool]:
+    fig, ax = _subplots(figsize=(7, 4.2))
+    drawn = [_band(ax, recs, key, a, colors(i), marker)
+             for i, (a, recs) in enumerate(arm_records.items())]
+    if any(drawn):
+        _finish(ax, ylabel, title)
+    return fig, any(drawn)
+
+
+def _pass_at_k(arms: dict, colors) -> tuple[Figure, bool]:
+    """pass@k of each arm on the test split (eval of each run's last checkpoint), mean of
+    seeds."""
     fig, ax = _subplots(figsize=(7, 4.2))
     tested = {a: arm["test"] for a, arm in arms.items() if arm.get("test")}
     for i, (a, test) in enumerate(tested.items()):
@@ -101,9 +123,11 @@ def plot_study(plan: StudyPlan, results: Sequence[RunResult], summary: dict, out
         _finish(ax, "test pass@k", "pass@k on the test split (unbiased estimator), mean over "
                                    "seeds")
         ax.set_xlabel("k")
-    save(fig, "pass_at_k", bool(tested))
+    return fig, bool(tested)
 
-    # The law per arm: all seeds' points, the fit, its ceiling and interval.
+
+def _laws(arms: dict, performance_key: str, colors) -> tuple[Figure, bool]:
+    """The law per arm: all seeds' points, the fit, its ceiling and interval."""
     fig, ax = _subplots(figsize=(7, 4.8))
     laws = {a: arm["law"] for a, arm in arms.items() if arm["law"]}
     top = max((max(law["h"]) for law in laws.values()), default=1.0)
@@ -121,14 +145,16 @@ def plot_study(plan: StudyPlan, results: Sequence[RunResult], summary: dict, out
                       f"ceiling {fit['ceiling']:.2f}{interval}")
     if laws:
         ax.set_xlabel("entropy (entropy/seq_mean)")
-        ax.set_ylabel(summary["performance_key"])
+        ax.set_ylabel(performance_key)
         ax.set_title("R = -a exp(H) + b per loss (ceiling b - a at H = 0, 95% bootstrap "
                      "interval)", fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    save(fig, "entropy_law", bool(laws))
+    return fig, bool(laws)
 
-    # Early prediction: each run's own early fit against its later points.
+
+def _early_prediction(arms: dict, summary: dict, colors) -> tuple[Figure, bool]:
+    """Each run's own early fit against its later points."""
     with_early = {a: [summary["runs"][n]["early"] for n in arm["runs"]
                       if summary["runs"][n]["early"] is not None] for a, arm in arms.items()}
     with_early = {a: e for a, e in with_early.items() if e}
@@ -147,9 +173,11 @@ def plot_study(plan: StudyPlan, results: Sequence[RunResult], summary: dict, out
         _finish(ax, summary["performance_key"],
                 f"{a}: law fitted on steps <= {runs[0]['cut_step']:.0f}\n"
                 "dots: measured, dashed: predicted from entropy")
-    save(fig, "early_prediction", bool(with_early))
+    return fig, bool(with_early)
 
-    # Cov and dH over steps, then dH against Cov.
+
+def _covariance(arm_records: dict[str, list], colors) -> tuple[Figure, bool]:
+    """Cov and dH over steps."""
     fig, (ax1, ax2) = _subplots(2, 1, figsize=(7, 6), sharex=True)
     d1 = [_band(ax1, recs, COV, a, colors(i)) for i, (a, recs) in enumerate(arm_records.items())]
     d2 = [_band(ax2, recs, DELTA, a, colors(i)) for i, (a, recs) in enumerate(arm_records.items())]
@@ -157,11 +185,14 @@ def plot_study(plan: StudyPlan, results: Sequence[RunResult], summary: dict, out
         _finish(ax1, "cov/step", "Cov(logp, A) over the step's tokens")
     if any(d2):
         _finish(ax2, "entropy/delta", "exact entropy change of the step (H_after - H_before)")
-    save(fig, "covariance", any(d1) or any(d2))
+    return fig, any(d1) or any(d2)
 
+
+def _delta_vs_cov(arms: dict, by_name: dict[str, RunResult], colors) -> tuple[Figure, bool]:
+    """dH against Cov, per step, each arm's seeds together."""
     fig, ax = _subplots(figsize=(6, 4.8))
     drawn = False
-    for i, a in enumerate(arm_records):
+    for i, a in enumerate(arms):
         dc = delta_vs_cov([by_name[n] for n in arms[a]["runs"]])
         if not dc["n"]:
             continue
@@ -178,22 +209,19 @@ def plot_study(plan: StudyPlan, results: Sequence[RunResult], summary: dict, out
                      fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    save(fig, "delta_vs_cov", drawn)
+    return fig, drawn
 
-    # The sweeps: entropy and validation accuracy per value.
-    for part in ("entropy_bonus", "threshold_sweep"):
-        sweep = summary["sweeps"].get(part)
-        if not sweep:
-            continue
-        leaf = sweep["key"].rsplit(".", 1)[-1]
-        fig, (ax1, ax2) = _subplots(1, 2, figsize=(11, 4.2))
-        drawn = False
-        for i, (value, d) in enumerate(sweep["values"].items()):
-            recs = [by_name[n].records for n in d["runs"]]
-            drawn |= _band(ax1, recs, ENTROPY, f"{leaf}={value:g}", colors(i))
-            _band(ax2, recs, VAL, f"{leaf}={value:g}", colors(i), marker=True)
-        if drawn:
-            _finish(ax1, "entropy (nats / token)", f"{sweep['base']}: entropy by {leaf}")
-            _finish(ax2, "validation accuracy", f"{sweep['base']}: validation by {leaf}")
-        save(fig, part, drawn)
-    return written
+
+def _sweep(sweep: dict, by_name: dict[str, RunResult], colors) -> tuple[Figure, bool]:
+    """A sweep: entropy and validation accuracy per value."""
+    leaf = sweep["key"].rsplit(".", 1)[-1]
+    fig, (ax1, ax2) = _subplots(1, 2, figsize=(11, 4.2))
+    drawn = False
+    for i, (value, d) in enumerate(sweep["values"].items()):
+        recs = [by_name[n].records for n in d["runs"]]
+        drawn |= _band(ax1, recs, ENTROPY, f"{leaf}={value:g}", colors(i))
+        _band(ax2, recs, VAL, f"{leaf}={value:g}", colors(i), marker=True)
+    if drawn:
+        _finish(ax1, "entropy (nats / token)", f"{sweep['base']}: entropy by {leaf}")
+        _finish(ax2, "validation accuracy", f"{sweep['base']}: validation by {leaf}")
+    return fig, drawn

@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
@@ -299,6 +299,77 @@ def _fmt(v: Optional[float], digits: int = 3) -> str:
     return "n/a" if v is None else f"{v:.{digits}f}"
 
 
+def _baseline_targets(add: Callable[..., None], summary: dict, plan: StudyPlan,
+                      base: dict) -> None:
+    """The baseline's targets: collapse, length, law fit, early prediction, plateau, ceiling,
+    dH-vs-Cov correlation."""
+    st, arms, base_name = plan.study, summary["arms"], plan.study.baseline
+    h0, h1 = _mean(base["entropy_start"]), _mean(base["entropy_end"])
+    r0, r1 = _mean(base["reward_start"]), _mean(base["reward_end"])
+    ok = None if None in (h0, h1, r0, r1) else (h1 <= h0 / 3 and r1 > r0)
+    ratio = f" = {h1 / h0:.2f}x" if h0 and h1 is not None else ""
+    add(f"{base_name}: final entropy <= 1/3 of its start while reward rises",
+        f"entropy {_fmt(h0)} -> {_fmt(h1)}{ratio}, reward {_fmt(r0)} -> {_fmt(r1)}", ok)
+    l0, l1 = _mean(base["length_start"]), _mean(base["length_end"])
+    ok = None if not l0 or l1 is None else 0.5 <= l1 / l0 <= 1.5
+    add(f"{base_name}: response length within +-50% of its start",
+        f"{_fmt(l0, 1)} -> {_fmt(l1, 1)} tokens", ok)
+    law = base["law"] or {"fit": None, "undetermined": "no points"}
+    per_seed = ", ".join(_fmt(v) for v in base["law_r2_per_seed"])
+    fit = law["fit"]
+    add(f"{base_name}: the entropy law fits with R^2 >= 0.9",
+        f"not fitted: {law['undetermined']}" if fit is None else
+        f"R^2 = {fit['r2']:.3f} (all seeds' points; per seed: {per_seed})",
+        None if fit is None else fit["r2"] >= 0.9)
+    early = base["early_abs_final_error"]
+    whys = sorted({(summary["runs"][n]["early"] or {}).get("undetermined")
+                   or "no points after the first steps" for n in base["runs"]})
+    add(f"{base_name}: the law fitted on the first {st.early_fraction:.0%} of the steps "
+        "predicts the final validation accuracy within 3 points",
+        f"not fitted: {'; '.join(whys)}" if early is None else
+        f"|error| {early['mean']:.3f} (mean over {early['n']} seed(s))",
+        None if early is None else early["mean"] <= 0.03)
+    flat = base["plateau"]
+    best = max(((_mean(a["val_end"]), n) for n, a in arms.items()
+                if _mean(a["val_end"]) is not None), default=None)
+    add(f"{base_name}: on a plateau over the last {PLATEAU_PART:.0%} of its steps "
+        f"(validation accuracy's fitted rise there within 2 standard errors of zero or under "
+        f"{PLATEAU_MIN_RISE * 100:g} points)",
+        "fewer than 3 validation points a seed there" if flat is None else
+        f"level {flat['level']:.3f} from step {flat['from_step']:.0f}, rise "
+        f"{flat['rise'] * 100:+.1f} points (2 SE {2 * flat['se'] * 100:.1f}); the best "
+        f"arm's final validation accuracy {best[0]:.3f} ({best[1]})",
+        None if flat is None else flat["flat"])
+    add(f"{base_name}: the fitted ceiling b - a < {MAX_CEILING:g}",
+        "not fitted" if fit is None else f"{fit['ceiling']:.3f}",
+        None if fit is None else fit["ceiling"] < MAX_CEILING)
+    corr = base["delta_vs_cov"]["corr_delta_minus_cov"]
+    add(f"{base_name}: correlation of per-step entropy/delta with -cov/step >= 0.7",
+        "n/a" if corr is None else f"{corr:.3f} over {base['delta_vs_cov']['n']} steps",
+        None if corr is None else corr >= 0.7)
+
+
+def _cov_arm_targets(add: Callable[..., None], arms: dict, base_name: str, base: dict
+                     ) -> None:
+    """Each Cov arm's final entropy and accuracy against the baseline's."""
+    for name, arm in arms.items():
+        if name == base_name or arm["loss"] not in COV_LOSSES:
+            continue
+        n = min(len(arm["seeds"]), len(base["seeds"]))
+        few = f"not judged: {n} seed(s), the target needs >= {MIN_SEEDS}" \
+            if n < MIN_SEEDS else ""
+        for field, what, rule in (("entropy_end", "final entropy >= 2x", lambda a, b: a >= 2 * b),
+                                  ("val_end", "final validation accuracy >=",
+                                   lambda a, b: a >= b)):
+            a, b = arm[field], base[field]
+            ok = None if a is None or b is None else rule(a["mean"], b["mean"])
+            measured = "n/a" if a is None or b is None else (
+                f"{a['mean']:.3f} (sd {a['std']:.3f}, {a['min']:.3f}-{a['max']:.3f}) vs "
+                f"{b['mean']:.3f} (sd {b['std']:.3f}, {b['min']:.3f}-{b['max']:.3f})")
+            add(f"{name}: {what} {base_name}'s, mean over >= {MIN_SEEDS} seeds", measured,
+                None if few else ok, few)
+
+
 def targets(summary: dict, plan: StudyPlan) -> list[dict]:
     """Each target of the study (the baseline's collapse, length, law fit, early prediction,
     plateau, ceiling and dH-vs-Cov correlation; each Cov arm's entropy and accuracy against the
@@ -319,65 +390,8 @@ def targets(summary: dict, plan: StudyPlan) -> list[dict]:
     if base is None:
         add(f"{base_name} (the baseline) in the study", "not run", None)
     else:
-        h0, h1 = _mean(base["entropy_start"]), _mean(base["entropy_end"])
-        r0, r1 = _mean(base["reward_start"]), _mean(base["reward_end"])
-        ok = None if None in (h0, h1, r0, r1) else (h1 <= h0 / 3 and r1 > r0)
-        ratio = f" = {h1 / h0:.2f}x" if h0 and h1 is not None else ""
-        add(f"{base_name}: final entropy <= 1/3 of its start while reward rises",
-            f"entropy {_fmt(h0)} -> {_fmt(h1)}{ratio}, reward {_fmt(r0)} -> {_fmt(r1)}", ok)
-        l0, l1 = _mean(base["length_start"]), _mean(base["length_end"])
-        ok = None if not l0 or l1 is None else 0.5 <= l1 / l0 <= 1.5
-        add(f"{base_name}: response length within +-50% of its start",
-            f"{_fmt(l0, 1)} -> {_fmt(l1, 1)} tokens", ok)
-        law = base["law"] or {"fit": None, "undetermined": "no points"}
-        per_seed = ", ".join(_fmt(v) for v in base["law_r2_per_seed"])
-        fit = law["fit"]
-        add(f"{base_name}: the entropy law fits with R^2 >= 0.9",
-            f"not fitted: {law['undetermined']}" if fit is None else
-            f"R^2 = {fit['r2']:.3f} (all seeds' points; per seed: {per_seed})",
-            None if fit is None else fit["r2"] >= 0.9)
-        early = base["early_abs_final_error"]
-        whys = sorted({(summary["runs"][n]["early"] or {}).get("undetermined")
-                       or "no points after the first steps" for n in base["runs"]})
-        add(f"{base_name}: the law fitted on the first {st.early_fraction:.0%} of the steps "
-            "predicts the final validation accuracy within 3 points",
-            f"not fitted: {'; '.join(whys)}" if early is None else
-            f"|error| {early['mean']:.3f} (mean over {early['n']} seed(s))",
-            None if early is None else early["mean"] <= 0.03)
-        flat = base["plateau"]
-        best = max(((_mean(a["val_end"]), n) for n, a in arms.items()
-                    if _mean(a["val_end"]) is not None), default=None)
-        add(f"{base_name}: on a plateau over the last {PLATEAU_PART:.0%} of its steps "
-            f"(validation accuracy's fitted rise there within 2 standard errors of zero or under "
-            f"{PLATEAU_MIN_RISE * 100:g} points)",
-            "fewer than 3 validation points a seed there" if flat is None else
-            f"level {flat['level']:.3f} from step {flat['from_step']:.0f}, rise "
-            f"{flat['rise'] * 100:+.1f} points (2 SE {2 * flat['se'] * 100:.1f}); the best "
-            f"arm's final validation accuracy {best[0]:.3f} ({best[1]})",
-            None if flat is None else flat["flat"])
-        add(f"{base_name}: the fitted ceiling b - a < {MAX_CEILING:g}",
-            "not fitted" if fit is None else f"{fit['ceiling']:.3f}",
-            None if fit is None else fit["ceiling"] < MAX_CEILING)
-        corr = base["delta_vs_cov"]["corr_delta_minus_cov"]
-        add(f"{base_name}: correlation of per-step entropy/delta with -cov/step >= 0.7",
-            "n/a" if corr is None else f"{corr:.3f} over {base['delta_vs_cov']['n']} steps",
-            None if corr is None else corr >= 0.7)
-    for name, arm in arms.items():
-        if name == base_name or arm["loss"] not in COV_LOSSES or base is None:
-            continue
-        n = min(len(arm["seeds"]), len(base["seeds"]))
-        few = f"not judged: {n} seed(s), the target needs >= {MIN_SEEDS}" \
-            if n < MIN_SEEDS else ""
-        for field, what, rule in (("entropy_end", "final entropy >= 2x", lambda a, b: a >= 2 * b),
-                                  ("val_end", "final validation accuracy >=",
-                                   lambda a, b: a >= b)):
-            a, b = arm[field], base[field]
-            ok = None if a is None or b is None else rule(a["mean"], b["mean"])
-            measured = "n/a" if a is None or b is None else (
-                f"{a['mean']:.3f} (sd {a['std']:.3f}, {a['min']:.3f}-{a['max']:.3f}) vs "
-                f"{b['mean']:.3f} (sd {b['std']:.3f}, {b['min']:.3f}-{b['max']:.3f})")
-            add(f"{name}: {what} {base_name}'s, mean over >= {MIN_SEEDS} seeds", measured,
-                None if few else ok, few)
+        _baseline_targets(add, summary, plan, base)
+        _cov_arm_targets(add, arms, base_name, base)
     eval_targets(arms, base_name, add, MIN_SEEDS)
     sweep = summary["sweeps"].get("threshold_sweep")
     if sweep:

@@ -222,7 +222,6 @@ def make_plan(cfg: Config, arch: ModelArch, nodes: int, arch_source: str = "") -
     plan = Plan(arch=arch, arch_source=arch_source, nodes=nodes, gpus_per_node=c.gpus_per_node,
                 gpu_memory_gb=c.gpu_memory_gb, layout=None, tensor=p.tensor, pipeline=p.pipeline,
                 expert=p.expert)
-    capacity = c.gpu_memory_gb * GiB
     try:
         arch.check_parallel(p.tensor, p.pipeline, p.expert)
         plan.layout = job_layout(cfg, [f"node{i}" for i in range(nodes)])
@@ -243,8 +242,22 @@ def make_plan(cfg: Config, arch: ModelArch, nodes: int, arch_source: str = "") -
     if t.micro_batch_tokens < seq:
         plan.problems.append(f"trainer.micro_batch_tokens={t.micro_batch_tokens} cannot hold one "
                              f"full sequence of {seq} tokens")
+    _plan_trainer_state(plan, cfg)
+    _plan_trainer_work(plan, cfg, seq)
+    if lay.num_servers and not lay.shared:  # rollout servers on their own nodes
+        _plan_servers(plan, cfg, seq)
+    mini = t.mini_batches_per_step
+    batch_seqs = cfg.data.prompts_per_step * r.n_samples
+    if batch_seqs % (plan.data_parallel * mini):
+        plan.notes.append(f"{batch_seqs} sequences per step do not split evenly over DP="
+                          f"{plan.data_parallel} x {mini} mini-batches")
+    return plan
 
-    # Trainer: the fullest GPU (first pipeline stage; it also holds the in-process engine).
+
+def _plan_trainer_state(plan: Plan, cfg: Config) -> None:
+    """The trainer's fullest GPU (the first pipeline stage): weights, grads, optimizer state
+    and the reference model, dense and expert parts apart for MoE."""
+    arch, p, t = plan.arch, cfg.parallel, cfg.trainer
     n = stage_params(arch, p.tensor, p.pipeline, p.expert)
     experts = stage_expert_params(arch, p.tensor, p.pipeline, p.expert)
     w = DTYPES[cfg.model.dtype].bytes
@@ -274,6 +287,13 @@ def make_plan(cfg: Config, arch: ModelArch, nodes: int, arch_source: str = "") -
     add(f"Adam moments (fp32{dp_shard})", dense_opt * 8, expert_opt * 8)
     if cfg.algorithm.kl_coef > 0:
         plan.trainer.append((f"reference model ({cfg.model.dtype})", n * w))
+
+
+def _plan_trainer_work(plan: Plan, cfg: Config, seq: int) -> None:
+    """The trainer's fullest GPU, what a step adds: activations, the LM head's work, the
+    in-process engine, the runtime's share; the MoE all-to-all volume; whether it fits."""
+    arch, c, p, r, t = plan.arch, cfg.cluster, cfg.parallel, cfg.rollout, cfg.trainer
+    w = DTYPES[cfg.model.dtype].bytes
     tokens = t.micro_batch_tokens
     full_layer = layer_activation_elems(arch, p.tensor, p.sequence_parallel) * 2 * tokens
     layers = arch.num_layers // p.pipeline
@@ -306,7 +326,7 @@ def make_plan(cfg: Config, arch: ModelArch, nodes: int, arch_source: str = "") -
                           f"(full-length sequences; EP {p.expert}, top-{arch.moe_topk})")
     slack = 0.1 * sum(b for name, b in plan.trainer if name.startswith(("activ", "LM", "in-p")))
     plan.trainer.append(("CUDA context, NCCL, allocator slack", RUNTIME_OVERHEAD + slack))
-    if plan.trainer_bytes > TRAINER_MEMORY_LIMIT * capacity:
+    if plan.trainer_bytes > TRAINER_MEMORY_LIMIT * c.gpu_memory_gb * GiB:
         plan.problems.append(
             f"the trainer needs ~{plan.trainer_bytes / GiB:.1f} GiB on its fullest GPU, over "
             f"{100 * TRAINER_MEMORY_LIMIT:.0f}% of the {c.gpu_memory_gb:g} GiB of "
@@ -315,40 +335,37 @@ def make_plan(cfg: Config, arch: ModelArch, nodes: int, arch_source: str = "") -
             + (", lower rollout.batch_size or use a server engine" if r.engine == "inprocess"
                else ""))
 
-    # Rollout servers on their own nodes.
-    if lay.num_servers and not lay.shared:
-        sw = total_params(arch) * 2 / c.server_gpus
-        budget = SERVER_MEMORY_FRACTION * capacity
-        plan.server = [("weights (bf16)", sw), ("workspace", SERVER_WORKSPACE)]
-        kv = budget - sw - SERVER_WORKSPACE
-        per_token = kv_bytes_per_token(arch, 2, c.server_gpus)
-        plan.server_kv_tokens = max(int(kv // per_token), 0)
-        plan.server.append(("KV cache (the rest)", max(kv, 0)))
-        if plan.server_kv_tokens < seq:
-            plan.problems.append(
-                f"a server of {c.server_gpus} GPU(s) has room for {plan.server_kv_tokens} KV "
-                f"tokens, less than one {seq}-token sequence: raise cluster.server_gpus")
-        else:
-            in_flight_seqs = lay.num_servers * (plan.server_kv_tokens // seq)
-            batch = cfg.data.prompts_per_step * r.n_samples
-            plan.notes.append(
-                f"{lay.num_servers} servers hold {in_flight_seqs} full-length sequences at once "
-                f"for a rollout batch of {batch}"
-                + ("" if in_flight_seqs >= batch else " (generated in waves)"))
-        server_gpus = lay.num_servers * c.server_gpus
-        if lay.trainer_tasks > ROLLOUT_BOUND_RATIO * server_gpus:
-            plan.warnings.append(
-                f"rollout-bound: {lay.trainer_tasks} trainer GPUs wait on {server_gpus} rollout "
-                f"server GPUs ({lay.trainer_tasks / server_gpus:.0f} to 1; above "
-                f"{ROLLOUT_BOUND_RATIO} to 1 generation leaves the trainer idle most of each "
-                f"step): raise cluster.server_nodes (e.g. {nodes // 2}, the recipes' 1:1 "
-                "split) or run on fewer nodes")
-    mini = t.mini_batches_per_step
-    batch_seqs = cfg.data.prompts_per_step * r.n_samples
-    if batch_seqs % (plan.data_parallel * mini):
-        plan.notes.append(f"{batch_seqs} sequences per step do not split evenly over DP="
-                          f"{plan.data_parallel} x {mini} mini-batches")
-    return plan
+
+def _plan_servers(plan: Plan, cfg: Config, seq: int) -> None:
+    """A rollout server on nodes of its own: weights, workspace, the KV cache of the rest; how
+    many sequences the servers hold at once; whether the trainer waits on them."""
+    arch, c, lay = plan.arch, cfg.cluster, plan.layout
+    sw = total_params(arch) * 2 / c.server_gpus
+    budget = SERVER_MEMORY_FRACTION * c.gpu_memory_gb * GiB
+    plan.server = [("weights (bf16)", sw), ("workspace", SERVER_WORKSPACE)]
+    kv = budget - sw - SERVER_WORKSPACE
+    per_token = kv_bytes_per_token(arch, 2, c.server_gpus)
+    plan.server_kv_tokens = max(int(kv // per_token), 0)
+    plan.server.append(("KV cache (the rest)", max(kv, 0)))
+    if plan.server_kv_tokens < seq:
+        plan.problems.append(
+            f"a server of {c.server_gpus} GPU(s) has room for {plan.server_kv_tokens} KV "
+            f"tokens, less than one {seq}-token sequence: raise cluster.server_gpus")
+    else:
+        in_flight_seqs = lay.num_servers * (plan.server_kv_tokens // seq)
+        batch = cfg.data.prompts_per_step * cfg.rollout.n_samples
+        plan.notes.append(
+            f"{lay.num_servers} servers hold {in_flight_seqs} full-length sequences at once "
+            f"for a rollout batch of {batch}"
+            + ("" if in_flight_seqs >= batch else " (generated in waves)"))
+    server_gpus = lay.num_servers * c.server_gpus
+    if lay.trainer_tasks > ROLLOUT_BOUND_RATIO * server_gpus:
+        plan.warnings.append(
+            f"rollout-bound: {lay.trainer_tasks} trainer GPUs wait on {server_gpus} rollout "
+            f"server GPUs ({lay.trainer_tasks / server_gpus:.0f} to 1; above "
+            f"{ROLLOUT_BOUND_RATIO} to 1 generation leaves the trainer idle most of each "
+            f"step): raise cluster.server_nodes (e.g. {plan.nodes // 2}, the recipes' 1:1 "
+            "split) or run on fewer nodes")
 
 
 def format_plan(plan: Plan) -> str:

@@ -174,22 +174,11 @@ def _global_name(key: str, offset: tuple[int, ...], prepended: int) -> str:
     return key
 
 
-def convert_hf_to_checkpoint(hf_dir: Union[str, Path], out_dir: Union[str, Path],
-                             dtype: str = "auto", tensor: int = 1, pipeline: int = 1,
-                             overwrite: bool = False, progress: bool = False) -> dict[str, float]:
-    """Write a dist checkpoint (+ arch.json, hf/) of an HF safetensors model, streaming.
-
-    The checkpoint stores global tensors and loads at any TP/PP layout; ``tensor``/``pipeline``
-    only check that the model can be split that way. ``dtype`` "auto" keeps config.json's dtype
-    (bf16 if it names none). Returns {"tensors", "bytes", "seconds", "peak_rss_bytes"}.
-    """
-    from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedObject, is_main_replica
-    from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
-
-    start = time.perf_counter()
-    hf_dir, out_dir = Path(hf_dir), Path(out_dir)
+def _checked_source(hf_dir: Path, dtype: str, tensor: int, pipeline: int
+                    ) -> tuple[ModelArch, str, list[Path]]:
+    """An HF folder to convert, checked: (its architecture, split as ``tensor`` x
+    ``pipeline`` allows; the dtype to write, "auto" resolved; its weight files, every tensor
+    against config.json)."""
     arch = load_arch(hf_dir)
     try:
         arch.check_parallel(tensor, pipeline)
@@ -201,6 +190,52 @@ def convert_hf_to_checkpoint(hf_dir: Union[str, Path], out_dir: Union[str, Path]
         raise CheckpointError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     files = hf_weight_files(hf_dir)
     check_hf_checkpoint(files, arch, hf_dir)
+    return arch, dtype, files
+
+
+def _write_items(sharded) -> tuple[list, dict, dict]:
+    """The torch_dist write items of a sharded state dict's main replicas, with what they
+    write: (items, objects by key, sharded tensors by (key, global offset))."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, is_main_replica
+
+    items, objects, tensors = [], {}, {}
+    for sh in nested_values(sharded):
+        if not is_main_replica(sh.replica_id):
+            continue
+        if isinstance(sh, ShardedObject):
+            items.append(WriteItem(index=MetadataIndex(sh.unique_key),
+                                   type=WriteItemType.BYTE_IO))
+            objects[sh.unique_key] = sh.data
+            continue
+        offset = torch.Size(sh.global_offset)
+        # Stacked layers: the layer axis is prepended to the parameter's own shape.
+        sizes = torch.Size((1,) * sh.prepend_axis_num + tuple(sh.local_shape))
+        items.append(WriteItem(
+            index=MetadataIndex(sh.key, offset), type=WriteItemType.SHARD,
+            tensor_data=TensorWriteData(
+                chunk=ChunkStorageMetadata(offsets=offset, sizes=sizes),
+                properties=TensorProperties(dtype=sh.dtype),
+                size=torch.Size(sh.global_shape))))
+        tensors[(sh.key, offset)] = sh
+    return items, objects, tensors
+
+
+def convert_hf_to_checkpoint(hf_dir: Union[str, Path], out_dir: Union[str, Path],
+                             dtype: str = "auto", tensor: int = 1, pipeline: int = 1,
+                             overwrite: bool = False, progress: bool = False) -> dict[str, float]:
+    """Write a dist checkpoint (+ arch.json, hf/) of an HF safetensors model, streaming.
+
+    The checkpoint stores global tensors and loads at any TP/PP layout; ``tensor``/``pipeline``
+    only check that the model can be split that way. ``dtype`` "auto" keeps config.json's dtype
+    (bf16 if it names none). Returns {"tensors", "bytes", "seconds", "peak_rss_bytes"}.
+    """
+    from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
+    from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
+
+    start = time.perf_counter()
+    hf_dir, out_dir = Path(hf_dir), Path(out_dir)
+    arch, dtype, files = _checked_source(hf_dir, dtype, tensor, pipeline)
     tmp = _prepare_output(out_dir, overwrite)
     try:
         with single_process_megatron():
@@ -211,25 +246,7 @@ def convert_hf_to_checkpoint(hf_dir: Union[str, Path], out_dir: Union[str, Path]
                                         use_cpu_initialization=True)
             sharded, common = save_preprocess({"model": model.sharded_state_dict()}, True)
             torch.save(common, tmp / "common.pt")
-            items, objects, tensors = [], {}, {}
-            for sh in nested_values(sharded):
-                if not is_main_replica(sh.replica_id):
-                    continue
-                if isinstance(sh, ShardedObject):
-                    items.append(WriteItem(index=MetadataIndex(sh.unique_key),
-                                           type=WriteItemType.BYTE_IO))
-                    objects[sh.unique_key] = sh.data
-                    continue
-                offset = torch.Size(sh.global_offset)
-                # Stacked layers: the layer axis is prepended to the parameter's own shape.
-                sizes = torch.Size((1,) * sh.prepend_axis_num + tuple(sh.local_shape))
-                items.append(WriteItem(
-                    index=MetadataIndex(sh.key, offset), type=WriteItemType.SHARD,
-                    tensor_data=TensorWriteData(
-                        chunk=ChunkStorageMetadata(offsets=offset, sizes=sizes),
-                        properties=TensorProperties(dtype=sh.dtype),
-                        size=torch.Size(sh.global_shape))))
-                tensors[(sh.key, offset)] = sh
+            items, objects, tensors = _write_items(sharded)
             del model
             bar = _progress(len(tensors), f"HF -> mcore {out_dir.name}", progress)
             cache: dict[str, torch.Tensor] = {}

@@ -206,10 +206,10 @@ class InProcessEngine(RolloutEngine):
         except TypeError:  # transformers < 4.56
             return DynamicCache()
 
-    @torch.no_grad()
-    def _generate_batch(self, prompts: list[list[int]], rows: list[int], seeds: list[int],
-                        sp: SamplingParams) -> list[Completion]:
-        """Decode one sample per entry of ``rows`` (an index into the distinct ``prompts``)."""
+    def _prefill(self, prompts: list[list[int]], rows: list[int]) -> tuple:
+        """The distinct prompts' forward (left-padded), its KV cache copied to each sample of
+        ``rows``: (cache, last logits, attention mask, next positions, routing pieces) per
+        sample."""
         dev = self.device
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
@@ -230,9 +230,29 @@ class InProcessEngine(RolloutEngine):
         # Copy each distinct prompt's cache to its samples.
         expand = torch.tensor(rows, dtype=torch.long, device=dev)
         cache.reorder_cache(expand)
-        logits, mask = logits[expand], mask[expand]
         next_pos = torch.tensor([len(prompts[r]) for r in rows], dtype=torch.long, device=dev)
+        return cache, logits[expand], mask[expand], next_pos, routes
 
+    def _stop_reason(self, tokens: list[int], sp: SamplingParams, stop_ids: set[int],
+                     window: int) -> tuple[Optional[str], bool]:
+        """Why a sample that has just sampled ``tokens[-1]`` ends (None: it goes on), and
+        whether a stop string ended it (the last ``window`` tokens' text holds it)."""
+        if tokens[-1] in stop_ids:
+            return "stop", False
+        if sp.stop and any(stop in self.tokenizer.decode(tokens[-window:],
+                                                         skip_special_tokens=True)
+                           for stop in sp.stop):
+            return "stop", True
+        if len(tokens) >= sp.max_new_tokens:
+            return "length", False
+        return None, False
+
+    @torch.no_grad()
+    def _generate_batch(self, prompts: list[list[int]], rows: list[int], seeds: list[int],
+                        sp: SamplingParams) -> list[Completion]:
+        """Decode one sample per entry of ``rows`` (an index into the distinct ``prompts``)."""
+        dev = self.device
+        cache, logits, mask, next_pos, routes = self._prefill(prompts, rows)
         gens = [torch.Generator().manual_seed(s) for s in seeds]
         stop_ids = self.eos_ids | set(sp.stop_token_ids)
         stop_window = 4 * max((len(s) for s in sp.stop), default=0) + 4  # tokens; a char <= 4 B
@@ -251,20 +271,12 @@ class InProcessEngine(RolloutEngine):
             tok_list, lp_list, ent_list = tok.tolist(), lp.tolist(), ent.tolist()
             keep = []
             for row, s in enumerate(active):
-                t = tok_list[row]
-                tokens[s].append(t)
+                tokens[s].append(tok_list[row])
                 logprobs[s].append(lp_list[row])
                 entropies[s].append(ent_list[row])
-                if t in stop_ids:
-                    reasons[s] = "stop"
-                elif sp.stop and any(
-                        stop in self.tokenizer.decode(tokens[s][-stop_window:],
-                                                      skip_special_tokens=True)
-                        for stop in sp.stop):
-                    reasons[s], stopped_by_text[s] = "stop", True
-                elif len(tokens[s]) >= sp.max_new_tokens:
-                    reasons[s] = "length"
-                else:
+                reasons[s], stopped_by_text[s] = self._stop_reason(tokens[s], sp, stop_ids,
+                                                                   stop_window)
+                if reasons[s] is None:
                     keep.append(row)
             if self.routing is None:
                 if not keep:

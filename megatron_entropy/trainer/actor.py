@@ -30,7 +30,8 @@ adjustments in the loss.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import replace
+import functools
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, ContextManager, Mapping, Optional, Sequence
 
 import torch
@@ -57,6 +58,23 @@ from megatron_entropy.trainer.entropy_change import entropy_change_metrics
 from megatron_entropy.trainer.model_setup import optimizer_step
 from megatron_entropy.trainer.moe_routing import MoeRouting, is_filler, with_fillers
 from megatron_entropy.trainer.step_rules import StepRules
+
+
+@dataclass
+class MiniBatchPlan:
+    """What the losses of one mini-batch's micro-batches use, decided before their forwards."""
+
+    loss: PolicyLossSettings  # the algorithm's, with this step's knobs
+    normalizer: float  # the step normalizer of the mini-batch's tokens (loss_agg_mode)
+    draw_seed: int  # Clip-Cov's draws: from it and the micro-batch's index
+    selections: Optional[list]  # per micro-batch: the global Cov scope's choice
+    step_rules: Optional[StepRules]  # the token rules (on the last PP stage)
+    shaping: dict[int, dict]  # entropy advantage shaping's metrics, per micro-batch
+    corrections: dict[int, RolloutCorrection]  # the rollout correction, per micro-batch
+    own_old: bool  # the old log-probs are this forward's (the step's first update)
+    keeps: bool  # ... and become the samples' own (the recompute left them out)
+    # micro-batch index -> this forward's (log-probs, entropies), where it ``keeps`` them
+    scored: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
 class Actor:
@@ -329,87 +347,97 @@ class Actor:
         ``loss_knobs`` are this step's values of loss settings that change while the run goes
         (the entropy controller's knob); the ``algorithm`` section keeps the configured ones."""
         loss = replace(self.algorithm, **loss_knobs) if loss_knobs else self.algorithm
-        n_mini = self.trainer.mini_batches_per_step
         bounds = self._mini_batch_bounds(len(samples))
         all_metrics: list[dict] = []
         opt_stats: list[dict] = []
         for epoch in range(self.trainer.ppo_epochs):
-            for k in range(n_mini):
-                ids = list(range(bounds[k], bounds[k + 1]))
-                mbs = self._pack(samples, ids)
-                corrections = self._correct_rollouts(mbs, samples)
-                shaping = self._shape_advantages(mbs, samples)
-                normalizer = step_normalizer([mb.mask for mb in mbs],
-                                             self.algorithm.loss_agg_mode,
-                                             self.ps.get_data_parallel_group(),
-                                             self.algorithm.loss_scale_factor)
-                if normalizer == 0 and self.algorithm.rollout_correction.mode == "mis":
-                    raise RuntimeError(
-                        f"step {step}: algorithm.rollout_correction.mode=mis rejected every "
-                        f"token of mini-batch {k} (ratio trainer/engine outside "
-                        f"[{self.algorithm.rollout_correction.mis_low}, "
-                        f"{self.algorithm.rollout_correction.mis_high}]): the engine and the "
-                        "trainer disagree far beyond precision; check the weight sync "
-                        "(rollout/logprob_drift) or widen mis_low/mis_high")
-                # Every draw derives from (seed, step, epoch, mini-batch, micro-batch): resumable.
-                draw_seed = update_seed(self.trainer.seed, step, epoch, k)
-                inputs = self._selection_inputs(mbs, samples)
-                selections = self._global_selections(loss, mbs, inputs, draw_seed)
-                step_rules = None
-                if self.ps.is_pipeline_last_stage():
-                    step_rules = StepRules(self.algorithm.token_rules, loss,
-                                           [mb.mask.to(self.device) for mb in mbs],
-                                           None if inputs is None else inputs[1],
-                                           self.ps.get_data_parallel_group())
-
-                # The step's first update runs on the weights that sampled: its own forward
-                # gives their old log-probs, as the recompute would (a ratio of exactly 1; the
-                # engine's differ by rounding, which KL-Cov's |logp - old logp| would turn into
-                # gradients of either sign). Without the engine's, the recompute left them out
-                # and this forward's are kept as the samples' own.
-                own_old = self.first_update_scores_itself and epoch == 0 and k == 0
-                keeps = own_old and self.algorithm.old_logprobs == "recompute"
-                scored: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-                def loss_fn(model, output, mb, normalizer=normalizer, selections=selections,
-                            draw_seed=draw_seed, step_rules=step_rules, shaping=shaping,
-                            corrections=corrections, own_old=own_old, keeps=keeps,
-                            scored=scored):
-                    logp, ent = self._token_stats(model, output, mb)
-                    entropy = mb.scatter(ent)
-                    old_logp = mb.scatter(logp.detach()) if own_old else mb.old_logprobs
-                    adjust, rule_metrics = step_rules.for_micro_batch(mb.index, entropy, mb.mask)
-                    if keeps:
-                        scored[mb.index] = (logp.detach().float().cpu(), ent.detach().float().cpu())
-                        correction = self._rollout_correction(mb, old_logp, samples)
-                        if correction is not None:  # mode none: its metrics only
-                            rule_metrics.update(correction.metrics)
-                    if mb.index in corrections:
-                        adjust = _with_correction(adjust, corrections[mb.index], entropy.device)
-                        rule_metrics.update(corrections[mb.index].metrics)
-                    gen = torch.Generator().manual_seed(micro_batch_draw_seed(draw_seed, mb.index))
-                    value, metrics = policy_loss(
-                        loss, mb.scatter(logp), old_logp,
-                        mb.advantages, mb.mask, normalizer=normalizer, entropy=entropy,
-                        ref_logp=mb.ref_logprobs,
-                        selection=None if selections is None else selections[mb.index],
-                        generator=gen, adjust=adjust)
-                    metrics.update(rule_metrics, **shaping.get(mb.index, {}))
-                    return value, torch.tensor(mb.num_tokens, dtype=torch.int), {"m": metrics}
-
-                scope, step_scope = None, contextlib.nullcontext()
-                if self.routing is not None:
-                    scope = lambda mb: self.routing.update(mb, samples)  # noqa: E731
-                    step_scope = self.routing.schedule(mbs)
-                with step_scope:
-                    outs = self._run_schedule(self.model, mbs, loss_fn, forward_only=False,
-                                              scope=scope)
-                if keeps:  # the samples' old log-probs and entropies, on every stage
-                    for sid, (lp, en) in self._by_sample(mbs, scored, samples).items():
-                        samples[sid].old_logprobs, samples[sid].entropy = lp, en
-                all_metrics.extend(o["m"] for o in outs)
+            for k in range(self.trainer.mini_batches_per_step):
+                mbs = self._pack(samples, list(range(bounds[k], bounds[k + 1])))
+                plan = self._plan(mbs, samples, loss, step, epoch, k)
+                all_metrics.extend(self._train(plan, mbs, samples))
                 opt_stats.append(optimizer_step(self.optimizer, self.scheduler, self.model))
         return self._summarize(all_metrics, opt_stats)
+
+    def _plan(self, mbs: list[MicroBatch], samples: list[Sample], loss: PolicyLossSettings,
+              step: int, epoch: int, k: int) -> MiniBatchPlan:
+        """Mini-batch ``k`` of ``epoch``: what its micro-batches' losses use, decided before
+        their forwards (rollout correction, advantage shaping, the step normalizer, global
+        selections, the token rules' populations)."""
+        corrections = self._correct_rollouts(mbs, samples)
+        shaping = self._shape_advantages(mbs, samples)
+        normalizer = step_normalizer([mb.mask for mb in mbs], self.algorithm.loss_agg_mode,
+                                     self.ps.get_data_parallel_group(),
+                                     self.algorithm.loss_scale_factor)
+        correction = self.algorithm.rollout_correction
+        if normalizer == 0 and correction.mode == "mis":
+            raise RuntimeError(
+                f"step {step}: algorithm.rollout_correction.mode=mis rejected every "
+                f"token of mini-batch {k} (ratio trainer/engine outside "
+                f"[{correction.mis_low}, {correction.mis_high}]): the engine and the "
+                "trainer disagree far beyond precision; check the weight sync "
+                "(rollout/logprob_drift) or widen mis_low/mis_high")
+        # Every draw derives from (seed, step, epoch, mini-batch, micro-batch): resumable.
+        draw_seed = update_seed(self.trainer.seed, step, epoch, k)
+        inputs = self._selection_inputs(mbs, samples)
+        selections = self._global_selections(loss, mbs, inputs, draw_seed)
+        step_rules = None
+        if self.ps.is_pipeline_last_stage():
+            step_rules = StepRules(self.algorithm.token_rules, loss,
+                                   [mb.mask.to(self.device) for mb in mbs],
+                                   None if inputs is None else inputs[1],
+                                   self.ps.get_data_parallel_group())
+        # The step's first update runs on the weights that sampled: its own forward gives
+        # their old log-probs, as the recompute would (a ratio of exactly 1; the engine's
+        # differ by rounding, which KL-Cov's |logp - old logp| would turn into gradients of
+        # either sign). Without the engine's, the recompute left them out and this forward's
+        # are kept as the samples' own.
+        own_old = self.first_update_scores_itself and epoch == 0 and k == 0
+        return MiniBatchPlan(loss, normalizer, draw_seed, selections, step_rules, shaping,
+                             corrections, own_old,
+                             keeps=own_old and self.algorithm.old_logprobs == "recompute")
+
+    def _micro_batch_loss(self, plan: MiniBatchPlan, samples: list[Sample], model,
+                          output: torch.Tensor, mb: MicroBatch) -> tuple:
+        """The policy loss of one micro-batch of ``plan``'s mini-batch (the schedule's loss
+        function), with its metrics."""
+        logp, ent = self._token_stats(model, output, mb)
+        entropy = mb.scatter(ent)
+        old_logp = mb.scatter(logp.detach()) if plan.own_old else mb.old_logprobs
+        adjust, rule_metrics = plan.step_rules.for_micro_batch(mb.index, entropy, mb.mask)
+        if plan.keeps:
+            plan.scored[mb.index] = (logp.detach().float().cpu(), ent.detach().float().cpu())
+            correction = self._rollout_correction(mb, old_logp, samples)
+            if correction is not None:  # mode none: its metrics only
+                rule_metrics.update(correction.metrics)
+        if mb.index in plan.corrections:
+            adjust = _with_correction(adjust, plan.corrections[mb.index], entropy.device)
+            rule_metrics.update(plan.corrections[mb.index].metrics)
+        gen = torch.Generator().manual_seed(micro_batch_draw_seed(plan.draw_seed, mb.index))
+        value, metrics = policy_loss(
+            plan.loss, mb.scatter(logp), old_logp, mb.advantages, mb.mask,
+            normalizer=plan.normalizer, entropy=entropy, ref_logp=mb.ref_logprobs,
+            selection=None if plan.selections is None else plan.selections[mb.index],
+            generator=gen, adjust=adjust)
+        metrics.update(rule_metrics, **plan.shaping.get(mb.index, {}))
+        return value, torch.tensor(mb.num_tokens, dtype=torch.int), {"m": metrics}
+
+    def _train(self, plan: MiniBatchPlan, mbs: list[MicroBatch], samples: list[Sample]
+               ) -> list[dict]:
+        """The forwards and backwards of one mini-batch (no optimizer step); its micro-batches'
+        loss metrics. Where it scores itself, the samples' old log-probs and entropies are
+        filled from its forward, on every stage."""
+        scope, step_scope = None, contextlib.nullcontext()
+        if self.routing is not None:
+            scope = lambda mb: self.routing.update(mb, samples)  # noqa: E731
+            step_scope = self.routing.schedule(mbs)
+        with step_scope:
+            outs = self._run_schedule(self.model, mbs,
+                                      functools.partial(self._micro_batch_loss, plan, samples),
+                                      forward_only=False, scope=scope)
+        if plan.keeps:
+            for sid, (lp, en) in self._by_sample(mbs, plan.scored, samples).items():
+                samples[sid].old_logprobs, samples[sid].entropy = lp, en
+        return [o["m"] for o in outs]
 
     def entropy_change(self, samples: list[Sample]) -> dict[str, float]:
         """After ``update``: the step's response tokens scored again with the updated weights

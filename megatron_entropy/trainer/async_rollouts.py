@@ -25,15 +25,18 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from typing import Callable, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Optional, Sequence
 
 import torch.distributed as dist
 
-from megatron_entropy.data import PromptItem, PromptSampler
-from megatron_entropy.rollout.base import Completion, RolloutEngine, SamplingParams
+from megatron_entropy.data import PromptSampler
+from megatron_entropy.rollout.base import Completion
 from megatron_entropy.rollout.server.partial import version_runs
 from megatron_entropy.trainer.rollouts import (Group, LocalStep, StepGroups, distribute_step,
                                                generate_step_local)
+
+if TYPE_CHECKING:  # the trainer's rollout side, which makes this part (a type only)
+    from megatron_entropy.trainer.step_rollouts import StepRollouts
 
 
 class RolloutProducerError(RuntimeError):
@@ -175,34 +178,32 @@ class AsyncRollouts:
 
     POLL_S = 0.2  # how often the ranks look at the stop flags while they wait
 
-    def __init__(self, engine: Optional[RolloutEngine], items: Sequence[PromptItem],
-                 sampler: PromptSampler, sampling_params: Callable[[int], SamplingParams],
-                 reward_fn, target_groups: int, dynamic_sampling: bool, max_refill_rounds: int,
-                 max_staleness: int, first: int, last: int, rank0: bool,
-                 inflight_at_sync: str = "finish", greedy_baseline: bool = False) -> None:
-        self.sampler = sampler
+    def __init__(self, rollouts: StepRollouts, first: int, last: int) -> None:
+        engine = rollouts.engine
+        self.sampler = rollouts.prompts.sampler
         self.engine = engine
-        self.max_staleness = max_staleness
+        self.max_staleness = rollouts.rollout.max_staleness
         self.prefetcher: Optional[RolloutPrefetcher] = None
         self._idle_s = 0.0  # the trainer's wait for rollouts in this step (rank 0's)
-        if not rank0:
+        if not rollouts.roles.rank0:
             return
         engine.pool.run_in_background()  # a weight push may run while a rollout is in flight
-        engine.pool.inflight_at_sync = inflight_at_sync
-        draws = PromptSampler(sampler.num_items, sampler.shuffle, sampler.seed)
-        draws.load_state_dict(sampler.state_dict())
+        engine.pool.inflight_at_sync = rollouts.rollout.inflight_at_sync
+        draws = PromptSampler(self.sampler.num_items, self.sampler.shuffle, self.sampler.seed)
+        draws.load_state_dict(self.sampler.state_dict())
+        d, reward = rollouts.data, rollouts.reward
 
         def produce(step: int, between_rounds: Callable[[], None]) -> LocalStep:
             local = generate_step_local(
-                engine, lambda n: [items[i] for i in draws.next_indices(n)],
-                sampling_params(step), reward_fn, target_groups, dynamic_sampling,
-                max_refill_rounds, between_rounds, greedy_baseline)
+                engine, lambda n: rollouts.next_items(n, draws), rollouts.sampling(step),
+                reward, d.prompts_per_step, d.dynamic_sampling, d.max_refill_rounds,
+                between_rounds, rollouts.greedy_baseline)
             local.sampler_state = draws.state_dict()
             # Reward failures of this step's scoring, logged with the step (validation takes
             # its own while the thread is held, so the two never mix).
-            local.metrics["reward/failures"] = float(reward_fn.take_failures())
+            local.metrics["reward/failures"] = float(reward.take_failures())
             return local
-        self.prefetcher = RolloutPrefetcher(produce, first, last, max_staleness)
+        self.prefetcher = RolloutPrefetcher(produce, first, last, self.max_staleness)
 
     def take(self, step: int, stop_check: Callable[[], None]) -> StepGroups:
         """Step ``step``'s rollouts on every rank, samples more than ``max_staleness`` versions

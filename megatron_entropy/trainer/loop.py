@@ -7,6 +7,10 @@
         [entropy change: the step's tokens scored again after the update]
         sync         Megatron weights -> HF names -> rollout engine (weight_sync/)
         log, validate, checkpoint
+
+``Trainer.step`` is the body of that loop and returns the step's metrics, each part giving its
+own (trainer/step_rollouts.py the rollouts', the actor the loss's); ``Trainer.run`` steps with
+checkpoints and stops.
 """
 
 from __future__ import annotations
@@ -22,20 +26,18 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from megatron_entropy.config import Config, ConfigError
-from megatron_entropy.data import PromptSampler, data_notes, load_prompt_dataset, load_tokenizer
+from megatron_entropy.data import PromptSampler, load_prompt_dataset, load_tokenizer
 from megatron_entropy.models.arch import load_arch
 from megatron_entropy.models.bridge import load_hf_weights
 from megatron_entropy.models.builder import build_gpt_model
 from megatron_entropy.models.megatron_checkpoint import load_model_weights, read_arch
 from megatron_entropy.rewards import RewardScorer
 from megatron_entropy.rollout import build_engine, engine_is_shared
-from megatron_entropy.rollout.base import SamplingParams
 from megatron_entropy.runtime import init_distributed, set_seed, shutdown
 from megatron_entropy.runtime.roles import Roles
-from megatron_entropy.runtime.seeds import rollout_step_seed, validation_seed
 from megatron_entropy.trainer import preemption
 from megatron_entropy.trainer.actor import Actor
-from megatron_entropy.trainer.async_rollouts import AsyncRollouts
+from megatron_entropy.trainer.batch import Sample
 from megatron_entropy.trainer.checkpoint import CheckpointManager, resume_checkpoint
 from megatron_entropy.trainer.drift import DriftTrend, drift_metrics
 from megatron_entropy.trainer.entropy_control import (build_controller, controller_state,
@@ -46,12 +48,11 @@ from megatron_entropy.trainer.model_setup import (build_optimizer, build_trainab
                                                   gather_params)
 from megatron_entropy.trainer.moe_routing import engine_notes
 from megatron_entropy.trainer.preemption import PREEMPTED_EXIT_CODE
-from megatron_entropy.trainer.rollouts import (collect_step_groups, generate_round,
-                                               groups_to_samples, rollout_metrics)
+from megatron_entropy.trainer.rollouts import StepGroups, groups_to_samples
 from megatron_entropy.trainer.run_folder import save_run_config
 from megatron_entropy.trainer.step_metrics import (LOSS_METRIC_NAMES, device,
-                                                    every_engines_tokens, reduce_token_metrics,
-                                                    summed_over_ranks)
+                                                    reduce_token_metrics)
+from megatron_entropy.trainer.step_rollouts import Prompts, StepRollouts
 from megatron_entropy.trainer.weight_check import (check_engine_weights, check_rollout_weights,
                                                    probe_sampling, tolerances)
 from megatron_entropy.weight_sync import build_weight_sync
@@ -92,15 +93,36 @@ class _StepAbandoned(Exception):
 
 
 class Trainer:
-    """Builds every part from the config; ``run()`` is the loop."""
+    """Builds every part from the config (``__init__``: the builders below, in order);
+    ``step(n)`` is one RL step and returns its metrics; ``run()`` steps to ``trainer.steps``
+    with validation, checkpoints and stops."""
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
         self.run_dir = cfg.run_dir
         started = time.time()
-        init_distributed(cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.backend,
-                         cfg.parallel.timeout_minutes, socket_ifname=cfg.parallel.socket_ifname,
-                         expert=cfg.parallel.expert)
+        self._join_ranks()
+        self._read_model_and_prompts()
+        resume_from = self._build_policy()
+        self._stop_if_asked()
+        self._starting(f"starting the rollout engine ({cfg.rollout.engine})")
+        self._build_rollouts()
+        self._open_log(resume_from)
+        self._first_contact(resume_from)
+        self.clock = preemption.job_clock(cfg.trainer.exit_duration_minutes,
+                                          cfg.trainer.exit_margin_s, started, self.rank0)
+        self.saved_step = self.state.step if resume_from is not None else None
+        if self.rank0:  # the run has started: record its config (an earlier one is kept)
+            save_run_config(cfg, self.run_dir)
+
+    # ------------------------------------------------------------------ builders
+
+    def _join_ranks(self) -> None:
+        """torch.distributed and Megatron's parallel state, the seed, the stop signals, each
+        rank's roles, the reward."""
+        cfg, p = self.cfg, self.cfg.parallel
+        init_distributed(p.tensor, p.pipeline, p.backend, p.timeout_minutes,
+                         socket_ifname=p.socket_ifname, expert=p.expert)
         set_seed(cfg.trainer.seed)
         self.signals = _SignalFlag()
         self.ps = ps
@@ -110,9 +132,10 @@ class Trainer:
         if self.rank0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
 
-        # The model: architecture, tokenizer and initial weights from an HF folder or a converted
-        # Megatron checkpoint (whose hf/ folder holds config and tokenizer).
-        m = cfg.model
+    def _read_model_and_prompts(self) -> None:
+        """The model's architecture and tokenizer from an HF folder or a converted Megatron
+        checkpoint (whose hf/ folder holds config and tokenizer); the prompts."""
+        cfg, m = self.cfg, self.cfg.model
         if m.megatron_ckpt:
             self.arch = read_arch(m.megatron_ckpt)
             self.hf_dir = m.hf_path or str(Path(m.megatron_ckpt) / "hf")
@@ -131,16 +154,20 @@ class Trainer:
                        f"PP={cfg.parallel.pipeline}, DP={ps.get_data_parallel_world_size()}"
                        f"{f', EP={ep}' if ep > 1 else ''}); loading the tokenizer and the prompts")
         self.tokenizer = load_tokenizer(self.hf_dir)
-
-        self.train_data = load_prompt_dataset(cfg.data, self.tokenizer,
-                                              cfg.rollout.max_prompt_tokens, "train")
-        self.val_data = load_prompt_dataset(cfg.data, self.tokenizer,
-                                            cfg.rollout.max_prompt_tokens, "val")
-        self.sampler = PromptSampler(len(self.train_data), cfg.data.shuffle, cfg.data.seed)
+        train_data, val_data = (load_prompt_dataset(cfg.data, self.tokenizer,
+                                                    cfg.rollout.max_prompt_tokens, split)
+                                for split in ("train", "val"))
+        self.prompts = Prompts(train_data, val_data,
+                               PromptSampler(len(train_data), cfg.data.shuffle, cfg.data.seed))
         self._stop_if_asked()
-        self._starting(f"{len(self.train_data):,} train and {len(self.val_data):,} validation "
+        self._starting(f"{len(train_data):,} train and {len(val_data):,} validation "
                        "prompts; building the policy and loading its weights")
 
+    def _build_policy(self) -> Optional[Path]:
+        """The Megatron policy, its optimizer, the frozen reference (``algorithm.kl_coef`` >
+        0), the actor, the entropy controller and the drift trend, restored from the checkpoint
+        to resume (returned; None for a new run)."""
+        cfg, m = self.cfg, self.cfg.model
         self.ckpt = CheckpointManager(self.run_dir, cfg.trainer.keep_last)
         resume_from = resume_checkpoint(cfg.trainer.resume, self.ckpt)
         sharded_optimizer = cfg.trainer.uses_distributed_optimizer(
@@ -154,22 +181,13 @@ class Trainer:
             self._load_initial_weights(self.model[0])
         optimizer, scheduler = build_optimizer(self.model, cfg.trainer, m.dtype,
                                                sharded_optimizer)
-        ref_model = None
-        if cfg.algorithm.kl_coef > 0:
-            ref_model = build_gpt_model(self.arch, cfg.parallel.tensor, cfg.parallel.pipeline,
-                                        m.dtype, m.transformer_impl, m.seq_length,
-                                        cfg.parallel.sequence_parallel,
-                                        expert=cfg.parallel.expert)
-            self._load_initial_weights(ref_model)
-            ref_model.requires_grad_(False)
         # seq-mean-token-sum-norm's constant defaults to the longest response the rollout allows.
         self.actor = Actor(self.arch, self.model, optimizer, scheduler,
                            cfg.algorithm.with_response_budget(cfg.rollout.max_new_tokens),
-                           cfg.trainer, cfg.rollout.temperature, ref_model=ref_model,
-                           routing_replay=replay)
+                           cfg.trainer, cfg.rollout.temperature,
+                           ref_model=self._reference_model(), routing_replay=replay)
         self.controller = build_controller(cfg.algorithm, self.arch.vocab_size)
         self.drift = DriftTrend()
-
         self.state = RunState(rollout_seed=cfg.rollout.seed)
         if resume_from is not None:
             saved = self.ckpt.load(resume_from, self.model, optimizer)
@@ -178,11 +196,24 @@ class Trainer:
             self.sampler.load_state_dict(saved["sampler"])
             restore_controller(self.controller, saved)
             self.drift.restore(saved)
+        return resume_from
 
-        self._stop_if_asked()
-        self._starting(f"starting the rollout engine ({cfg.rollout.engine})")
-        self.async_rollouts: Optional[AsyncRollouts] = None  # made by run() if max_staleness > 0
-        # Rollout engine: per DP leader (in-process) or one set of servers for the job.
+    def _reference_model(self) -> Optional[torch.nn.Module]:
+        """The frozen reference policy of the KL penalty (None without one)."""
+        cfg, m = self.cfg, self.cfg.model
+        if cfg.algorithm.kl_coef <= 0:
+            return None
+        ref_model = build_gpt_model(self.arch, cfg.parallel.tensor, cfg.parallel.pipeline,
+                                    m.dtype, m.transformer_impl, m.seq_length,
+                                    cfg.parallel.sequence_parallel, expert=cfg.parallel.expert)
+        self._load_initial_weights(ref_model)
+        ref_model.requires_grad_(False)
+        return ref_model
+
+    def _build_rollouts(self) -> None:
+        """The rollout engine (per DP leader in-process, or one set of servers for the job),
+        the weight sync into it, the weight check's tolerances and the rollout side."""
+        cfg = self.cfg
         self.engine = build_engine(cfg.rollout, self.hf_dir, self.run_dir) \
             if self.roles.talks_to_engine else None
         self.weight_sync = build_weight_sync(cfg.rollout, self.engine, self.hf_dir, self.run_dir)
@@ -191,8 +222,14 @@ class Trainer:
         dtypes: list = [None] * dist.get_world_size()
         dist.all_gather_object(dtypes, self.engine.logprob_dtype if self.engine else None)
         w = cfg.rollout.weight_check
-        self.weight_check_limits = tolerances(next((d for d in dtypes if d), m.dtype), m.dtype,
-                                              w.tolerance, w.quantile_tolerance)
+        self.weight_check_limits = tolerances(next((d for d in dtypes if d), cfg.model.dtype),
+                                              cfg.model.dtype, w.tolerance, w.quantile_tolerance)
+        self.rollouts = StepRollouts(cfg, self.prompts, self.engine, self.reward, self.roles,
+                                     self.state.rollout_seed)
+
+    def _open_log(self, resume_from: Optional[Path]) -> None:
+        """metrics.jsonl and the console, with what the start found worth saying."""
+        cfg = self.cfg
         self.logger = MetricsLogger(self.run_dir, cfg.trainer.steps, self.rank0, cfg.logging,
                                     cfg.to_dict(), start_step=self.state.step)
         if resume_from is not None:
@@ -201,16 +238,14 @@ class Trainer:
                 self.logger.write(f"the run is at step {self.state.step} of trainer.steps="
                                   f"{cfg.trainer.steps}: no step to run (raise trainer.steps "
                                   "to train on; another logging.name starts a new run)")
-        asked = (f"trainer.val_interval={cfg.trainer.val_interval}" if cfg.trainer.val_interval
-                 else "trainer.val_before_train=true" if cfg.trainer.val_before_train else "")
-        notes, self.data_metrics = data_notes(self.train_data, self.val_data,
-                                              cfg.data.prompts_per_step,
-                                              cfg.rollout.max_prompt_tokens, asked)
-        for note in notes + engine_notes(cfg.rollout.engine, self.arch):
+        for note in self.rollouts.notes + engine_notes(cfg.rollout.engine, self.arch):
             self.logger.write(f"warning: {note}")
-        # The engine loaded hf_path's weights; anything else (a checkpoint, a converted
-        # Megatron checkpoint) is pushed to it before the first rollout.
-        if resume_from is not None or m.megatron_ckpt:
+
+    def _first_contact(self, resume_from: Optional[Path]) -> None:
+        """The engine loaded hf_path's weights; anything else (a checkpoint, a converted
+        Megatron checkpoint) is pushed to it before the first rollout. Then the first weight
+        check."""
+        if resume_from is not None or self.cfg.model.megatron_ckpt:
             self.sync_weights(version=self.state.step)
         try:
             self._stop_if_asked()
@@ -222,13 +257,11 @@ class Trainer:
         if first:
             self.logger.write(f"weight check at the first contact: mean |engine - trainer| "
                               f"{first['weight_check/drift_mean']:.2e} nats")
-        self.clock = preemption.job_clock(cfg.trainer.exit_duration_minutes,
-                                          cfg.trainer.exit_margin_s, started, self.rank0)
-        self.saved_step = self.state.step if resume_from is not None else None
-        if self.rank0:  # the run has started: record its config (an earlier one is kept)
-            save_run_config(cfg, self.run_dir)
 
-    # ------------------------------------------------------------------ setup helpers
+    @property
+    def sampler(self) -> PromptSampler:
+        """The run's data position."""
+        return self.prompts.sampler
 
     def _stop_if_asked(self) -> None:
         """During start-up, between its long parts (every rank at the same points): a stop
@@ -252,32 +285,70 @@ class Trainer:
         else:
             load_hf_weights(model, self.hf_dir, self.arch)
 
-    # ------------------------------------------------------------------ the phases
+    # ------------------------------------------------------------------ the step
 
-    def sampling_params(self, step: int, validation: bool = False):
-        r = self.cfg.rollout
-        if validation:
-            greedy = r.val_temperature == 0
-            return SamplingParams(n=1 if greedy else r.val_n_samples,
-                                  temperature=1.0 if greedy else r.val_temperature,
-                                  top_p=1.0 if greedy else r.top_p, top_k=1 if greedy else r.top_k,
-                                  max_new_tokens=r.max_new_tokens, stop=tuple(r.stop),
-                                  stop_token_ids=tuple(r.stop_token_ids),
-                                  seed=validation_seed(self.state.rollout_seed, step))
-        return SamplingParams(n=r.n_samples, temperature=r.temperature, top_p=r.top_p,
-                              top_k=r.top_k, max_new_tokens=r.max_new_tokens, stop=tuple(r.stop),
-                              stop_token_ids=tuple(r.stop_token_ids),
-                              seed=rollout_step_seed(self.state.rollout_seed, step))
+    def step(self, step: int) -> dict[str, float]:
+        """One RL step on every rank: rollouts, then (if a group was kept) recompute, update,
+        weight sync and checks, then validation when due. Returns the step's metrics."""
+        timer, started = PhaseTimer(), time.perf_counter()
+        rolled = self._roll_out(step, timer)
+        samples = groups_to_samples(rolled, self.cfg.algorithm.advantage,
+                                    self.cfg.algorithm.norm_adv_by_std)
+        metrics = self.rollouts.metrics(rolled)
+        if rolled.kept:
+            metrics.update(self._learn(samples, step, timer))
+        else:
+            self.logger.write(f"step {step}: no group with reward variance after "
+                              f"{self.cfg.data.max_refill_rounds} refills; update skipped")
+        self.state.step = step
+        val_interval = self.cfg.trainer.val_interval
+        if val_interval and step % val_interval == 0:
+            with timer("validate"):
+                metrics.update(self.validate(step))
+        metrics.update(self.rollouts.engine_metrics(started, timer.seconds["rollout"]))
+        metrics.update(timer.as_metrics())
+        metrics["time/step"] = time.perf_counter() - started
+        metrics["perf/tokens_per_s"] = rolled.tokens / max(metrics["time/step"], 1e-9)
+        metrics.update(self.rollouts.data_metrics())
+        return metrics
 
-    def rollout(self, step: int):
-        d = self.cfg.data
-        if self.async_rollouts is not None:
-            return self.async_rollouts.take(step, self._check_inside_step)
-        return collect_step_groups(
-            self.engine, lambda n: [self.train_data[i] for i in self.sampler.next_indices(n)],
-            self.sampling_params(step), self.reward, self.roles.shared_engine, d.prompts_per_step,
-            d.dynamic_sampling, d.max_refill_rounds, between_rounds=self._check_inside_step,
-            greedy_baseline=self.cfg.algorithm.advantage == "remax")
+    def rollout(self, step: int) -> StepGroups:
+        return self.rollouts.take(step, self._check_inside_step)
+
+    def _roll_out(self, step: int, timer: PhaseTimer) -> StepGroups:
+        """The step's rollouts; a stop request meanwhile abandons the step."""
+        sampler_state = self.sampler.state_dict()
+        try:
+            with timer("rollout"):
+                rolled = self.rollout(step)
+            self._check_inside_step()  # before the update
+        except _StepAbandoned as stop:
+            self._leave_inside_step(step, sampler_state, str(stop))
+        return rolled
+
+    def _learn(self, samples: list[Sample], step: int, timer: PhaseTimer) -> dict[str, float]:
+        """Recompute, update and weight sync on this rank's samples, with the metrics of each:
+        entropy, drift and weight checks, the entropy controller, the loss, the entropy change."""
+        dp_group = self.ps.get_data_parallel_group()
+        with timer("recompute"):
+            self.actor.recompute(samples)
+        with timer("update"):
+            actor_metrics = self.actor.update(samples, step, loss_knobs(self.controller))
+        # After the update: its first mini-batch may have scored its own samples.
+        metrics = reduce_token_metrics(samples, dp_group)
+        if self.cfg.algorithm.old_logprobs == "recompute":  # else nothing to compare with
+            metrics.update(drift_metrics(samples, dp_group))
+            metrics.update(self.check_rollout_weights(samples, dp_group, step))
+            metrics.update(self.drift.observe(step, metrics, self.logger.write))
+        metrics.update(update_controller(self.controller, metrics))
+        metrics.update({LOSS_METRIC_NAMES.get(k, k): v for k, v in actor_metrics.items()})
+        if self.cfg.analysis.entropy_change:
+            with timer("entropy_change"):
+                metrics.update(self.actor.entropy_change(samples))
+        with timer("sync"):
+            metrics.update(self.sync_weights(version=step))
+        metrics.update(self.check_engine_weights(f"after the weight sync of step {step}"))
+        return metrics
 
     def _check_inside_step(self) -> None:
         """Between refill rounds and before the update: a signal, or a job end that leaves only
@@ -314,12 +385,11 @@ class Trainer:
     def check_engine_weights(self, when: str) -> dict[str, float]:
         """The engine's log-probs on a fixed probe against the actor's; raises if they disagree
         (trainer/weight_check.py). Returns its ``weight_check/*`` metrics."""
-        w = self.cfg.rollout.weight_check
-        if not w.enabled or len(self.train_data) == 0:
+        w, train = self.cfg.rollout.weight_check, self.prompts.train
+        if not w.enabled or len(train) == 0:
             return {}
-        prompts = [self.train_data[i].prompt_ids
-                   for i in range(min(w.prompts, len(self.train_data)))]
-        with self._engine_free():
+        prompts = [train[i].prompt_ids for i in range(min(w.prompts, len(train)))]
+        with self.rollouts.engine_free():
             return check_engine_weights(self.engine, self.actor, prompts,
                                         probe_sampling(self.cfg.rollout.temperature, w.tokens),
                                         self.weight_check_limits, when, w.quantile)
@@ -337,20 +407,8 @@ class Trainer:
         return check_rollout_weights(samples, dp_group, self.weight_check_limits, w.quantile,
                                      version, f"at step {step}", self.actor.device)
 
-    def _engine_free(self):
-        """No background rollout uses the engine during the body."""
-        return (self.async_rollouts.engine_free() if self.async_rollouts is not None
-                else contextlib.nullcontext())
-
     def validate(self, step: int) -> dict[str, float]:
-        if len(self.val_data) == 0:
-            return {}
-        with self._engine_free():
-            _, groups, _ = generate_round(self.engine, list(self.val_data),
-                                          self.sampling_params(step, validation=True),
-                                          self.reward, self.roles.shared_engine)
-        return {**rollout_metrics(groups, prefix="val/"),
-                "val/reward/failures": summed_over_ranks(self.reward.take_failures())}
+        return self.rollouts.validate(step)
 
     def save(self, step: int) -> None:
         gather_params(self.model)
@@ -365,109 +423,54 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
 
     def run(self) -> dict[str, float]:
-        cfg, t = self.cfg, self.cfg.trainer
-        dp_group = self.ps.get_data_parallel_group()
+        """The steps from the one after the last checkpoint to ``trainer.steps``; returns the
+        last step's metrics. A stop request or the job's end checkpoints and exits 75."""
+        t = self.cfg.trainer
         metrics: dict[str, float] = {}
         if t.val_before_train and self.state.step == 0:
             self.logger.log(0, self.validate(0))
-        if cfg.rollout.max_staleness > 0:
-            d = cfg.data
-            self.async_rollouts = AsyncRollouts(
-                self.engine, self.train_data, self.sampler, self.sampling_params, self.reward,
-                d.prompts_per_step, d.dynamic_sampling, d.max_refill_rounds,
-                cfg.rollout.max_staleness, self.state.step + 1, t.steps, self.rank0,
-                cfg.rollout.inflight_at_sync, cfg.algorithm.advantage == "remax")
+        self.rollouts.start(self.state.step + 1, t.steps)
         for step in range(self.state.step + 1, t.steps + 1):
-            timer = PhaseTimer()
-            started = time.perf_counter()
-            sampler_state = self.sampler.state_dict()
-            try:
-                with timer("rollout"):
-                    rolled = self.rollout(step)
-                self._check_inside_step()  # before the update
-            except _StepAbandoned as stop:
-                self._leave_inside_step(step, sampler_state, str(stop))
-            mine = groups_to_samples(rolled, cfg.algorithm.advantage,
-                                     cfg.algorithm.norm_adv_by_std)
-            metrics = {**rollout_metrics(rolled.generated), **rolled.metrics}
-            if "reward/failures" not in metrics:  # async: the rollout thread counted its step's
-                metrics["reward/failures"] = summed_over_ranks(self.reward.take_failures())
-            if rolled.kept:
-                with timer("recompute"):
-                    self.actor.recompute(mine)
-                with timer("update"):
-                    actor_metrics = self.actor.update(mine, step, loss_knobs(self.controller))
-                # After the update: its first mini-batch may have scored its own samples.
-                metrics.update(reduce_token_metrics(mine, dp_group))
-                if cfg.algorithm.old_logprobs == "recompute":  # else nothing to compare with
-                    metrics.update(drift_metrics(mine, dp_group))
-                    metrics.update(self.check_rollout_weights(mine, dp_group, step))
-                    metrics.update(self.drift.observe(step, metrics, self.logger.write))
-                metrics.update(update_controller(self.controller, metrics))
-                metrics.update({LOSS_METRIC_NAMES.get(k, k): v for k, v in actor_metrics.items()})
-                if cfg.analysis.entropy_change:
-                    with timer("entropy_change"):
-                        metrics.update(self.actor.entropy_change(mine))
-                with timer("sync"):
-                    metrics.update(self.sync_weights(version=step))
-                metrics.update(self.check_engine_weights(f"after the weight sync of step {step}"))
-            else:
-                self.logger.write(f"step {step}: no group with reward variance after "
-                                  f"{cfg.data.max_refill_rounds} refills; update skipped")
-            self.state.step = step
-            if t.val_interval and step % t.val_interval == 0:
-                with timer("validate"):
-                    metrics.update(self.validate(step))
-            if self.engine is not None:
-                metrics.update(self.engine.metrics())
-                busy = metrics.pop("rollout/engine_busy_s", None)
-                if busy is not None:  # server engines
-                    metrics["time/engine_idle"] = max(0.0, time.perf_counter() - started - busy)
-            metrics.update(every_engines_tokens(metrics))
-            metrics["time/trainer_idle"] = (self.async_rollouts.pop_idle_seconds()
-                                            if self.async_rollouts is not None
-                                            else timer.seconds["rollout"])
-            tokens = rolled.tokens
-            metrics.update(timer.as_metrics())
-            metrics["time/step"] = time.perf_counter() - started
-            metrics["perf/tokens_per_s"] = tokens / max(metrics["time/step"], 1e-9)
-            metrics["data/epoch"] = float(self.sampler.epoch)
-            metrics.update(self.data_metrics)
-            self.clock.step_took(metrics["time/step"])
-            preempt = self.signals.any_rank(self.clock.stop_before_next_step())
-            last = step == t.steps
-            if preempt or last or (t.save_interval and step % t.save_interval == 0):
-                try:
-                    with timer("checkpoint"):
-                        self.save(step)
-                except BaseException:
-                    # The step is complete: its metrics are kept (the failed save removed its
-                    # partial files, which may have been what filled the disk).
-                    with contextlib.suppress(OSError):
-                        self.logger.log(step, metrics)
-                    raise
-                metrics["time/checkpoint"] = timer.seconds["checkpoint"]
-                self.clock.checkpoint_took(metrics["time/checkpoint"])
-            self.logger.log(step, metrics)
-            if preempt or last:
-                # Leave together: a launcher that kills the job when one task exits (srun
-                # --kill-on-bad-exit) must not cut rank 0 off before its metrics are written.
-                dist.barrier()
-            if preempt and not last:
-                self.logger.write(f"{preempt}: checkpointed step {step}; exiting with "
-                                  f"{PREEMPTED_EXIT_CODE} to be resumed ({self.clock.describe()})")
-                raise Preempted()
+            metrics = self.step(step)
+            self._close_step(step, metrics)
         return metrics
+
+    def _close_step(self, step: int, metrics: dict[str, float]) -> None:
+        """After the step: checkpoint (at the interval, the last step, or to stop), log its
+        metrics, and exit 75 if a stop was asked for."""
+        t = self.cfg.trainer
+        self.clock.step_took(metrics["time/step"])
+        preempt = self.signals.any_rank(self.clock.stop_before_next_step())
+        last = step == t.steps
+        if preempt or last or (t.save_interval and step % t.save_interval == 0):
+            started = time.perf_counter()
+            try:
+                self.save(step)
+            except BaseException:
+                # The step is complete: its metrics are kept (the failed save removed its
+                # partial files, which may have been what filled the disk).
+                with contextlib.suppress(OSError):
+                    self.logger.log(step, metrics)
+                raise
+            metrics["time/checkpoint"] = time.perf_counter() - started
+            self.clock.checkpoint_took(metrics["time/checkpoint"])
+        self.logger.log(step, metrics)
+        if preempt or last:
+            # Leave together: a launcher that kills the job when one task exits (srun
+            # --kill-on-bad-exit) must not cut rank 0 off before its metrics are written.
+            dist.barrier()
+        if preempt and not last:
+            self.logger.write(f"{preempt}: checkpointed step {step}; exiting with "
+                              f"{PREEMPTED_EXIT_CODE} to be resumed ({self.clock.describe()})")
+            raise Preempted()
 
     def close(self) -> None:
         self.logger.close()
         self.reward.close()
-        if self.async_rollouts is not None:
-            self.async_rollouts.close()
+        self.rollouts.stop()
         if self.engine is not None:
             self.engine.shutdown()  # also ends a background rollout in flight
-        if self.async_rollouts is not None:
-            self.async_rollouts.join()
+        self.rollouts.join()
 
 
 def train(cfg: Config) -> dict[str, float]:
