@@ -25,8 +25,8 @@ from megatron_entropy.runtime.harmless import silence_harmless_warnings
 from megatron_entropy.runtime.launch_env import UrlFileError
 from megatron_entropy.runtime.processes import end_rank_at_once, start_held, stop_all
 from megatron_entropy.runtime.threads import apply_thread_defaults
-from megatron_entropy.trainer import preemption
-from megatron_entropy.trainer.preemption import PREEMPTED_EXIT_CODE as PREEMPTED
+from megatron_entropy.runtime import preemption
+from megatron_entropy.runtime.preemption import PREEMPTED_EXIT_CODE as PREEMPTED
 
 # Torch-free above. What needs torch loads inside the function that uses it: `--help` and the
 # config checks run without torch (tests/unit/launch/test_slurm.py), and `train` loads torch

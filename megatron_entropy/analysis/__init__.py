@@ -1,3 +1,3 @@
 """The entropy-performance law, plots of a run's metrics and the study that reproduces the
-paper's figures at toy scale. Nothing is re-exported here: the config tree imports the study's
-settings (study_settings.py) without loading numpy or the analysis itself."""
+paper's figures at toy scale (the study's settings are the config tree's: config/study.py).
+Nothing is re-exported here: the commands load only the module they run."""

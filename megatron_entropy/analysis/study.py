@@ -1,7 +1,7 @@
 """``megatron-entropy study CONFIG``: the paper's comparison at toy scale, one training run at a
 time, then a report with the counterpart of each of the paper's figures.
 
-The run matrix comes from the config's ``study`` section (analysis/study_settings.py):
+The run matrix comes from the config's ``study`` section (config/study.py):
 
 - every arm of ``study.losses`` (a name and its overrides) at every seed of ``study.seeds``;
 - the entropy bonus (``study.entropy_bonus``: arm ``base`` with ``key`` at each value) and the
@@ -35,10 +35,11 @@ from pathlib import Path
 from typing import Any, Optional
 
 from megatron_entropy.analysis.plots import read_metrics
-from megatron_entropy.analysis.study_settings import StudyConfig
+from megatron_entropy.config.study import StudyConfig
 from megatron_entropy.config import Config, ConfigError, load_config
 from megatron_entropy.runtime.files import write_text_atomic
-from megatron_entropy.trainer.checkpoint import CheckpointManager
+from megatron_entropy.models.run_checkpoints import (TRAINER_STATE, checkpoints_folder,
+                                                     latest_checkpoint)
 
 RUN_STATE_FILE = "study_run.json"
 RUN_LOG_FILE = "train.log"
@@ -220,8 +221,8 @@ def run_wall_seconds(state: Optional[dict]) -> float:
 
 def checkpoint_step(run_dir: Path) -> int:
     """The step of the checkpoint the trainer would resume from (0: none)."""
-    latest = CheckpointManager(run_dir).latest()
-    return int(json.loads((latest / "trainer_state.json").read_text())["step"]) if latest else 0
+    latest = latest_checkpoint(checkpoints_folder(run_dir))
+    return int(json.loads((latest / TRAINER_STATE).read_text())["step"]) if latest else 0
 
 
 def last_step(run_dir: Path) -> int:

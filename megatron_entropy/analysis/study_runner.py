@@ -23,7 +23,7 @@ from megatron_entropy.analysis.study_plots import plot_study
 from megatron_entropy.analysis.study_report import load_results, render_report, summarize
 from megatron_entropy.runtime import run_lock
 from megatron_entropy.runtime.processes import die_with_parent
-from megatron_entropy.trainer.preemption import PREEMPTED_EXIT_CODE
+from megatron_entropy.runtime.preemption import PREEMPTED_EXIT_CODE
 
 
 class _Interrupt:

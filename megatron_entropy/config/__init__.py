@@ -3,13 +3,15 @@
 - schema.py: the sections (each a ``Settings`` dataclass, megatron_entropy/settings.py) and the
   root ``Config``;
 - loading.py: YAML + overrides -> ``Config`` (``load_config``, ``parse_overrides``);
-- validation.py: the rules across sections.
+- validation.py: the rules across sections;
+- study.py, evaluation.py: the sections of ``megatron-entropy study`` and ``eval`` (the
+  commands' own settings, kept here so that the tree is composed below every package that reads
+  it).
 
 Torch-free: the Slurm helpers and ``plan`` load configs without it.
 """
 
-from megatron_entropy.analysis.study_settings import (EntropyBonusSweep, StudyConfig, StudyLoss,
-                                                      ThresholdSweep)
+from megatron_entropy.config.evaluation import EvalConfig
 from megatron_entropy.config.loading import load_config, parse_overrides
 from megatron_entropy.config.schema import (AlgorithmConfig, AnalysisConfig, ArithmeticConfig,
                                             ClusterConfig, Config, DataConfig,
@@ -18,8 +20,9 @@ from megatron_entropy.config.schema import (AlgorithmConfig, AnalysisConfig, Ari
                                             ParallelConfig, RewardConfig, RolloutConfig,
                                             ServerConfig, SumsConfig, TrainerConfig,
                                             WeightCheckConfig)
+from megatron_entropy.config.study import (EntropyBonusSweep, StudyConfig, StudyLoss,
+                                           ThresholdSweep)
 from megatron_entropy.config.validation import validate
-from megatron_entropy.evaluation.settings import EvalConfig
 from megatron_entropy.settings import ConfigError
 
 __all__ = ["AlgorithmConfig", "AnalysisConfig", "ArithmeticConfig", "ClusterConfig", "Config",

@@ -4,7 +4,7 @@ A field's type is the schema, its metadata holds its bounds and help, and the se
 ``validate`` its rules between fields. The components own their sections: ``algorithm`` is the
 policy loss's ``PolicyLossSettings`` (plus the actor's keys), ``algorithm.token_rules``,
 ``.rollout_correction`` and ``.entropy_control`` are the algorithms' settings classes, ``study``
-is the study's (analysis/study_settings.py); the trainer, optimizer and actor take the
+is the study's (config/study.py); the trainer, optimizer and actor take the
 ``trainer`` section itself. Torch-free.
 """
 
@@ -19,9 +19,9 @@ from megatron_entropy.algorithms.entropy_control import EntropyControlSettings, 
 from megatron_entropy.algorithms.settings import (AdvantageName, PolicyLossSettings,
                                                   RolloutCorrectionSettings,
                                                   TokenRuleSettings, check_token_rules)
-from megatron_entropy.analysis.study_settings import StudyConfig
+from megatron_entropy.config.evaluation import EvalConfig
+from megatron_entropy.config.study import StudyConfig
 from megatron_entropy.runtime.dtypes import DTYPE_ALIASES, DtypeName
-from megatron_entropy.evaluation.settings import EvalConfig
 from megatron_entropy.settings import SettingError, Settings
 from megatron_entropy.settings import setting as _f  # a field with bounds and help
 

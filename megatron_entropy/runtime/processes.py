@@ -33,7 +33,7 @@ def die_with_parent(sig: int = signal.SIGKILL, parent: Optional[int] = None) -> 
         os._exit(1)
 
 
-# What the trainer's ranks handle (trainer/preemption.py: checkpoint, then exit 75); named here,
+# What the trainer's ranks handle (runtime/preemption.py: checkpoint, then exit 75); named here,
 # below the trainer, for the launcher that starts them.
 HELD_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
 

@@ -27,7 +27,6 @@ import queue
 import random
 import shutil
 import signal
-import sys
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Optional
@@ -35,20 +34,24 @@ from typing import Any, Optional
 import numpy as np
 import torch
 import torch.distributed as dist
+from megatron.core import dist_checkpointing, tensor_parallel
+from megatron.core import parallel_state as ps
+from megatron.core.dist_checkpointing.dict_utils import extract_matching_values, merge
+from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedBase
+from megatron.core.dist_checkpointing.strategies import filesystem_async
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
 from megatron_entropy.models.megatron_checkpoint import (CheckpointError, check_checkpoint_files,
                                                          write_checkpoint_metadata)
+from megatron_entropy.models.run_checkpoints import (TRAINER_STATE, checkpoints_folder,
+                                                     latest_checkpoint, verify_checkpoint)
 from megatron_entropy.models.sharding import unwrap_model
 from megatron_entropy.runtime.files import disk_error, write_text_atomic
 from megatron_entropy.runtime.processes import die_with_parent
-from megatron_entropy.trainer import preemption
+from megatron_entropy.runtime import preemption
 from megatron_entropy.trainer.optimizer_chains import (members, rekeyed_to_saved, saved_members,
                                                        with_keys)
 
-# Deferred imports: Megatron (~4-5 s) loads inside the functions that use it: the study's process
-# (analysis/study.py) finds and verifies checkpoints with CheckpointManager without Megatron.
-TRAINER_STATE = "trainer_state.json"
-_COMMON_FILES = ("metadata.json", "common.pt")  # dist_checkpointing's, beside .metadata
 
 # The pid of this process while it saves, else None: processes forked meanwhile are writers.
 _saving_pid: Optional[int] = None
@@ -75,8 +78,6 @@ def _results_queue_in_process() -> None:
     another process). Our saves are synchronous: the results are put and taken in this process,
     so a plain queue serves, and no Manager is left to outlive a killed rank (it does not notice
     its parent's death, and keeps multiprocessing's resource tracker alive with it)."""
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
     if getattr(filesystem_async, "_results_queue", False) is None:
         filesystem_async._results_queue = queue.Queue()
 
@@ -90,32 +91,6 @@ def _writers_die_with_rank():
         yield
     finally:
         _saving_pid = None
-
-
-def verify_checkpoint(path: Path) -> dict[str, Any]:
-    """The trainer state of checkpoint folder ``path`` after checking its files: every data file
-    as long as the metadata says, trainer_state.json readable. Raises CheckpointError naming the
-    bad file."""
-    state_file = path / TRAINER_STATE
-    if not state_file.is_file():
-        raise CheckpointError(f"{state_file} is missing")
-    try:
-        state = json.loads(state_file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{state_file} is unreadable ({e})") from None
-    if not isinstance(state, dict) or "step" not in state:
-        raise CheckpointError(f"{state_file} holds no training state")
-    for name in _COMMON_FILES:
-        if not (path / name).is_file():
-            raise CheckpointError(f"{path / name} is missing")
-    try:
-        check_checkpoint_files(path)
-    except CheckpointError:
-        raise
-    except Exception as e:  # noqa: BLE001 - a damaged .metadata fails inside torch's reader
-        raise CheckpointError(f"{path / '.metadata'} is unreadable ({type(e).__name__}: {e})") \
-            from None
-    return state
 
 
 def _rank() -> int:
@@ -136,8 +111,6 @@ _RECHAINED = "optimizer_of_this_chain"  # the load request of optimizer_chains.p
 
 def _is_distributed(optimizer) -> bool:
     """Whether ``optimizer`` is Megatron's distributed optimizer (alone or chained)."""
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
     return any(isinstance(o, DistributedOptimizer)
                for o in getattr(optimizer, "chained_optimizers", [optimizer]))
 
@@ -153,7 +126,6 @@ def _rng_state() -> dict[str, Any]:
              "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
-    from megatron.core import tensor_parallel
 
     state["megatron_tracker"] = tensor_parallel.get_cuda_rng_tracker().get_states()
     return state
@@ -165,7 +137,6 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
-    from megatron.core import tensor_parallel
 
     tensor_parallel.get_cuda_rng_tracker().set_states(state["megatron_tracker"])
 
@@ -193,32 +164,12 @@ def resume_checkpoint(resume: str, manager: "CheckpointManager") -> Optional[Pat
 
 class CheckpointManager:
     def __init__(self, run_dir: Path, keep_last: int = 2) -> None:
-        self.root = Path(run_dir) / "checkpoints"
+        self.root = checkpoints_folder(run_dir)
         self.keep_last = keep_last
 
     def latest(self) -> Optional[Path]:
-        """The newest intact checkpoint: the one ``latest`` names, else (it was damaged since it
-        was written: a warning names the bad file) the newest older one that verifies. None when
-        there is no checkpoint; CheckpointError when none of them is intact."""
-        pointer = self.root / "latest"
-        if not pointer.is_file():
-            return None
-        named = self.root / pointer.read_text().strip()
-        candidates = [named] + sorted((p for p in self.root.glob("step_*")
-                                       if p.is_dir() and p.name < named.name), reverse=True)
-        problems = []
-        for path in candidates:
-            try:
-                verify_checkpoint(path)
-            except CheckpointError as e:
-                problems.append(str(e))
-                if _rank() == 0:
-                    print(f"warning: checkpoint {path} is damaged, not resuming from it: {e}",
-                          file=sys.stderr, flush=True)
-                continue
-            return path
-        raise CheckpointError(f"no intact checkpoint in {self.root} to resume from: "
-                              + "; ".join(problems) + " (set trainer.resume=none to start over)")
+        """The newest intact checkpoint of the run (models/run_checkpoints.py)."""
+        return latest_checkpoint(self.root)
 
     def save(self, step: int, model_chunks: list, optimizer, trainer_state: dict[str, Any],
              arch, hf_dir: str) -> Path:
@@ -238,7 +189,6 @@ class CheckpointManager:
 
     def _save(self, step: int, tmp: Path, model_chunks: list, optimizer,
               trainer_state: dict[str, Any], arch, hf_dir: str) -> Path:
-        from megatron.core import dist_checkpointing
 
         name = f"step_{step:08d}"
         final = self.root / name
@@ -282,9 +232,6 @@ class CheckpointManager:
              ) -> dict[str, Any]:
         """Collective. Loads model (+ optimizer) resharded to this layout; restores RNG states
         when the layout is the one that was saved. Returns the trainer state."""
-        from megatron.core import dist_checkpointing
-        from megatron.core.dist_checkpointing.dict_utils import merge
-
         path = Path(path)
         state = verify_checkpoint(path)
         model = unwrap_model(model_chunks)
@@ -356,9 +303,6 @@ def _in_saved_format(request: Any, optimizer) -> tuple[Any, Any]:
     request itself is kept), and apart from it (None if none) the main weights that are the
     model's own (a plain fp32 optimizer's): the model's key once more in the same load would
     overlap its shards."""
-    from megatron.core.dist_checkpointing.dict_utils import extract_matching_values
-    from megatron.core.dist_checkpointing.mapping import ShardedBase
-
     config = _inner_optimizers(optimizer)[0].config
     if _is_distributed(optimizer):
         ours, theirs = _DISTRIBUTED_MAIN, _PLAIN_MAIN if config.bf16 or config.fp16 else ""
@@ -402,8 +346,6 @@ def _converted_optimizer_state(request: dict, loaded: dict, optimizer, step: flo
     each sharded entry replaced by the tensor loaded from the other format or chain, and the
     saved Adam ``step`` (the rest is this run's: param groups, whose rates the LR schedule sets,
     and an fp16 loss scale, which starts over)."""
-    from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedBase
-
     def fill(template: Any, got: Any) -> Any:
         if isinstance(template, ShardedBase):
             return got
@@ -432,7 +374,6 @@ def _converted_optimizer_state(request: dict, loaded: dict, optimizer, step: flo
 
 
 def _layout() -> dict[str, int]:
-    from megatron.core import parallel_state as ps
 
     return {"world": dist.get_world_size() if dist.is_initialized() else 1,
             "tensor": ps.get_tensor_model_parallel_world_size(),

@@ -35,7 +35,7 @@ from megatron_entropy.rewards import RewardScorer
 from megatron_entropy.rollout import build_engine, engine_is_shared
 from megatron_entropy.runtime import init_distributed, set_seed, shutdown
 from megatron_entropy.runtime.roles import Roles
-from megatron_entropy.trainer import preemption
+from megatron_entropy.runtime import preemption
 from megatron_entropy.trainer.actor import Actor
 from megatron_entropy.trainer.batch import Sample
 from megatron_entropy.trainer.checkpoint import CheckpointManager, resume_checkpoint
@@ -47,7 +47,7 @@ from megatron_entropy.trainer.metrics import MetricsLogger, PhaseTimer
 from megatron_entropy.trainer.model_setup import (build_optimizer, build_trainable_model,
                                                   gather_params)
 from megatron_entropy.trainer.moe_routing import engine_notes
-from megatron_entropy.trainer.preemption import PREEMPTED_EXIT_CODE
+from megatron_entropy.runtime.preemption import PREEMPTED_EXIT_CODE
 from megatron_entropy.trainer.rollouts import StepGroups, groups_to_samples
 from megatron_entropy.trainer.run_folder import save_run_config
 from megatron_entropy.trainer.step_metrics import (LOSS_METRIC_NAMES, device,
@@ -73,7 +73,7 @@ class RunState:
 
 class _SignalFlag:
     """SIGUSR1/SIGTERM/SIGINT ask for a checkpoint, then exit 75. The handler
-    (trainer/preemption.py) is installed again here for callers of train() that did not install
+    (runtime/preemption.py) is installed again here for callers of train() that did not install
     it first thing; a request it recorded during start-up is kept."""
 
     def __init__(self) -> None:

@@ -1,7 +1,7 @@
 """`megatron-entropy train` against a connected rollout server that is not there, that never
 answers, or that dies before or under the first contact's weight check: start-up ends with one
 line, in bounded time, and SIGTERM stops it wherever it waits (rollout/server/supervisor.py,
-trainer/preemption.py)."""
+runtime/preemption.py)."""
 
 from __future__ import annotations
 

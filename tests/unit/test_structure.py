@@ -20,10 +20,6 @@ MAX_FUNCTION_LINES = 80
 # Bottom to top (docs/architecture.md#layout): a package imports only those before it.
 LAYERS = ("settings", "runtime", "ops", "algorithms", "models", "weight_sync", "config", "data",
           "rewards", "rollout", "trainer", "evaluation", "analysis", "launch", "cli", "testing")
-# The config tree composes two higher packages' settings classes; both are torch-free leaf
-# modules that import only settings.py.
-COMPOSED = {("config", "megatron_entropy.analysis.study_settings"),
-            ("config", "megatron_entropy.evaluation.settings")}
 
 PRODUCT_TEXT = ("megatron_entropy", "docs", "examples", "bench", "README.md")
 TEXT_SUFFIXES = {".py", ".md", ".yaml", ".yml", ".sh", ".sbatch", ".txt", ".toml"}
@@ -73,11 +69,53 @@ def upward_imports(files: list[Path]) -> list[str]:
             if parts[0] != "megatron_entropy" or len(parts) < 2 or parts[1] == layer \
                     or parts[1].startswith("__"):
                 continue
-            if (layer, module) in COMPOSED:
-                continue
             if LAYERS.index(parts[1]) > LAYERS.index(layer):
                 found.append(f"{path.relative_to(ROOT)}: imports {module}")
     return found
+
+
+def package_graph(files: list[Path]) -> dict[str, set[str]]:
+    """Package -> the other packages its modules import (at the top or inside a function)."""
+    graph: dict[str, set[str]] = {}
+    for path in files:
+        layer = _layer(path)
+        edges = graph.setdefault(layer, set())
+        for module in _imported(ast.parse(path.read_text()), path):
+            parts = module.split(".")
+            if parts[0] == "megatron_entropy" and len(parts) > 1 and parts[1] != layer \
+                    and not parts[1].startswith("__"):
+                edges.add(parts[1])
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The packages that import each other in a loop: each strongly connected set of more than
+    one package (Tarjan), sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            members = []
+            while not members or members[-1] != node:
+                members.append(stack.pop())
+            if len(members) > 1:
+                cycles.append(sorted(members))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return sorted(cycles)
 
 
 def long_functions(files: list[Path]) -> list[str]:
@@ -126,6 +164,12 @@ def test_imports_point_down():
     assert not found, "imports of a higher layer (LAYERS):\n" + "\n".join(found)
 
 
+def test_no_packages_import_each_other_in_a_loop():
+    cycles = import_cycles(package_graph(_modules()))
+    assert not cycles, "packages that import each other (directly or around a loop):\n" + \
+        "\n".join(" <-> ".join(c) for c in cycles)
+
+
 def test_product_text_has_no_tracker_words():
     found = tracker_words(_product_text())
     assert not found, "say what the product does instead:\n" + "\n".join(found)
@@ -147,6 +191,14 @@ def test_the_checks_find_planted_violations(tmp_path, monkeypatch):
         "megatron_entropy/ops/up.py: imports megatron_entropy.trainer",
         "megatron_entropy/runtime/rel.py: imports megatron_entropy.config",
         "megatron_entropy/runtime/rel.py: imports megatron_entropy.trainer"]
+    assert import_cycles(package_graph([up, relative, down])) == [["ops", "trainer"]]
+    assert import_cycles(package_graph([relative, down])) == []  # all one way
+    loop = package / "trainer" / "loop.py"
+    loop.write_text("from megatron_entropy.ops import covariance\n")
+    back = package / "ops" / "back.py"
+    back.write_text("from megatron_entropy.runtime import rel\n")
+    assert import_cycles(package_graph([loop, back, relative])) == [["ops", "runtime",
+                                                                     "trainer"]]
     long = package / "runtime" / "long.py"
     fits = "def fits():\n" + "    x = 1\n" * (MAX_FUNCTION_LINES - 1)  # the limit exactly
     over = ("class C:\n    async def over(self):\n" + "        x = 1\n" * (MAX_FUNCTION_LINES - 1)

@@ -56,7 +56,7 @@ def _started(start, code: str, before: str = "") -> subprocess.Popen:
 def test_a_signal_before_the_handler_is_installed_is_held_for_it():
     """A rank started by the launcher sleeps (as if importing torch) before it installs the
     preemption handler; SIGTERM and SIGINT sent meanwhile reach the handler once it is there."""
-    child = _started(start_held, "time.sleep(1.0)\nfrom megatron_entropy.trainer import "
+    child = _started(start_held, "time.sleep(1.0)\nfrom megatron_entropy.runtime import "
                      "preemption\npreemption.install(); time.sleep(0.2); "
                      "print(sorted(preemption._received), flush=True)")
     child.send_signal(signal.SIGTERM)
@@ -69,7 +69,7 @@ def test_a_signal_before_the_handler_is_installed_is_held_for_it():
 
 def test_second_ctrl_c_stops_at_once():
     child = _started(subprocess.Popen, "time.sleep(60)",
-                     before="from megatron_entropy.trainer import preemption\n"
+                     before="from megatron_entropy.runtime import preemption\n"
                             "preemption.install()")
     child.send_signal(signal.SIGINT)
     time.sleep(0.3)

@@ -26,7 +26,7 @@ from serving_model import make_served_model, make_tp2_model
 from megatron_entropy.config.schema import ServerConfig
 from megatron_entropy.rollout.server.pool import ServerPool
 from megatron_entropy.rollout.server.supervisor import Supervisor
-from megatron_entropy.trainer import preemption
+from megatron_entropy.runtime import preemption
 
 REPO = Path(__file__).resolve().parents[3]
 FAKE_SGLANG = Path(__file__).resolve().parents[2] / "helpers" / "fake_sglang_server.py"
