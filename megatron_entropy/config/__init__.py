@@ -19,7 +19,7 @@ from megatron_entropy.config.schema import (AlgorithmConfig, AnalysisConfig, Ari
                                             ModelConfig,
                                             ParallelConfig, RewardConfig, RolloutConfig,
                                             ServerConfig, SumsConfig, TrainerConfig,
-                                            WeightCheckConfig)
+                                            WeightCheckConfig, WeightSyncConfig)
 from megatron_entropy.config.study import (EntropyBonusSweep, StudyConfig, StudyLoss,
                                            ThresholdSweep)
 from megatron_entropy.config.validation import validate
@@ -30,4 +30,5 @@ __all__ = ["AlgorithmConfig", "AnalysisConfig", "ArithmeticConfig", "ClusterConf
            "HintedConfig",
            "LoggingConfig", "ModelConfig", "ParallelConfig", "RewardConfig", "RolloutConfig",
            "ServerConfig", "StudyConfig", "StudyLoss", "SumsConfig", "ThresholdSweep",
-           "TrainerConfig", "WeightCheckConfig", "load_config", "parse_overrides", "validate"]
+           "TrainerConfig", "WeightCheckConfig", "WeightSyncConfig", "load_config",
+           "parse_overrides", "validate"]

@@ -7,6 +7,7 @@ then runs the checks across sections (validation.py).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import types
@@ -178,6 +179,7 @@ def load_config(path: Optional[Union[str, Path]] = None, overrides: Optional[lis
                 data: Optional[dict] = None) -> Config:
     """Build the config from a YAML file (or a dict), then apply dotted overrides."""
     tree: dict = {}
+    said: dict[str, str] = {}  # deprecated key -> the line about it (the value that is read)
     if path is not None:
         p = Path(path)
         if not p.is_file():
@@ -196,11 +198,42 @@ def load_config(path: Optional[Union[str, Path]] = None, overrides: Optional[lis
                               "examples/quickstart.yaml")
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {str(p)!r} must hold a mapping of sections")
-        tree = _floats_in_yaml(loaded)
+        tree = _renamed(_floats_in_yaml(loaded), said)
     if data:
-        tree = _merge(tree, data)
+        tree = _merge(tree, _renamed(data, said))
     if overrides:
-        tree = _merge(tree, parse_overrides(overrides))
+        tree = _merge(tree, _renamed(parse_overrides(overrides), said))
     cfg = _build(Config, tree, "")
     validate(cfg)
+    cfg.deprecations = tuple(said.values())
     return cfg
+
+
+def _renamed(tree: dict, said: dict[str, str]) -> dict:
+    """A copy of ``tree`` with each key of ``Config.RENAMED_KEYS`` it holds moved to its new
+    place, its value translated; a line about each into ``said``."""
+    tree = copy.deepcopy(tree)
+    for old, (new, values) in Config.RENAMED_KEYS.items():
+        *parents, leaf = old.split(".")
+        node: Any = tree
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if not isinstance(node, dict) or leaf not in node:
+            continue
+        value = node.pop(leaf)
+        moved = values.get(value, value) if isinstance(value, Hashable) else value
+        *parents, leaf = new.split(".")
+        target = tree
+        for part in parents:
+            target = target.setdefault(part, {})
+            if not isinstance(target, dict):
+                raise ConfigError(f"config key {old!r} moved to {new!r}, which is not a section "
+                                  "here")
+        if leaf in target:
+            raise ConfigError(f"config keys {old!r} and {new!r} are both set; {old!r} is the "
+                              f"old name of {new!r}: keep {new!r}")
+        target[leaf] = moved
+        renamed = f" ({value!r} is {moved!r} there)" if moved != value else ""
+        said[old] = (f"config key {old!r} is deprecated: it is read as {new!r}{renamed}; "
+                     "rename it")
+    return tree

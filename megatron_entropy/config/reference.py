@@ -154,6 +154,12 @@ def config_reference() -> str:
         if rows:
             out += ["| key | type | default | bounds | help |", "| --- | --- | --- | --- | --- |",
                     *rows, ""]
+    out += ["## Old names", "", "Still read, each with one warning line, as the key it became "
+            "(a value in parentheses is read as the one after the arrow):", "",
+            "| old key | read as |", "| --- | --- |"]
+    for old, (new, values) in Config.RENAMED_KEYS.items():
+        renamed = ", ".join(f"{_value(a)} -> {_value(b)}" for a, b in values.items())
+        out.append(f"| `{old}` | `{new}`{f' ({renamed})' if renamed else ''} |")
     return "\n".join(out).rstrip() + "\n"
 
 

@@ -98,10 +98,6 @@ class ServerConfig(Settings):
         "beyond it wait for one"))
     max_retries: int = _f(3, ge=0, help="tries again of a failed request; restarts of a dead "
                                         "launched server over the run")
-    weight_sync: Literal["disk", "distributed"] = _f(
-        "disk", help="how new weights reach the servers: files in weight_sync_dir, or a broadcast "
-                     "over a process group with them (weight_sync_backend)")
-    weight_sync_dir: Optional[str] = _f(None, help="shared folder for disk sync (default: run dir)")
     launch_command: list[str] = _f(default_factory=list, help=(
         "replaces the engine's server command; {python} {model} {host} {port} {weight_version} "
         "are filled in"))
@@ -116,14 +112,41 @@ class ServerConfig(Settings):
                                                         "in flight")
     health_timeout_s: float = _f(30.0, gt=0, help="a probe unanswered this long marks a server "
                                                   "dead")
-    weight_sync_backend: Literal["nccl", "gloo"] = _f(
-        "nccl", help="process-group backend of weight_sync=distributed (gloo: CPU tests)")
-    weight_sync_master_addr: Optional[str] = _f(
-        None, help="this node's address as the servers reach it (default: loopback when every "
-                   "server is on this node, else the interface routing to the first server)")
     pause_mode: Literal["retract", "in_place", "abort"] = _f(
         "retract", help="SGLang /pause_generation mode for weight syncs: retract and in_place "
                         "keep other clients' in-flight requests, abort cuts them off")
+
+
+# The weight-sync strategies (weight_sync/), by the names the classes are registered under.
+WeightSyncStrategy = Literal["in_place", "disk", "broadcast"]
+
+
+@dataclass
+class WeightSyncConfig(Settings):
+    """How the trainer's weights reach the rollout engine after every step (weight_sync/)."""
+
+    strategy: Literal["auto", WeightSyncStrategy] = _f(
+        "auto", help="in_place: copied into the in-process engine's model; disk: an HF folder "
+                     "that every server reloads (vLLM, SGLang); broadcast: buckets broadcast to "
+                     "the servers' ranks over a process group (SGLang); auto: in_place for "
+                     "rollout.engine=inprocess, else disk")
+    bucket_mb: int = _f(512, ge=1, help=(
+        "tensors a pipeline stage streams at a time (broadcast buckets, and what later stages "
+        "relay to the in-process engine); a bigger tensor goes alone"))
+    dir: Optional[str] = _f(None, help="disk: the folder the servers read the weights from "
+                                       "(default: the run folder's weight_sync/)")
+    backend: Literal["nccl", "gloo"] = _f(
+        "nccl", help="broadcast: the process group's backend (gloo: CPU tests)")
+    master_addr: Optional[str] = _f(
+        None, help="broadcast: this node's address as the servers reach it (default: loopback "
+                   "when every server is on this node, else the interface routing to the first "
+                   "server)")
+
+    def strategy_for(self, engine: str) -> WeightSyncStrategy:
+        """``strategy`` with auto resolved for ``rollout.engine``."""
+        if self.strategy != "auto":
+            return self.strategy
+        return "in_place" if engine == "inprocess" else "disk"
 
 
 @dataclass
@@ -182,9 +205,7 @@ class RolloutConfig(Settings):
     val_n_samples: int = _f(4, ge=1, help="k of pass@1 averaged over k samples")
     val_temperature: float = _f(0.6, ge=0, help="0 = greedy")
     server: ServerConfig = _f(default_factory=ServerConfig)
-    weight_sync_bucket_mb: int = _f(512, ge=1, help=(
-        "weight sync: tensors a pipeline stage streams at a time (broadcast buckets, and what "
-        "later stages relay to the in-process engine); a bigger tensor goes alone"))
+    weight_sync: WeightSyncConfig = _f(default_factory=WeightSyncConfig)
     weight_check: WeightCheckConfig = _f(default_factory=WeightCheckConfig)
     max_staleness: int = _f(0, ge=0, help="server engines: > 0 generates the next steps' "
                                           "rollouts while a step trains, on weights at most "
@@ -478,6 +499,18 @@ class AnalysisConfig(Settings):
 
 @dataclass
 class Config(Settings):
+    # Keys that moved, still accepted: old dotted key -> (new dotted key, old value -> new).
+    # load_config moves each one it finds and records one line about it (``deprecations``).
+    RENAMED_KEYS: ClassVar[dict[str, tuple[str, dict[Any, Any]]]] = {
+        "rollout.weight_sync_bucket_mb": ("rollout.weight_sync.bucket_mb", {}),
+        "rollout.server.weight_sync": ("rollout.weight_sync.strategy",
+                                       {"distributed": "broadcast"}),
+        "rollout.server.weight_sync_dir": ("rollout.weight_sync.dir", {}),
+        "rollout.server.weight_sync_backend": ("rollout.weight_sync.backend", {}),
+        "rollout.server.weight_sync_master_addr": ("rollout.weight_sync.master_addr", {})}
+    # What load_config said about the keys it moved (not a config key).
+    deprecations: ClassVar[tuple[str, ...]] = ()
+
     model: ModelConfig = _f(default_factory=ModelConfig)
     parallel: ParallelConfig = _f(default_factory=ParallelConfig)
     rollout: RolloutConfig = _f(default_factory=RolloutConfig)

@@ -36,6 +36,7 @@ def validate(cfg: Config) -> None:
                           "vLLM 0.32's CPU build cannot return them: enable_return_routed_experts "
                           "needs its Model Runner V2, which needs Triton): use "
                           "rollout.routing_replay=recompute (R2) or rollout.engine=inprocess")
+    _check_weight_sync(cfg)
     if cfg.algorithm.old_logprobs == "engine":
         _check_engine_old_logprobs(cfg)
     if cfg.rollout.engine != "inprocess":
@@ -44,6 +45,25 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"rollout.engine={cfg.rollout.engine} needs servers: set "
                               "rollout.server.urls, rollout.server.urls_file or "
                               "rollout.server.launch")
+
+
+# The weight-sync strategies each engine has the endpoints for (rollout/base.py).
+SYNCED_BY = {"inprocess": ("in_place",), "vllm": ("disk",), "sglang": ("disk", "broadcast")}
+
+
+def _check_weight_sync(cfg: Config) -> None:
+    """The strategy of ``rollout.weight_sync`` against ``rollout.engine``, before anything
+    loads."""
+    r = cfg.rollout
+    strategy = r.weight_sync.strategy_for(r.engine)
+    allowed = SYNCED_BY[r.engine]
+    if strategy not in allowed:
+        what = {"in_place": "copies tensors into the in-process engine's model",
+                "disk": "has servers reload an HF folder",
+                "broadcast": "broadcasts to the servers' ranks (SGLang's endpoints)"}[strategy]
+        raise ConfigError(f"rollout.weight_sync.strategy={strategy} {what}, which "
+                          f"rollout.engine={r.engine} does not take: use "
+                          f"{' or '.join(allowed)} (or auto)")
 
 
 def _check_engine_old_logprobs(cfg: Config) -> None:

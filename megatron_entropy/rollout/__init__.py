@@ -37,5 +37,6 @@ def build_engine(rollout_cfg, hf_dir: Union[str, Path], run_dir: Union[str, Path
     if rollout_cfg.engine == "sglang":
         from megatron_entropy.rollout.server.sglang import SGLangEngine
 
-        return SGLangEngine(rollout_cfg.server, str(hf_dir), str(run_dir))
+        return SGLangEngine(rollout_cfg.server, str(hf_dir), str(run_dir),
+                            rollout_cfg.weight_sync)
     raise ValueError(f"rollout.engine={rollout_cfg.engine!r}: choose inprocess, vllm or sglang")

@@ -2,9 +2,11 @@
 
 Every engine (in-process transformers, vLLM server, SGLang server) implements ``RolloutEngine``.
 The trainer talks to it only from data-parallel leader ranks. New weights come through the
-trainer's weight-sync strategies (megatron_entropy/weight_sync), which call each engine's own
-endpoints: ``load_weights`` (in-process), ``reload_from_folder`` (servers),
-``weight_update`` + ``broadcast_bucket`` (SGLang).
+trainer's weight-sync strategies (megatron_entropy/weight_sync), each of which calls the
+endpoints its protocol here declares: ``LoadsTensors`` (in place: the in-process engine),
+``ReloadsFolders`` (disk: vLLM and SGLang servers), ``TakesBroadcasts`` (broadcast: SGLang).
+Rollouts generated ahead of the trainer (trainer/async_rollouts.py) need ``GeneratesAhead``
+(the server engines).
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ from __future__ import annotations
 import abc
 import contextlib
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, Literal, Optional
+from pathlib import Path
+from typing import (ContextManager, Iterable, Iterator, Literal, Optional, Protocol,
+                    runtime_checkable)
 
 import torch
 
@@ -94,3 +98,48 @@ class RolloutEngine(abc.ABC):
     def metrics(self) -> dict[str, float]:
         """Engine-side metrics since the last call (tokens/s, per-server latency, ...)."""
         return {}
+
+
+@runtime_checkable
+class LoadsTensors(Protocol):
+    """The in-place strategy's endpoint: the engine's own model takes the tensors, one at a
+    time, and then serves weight version ``version``."""
+
+    def load_weights(self, named_tensors: NamedTensors, version: int) -> None: ...
+
+
+@runtime_checkable
+class ReloadsFolders(Protocol):
+    """The disk strategy's endpoint: every server loads the HF weights of ``folder`` and then
+    serves weight version ``version``; raises if one did not."""
+
+    def reload_from_folder(self, folder: Path, version: int) -> None: ...
+
+
+@runtime_checkable
+class TakesBroadcasts(Protocol):
+    """The broadcast strategy's endpoints: ``weight_update(version)`` holds the servers to
+    update for its body (its value: them), during which each ``broadcast_bucket`` announces a
+    bucket of named tensors to them and broadcasts it (the last one carries the version)."""
+
+    def weight_update(self, version: int) -> ContextManager[list]: ...
+
+    def broadcast_bucket(self, targets: list, bucket: list[tuple[str, torch.Tensor]],
+                         last: bool, version: int) -> None: ...
+
+
+@runtime_checkable
+class GeneratesAhead(Protocol):
+    """An engine that generates in a thread of the trainer's while the weights are pushed
+    (``rollout.max_staleness`` > 0): ``version`` is the weight version last pushed (None:
+    the starting weights)."""
+
+    version: Optional[int]
+
+    def generate_in_background(self, inflight_at_sync: str) -> None:
+        """From now on rollouts may run in another thread while weights are pushed; requests
+        in flight at a push finish on the old weights (``finish``) or are aborted and resumed
+        on the new ones (``abort``)."""
+
+    def take_drain_wait_seconds(self) -> float:
+        """Seconds the weight pushes since the last call waited for requests in flight."""

@@ -187,8 +187,8 @@ class AsyncRollouts:
         self._idle_s = 0.0  # the trainer's wait for rollouts in this step (rank 0's)
         if not rollouts.roles.rank0:
             return
-        engine.pool.run_in_background()  # a weight push may run while a rollout is in flight
-        engine.pool.inflight_at_sync = rollouts.rollout.inflight_at_sync
+        # A weight push may run while a rollout is in flight.
+        engine.generate_in_background(rollouts.rollout.inflight_at_sync)
         draws = PromptSampler(self.sampler.num_items, self.sampler.shuffle, self.sampler.seed)
         draws.load_state_dict(self.sampler.state_dict())
         d, reward = rollouts.data, rollouts.reward
@@ -247,8 +247,7 @@ class AsyncRollouts:
         flight to finish (rank 0)."""
         idle, self._idle_s = self._idle_s, 0.0
         if self.prefetcher is not None:
-            pool = self.engine.pool
-            idle, pool.drain_wait_s = idle + pool.drain_wait_s, 0.0
+            idle += self.engine.take_drain_wait_seconds()
         return idle
 
     @contextlib.contextmanager
@@ -264,7 +263,8 @@ class AsyncRollouts:
             yield
 
     def close(self) -> None:
-        """Stop the thread; call before the engine shuts down, then `join`."""
+        """Stop the thread; call before the engine shuts down (which ends a round in flight),
+        then `join`."""
         if self.prefetcher is not None:
             self.prefetcher.stop()
 

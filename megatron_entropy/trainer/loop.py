@@ -238,7 +238,8 @@ class Trainer:
                 self.logger.write(f"the run is at step {self.state.step} of trainer.steps="
                                   f"{cfg.trainer.steps}: no step to run (raise trainer.steps "
                                   "to train on; another logging.name starts a new run)")
-        for note in self.rollouts.notes + engine_notes(cfg.rollout.engine, self.arch):
+        for note in (*cfg.deprecations, *self.rollouts.notes,
+                     *engine_notes(cfg.rollout.engine, self.arch)):
             self.logger.write(f"warning: {note}")
 
     def _first_contact(self, resume_from: Optional[Path]) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import abc
-from typing import Iterable, Iterator, Optional, TypeVar
+from typing import ClassVar, Iterable, Iterator, Optional, TypeVar
 
 import torch
 
@@ -27,6 +27,9 @@ class WeightSync(abc.ABC):
     first stage's leader), ``push`` from whole tensors one process holds. Returns the
     ``weight_sync/*`` metrics on the engine's rank, {} elsewhere; raises if the engine did not
     take the weights (training must not go on against stale ones)."""
+
+    # The engine endpoints this strategy calls (a protocol of rollout/base.py).
+    ENDPOINTS: ClassVar[type]
 
     def __init__(self, engine, bucket_bytes: int):
         self.engine = engine

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import time
 
+from megatron_entropy.rollout.base import LoadsTensors
 from megatron_entropy.weight_sync.base import WeightSync
 from megatron_entropy.weight_sync.stream import StageStream, buckets_at_first_stage
 
 
 class InPlaceSync(WeightSync):
+    ENDPOINTS = LoadsTensors
 
     def sync_stream(self, stream: StageStream, version: int) -> dict[str, float]:
         engine = self._engine_here(stream)

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_entropy.config import ServerConfig
+from megatron_entropy.config import ServerConfig, WeightSyncConfig
 from megatron_entropy.rollout.base import SamplingParams
 from megatron_entropy.rollout.server.sglang import SGLangEngine
 from megatron_entropy.testing.toy_models import make_served_model
@@ -93,8 +93,7 @@ def main() -> None:
         d, local_files_only=True, dtype=torch.float32).cuda().eval() for k, d in dirs.items()}
     cfg = ServerConfig(launch=1, server_python=args.server_python, base_port=34000,
                        max_model_len=512, startup_timeout_s=900, health_timeout_s=60,
-                       health_check_interval_s=2.0, weight_sync="disk",
-                       weight_sync_master_addr="127.0.0.1",
+                       health_check_interval_s=2.0,
                        extra_args=["--mem-fraction-static", "0.3", "--disable-cuda-graph",
                                    "--enable-deterministic-inference"])
     engine = SGLangEngine(cfg, str(dirs["a"]), str(tmp / "run"))
@@ -114,8 +113,8 @@ def main() -> None:
         report("disk sync", d <= 1e-2 and greedy_is_argmax(models["b"], greedy), drift=d,
                seconds=stats["weight_sync/seconds"], bytes=stats["weight_sync/bytes"])
 
-        engine.cfg.weight_sync = "distributed"
-        engine.cfg.weight_sync_backend = "nccl"
+        engine.weight_sync = WeightSyncConfig(strategy="broadcast", backend="nccl",
+                                              master_addr="127.0.0.1")
         stats = push_weights(engine, ((n, t.cuda()) for n, t in models["a"].state_dict().items()),
                              2, tmp / "run", bucket_mb=1)
         greedy = engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=8))
@@ -123,7 +122,7 @@ def main() -> None:
         report("nccl sync", d <= 1e-2 and greedy_is_argmax(models["a"], greedy), drift=d,
                seconds=stats["weight_sync/seconds"], bytes=stats["weight_sync/bytes"])
 
-        engine.cfg.weight_sync = "disk"
+        engine.weight_sync = WeightSyncConfig()
         push_weights(engine, models["a"].state_dict().items(), 3, tmp / "run")
         server = engine.pool.servers[0]
         pid = server.process.pid

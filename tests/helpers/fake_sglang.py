@@ -32,7 +32,7 @@ def fake_command(version: str = "0.5.23", delay: float = 0.0, log: str = "",
 def make_cfg(**kw) -> ServerConfig:
     base = dict(launch=1, base_port=32100, startup_timeout_s=120, request_timeout_s=60,
                 health_check_interval_s=0.5, health_timeout_s=3, max_retries=2,
-                max_concurrency=4, weight_sync_backend="gloo",
+                max_concurrency=4,
                 launch_command=fake_command())
     base.update(kw)
     return ServerConfig(**base)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Optional
 
@@ -121,9 +122,12 @@ def push_weights(engine, named_tensors, version: int, run_dir, bucket_mb: int = 
                  ) -> dict[str, float]:
     """Whole-model tensors into a server engine through the strategy the trainer would build for
     it (megatron_entropy/weight_sync), with sync folders under ``run_dir``."""
-    from megatron_entropy.config import RolloutConfig
+    from megatron_entropy.config import RolloutConfig, WeightSyncConfig
     from megatron_entropy.weight_sync import build_weight_sync
 
     kind = {"VLLMEngine": "vllm", "SGLangEngine": "sglang"}[type(engine).__name__]
-    cfg = RolloutConfig(engine=kind, server=engine.cfg, weight_sync_bucket_mb=bucket_mb)
+    # An SGLang engine's own weight-sync settings name its strategy; vLLM's is disk.
+    weight_sync = dataclasses.replace(getattr(engine, "weight_sync", WeightSyncConfig()),
+                                      bucket_mb=bucket_mb)
+    cfg = RolloutConfig(engine=kind, server=engine.cfg, weight_sync=weight_sync)
     return build_weight_sync(cfg, engine, engine.hf_dir, run_dir).push(named_tensors, version)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Optional
 
 import pytest
 from safetensors import safe_open
@@ -23,13 +24,15 @@ from megatron_entropy.testing.toy_models import SERVED_ARCH, save_tiny_hf_model,
 FAKE_DTYPE = "fp32"
 
 
-def _run(model, tmp_path, name: str, engine: str, server: dict) -> list[dict]:
+def _run(model, tmp_path, name: str, engine: str, server: dict,
+         weight_sync: Optional[dict] = None) -> list[dict]:
     """Two KL-Cov steps of the tiny MoE at EP=2 with replay on the ``engine`` server; the rows."""
     cfg = {
         "model": {"hf_path": str(model), "dtype": "fp32", "seq_length": 256},
         "parallel": {"expert": 2},
         "rollout": {"engine": engine, "n_samples": 4, "max_new_tokens": 12,
-                    "max_prompt_tokens": 96, "routing_replay": "recompute", "server": server},
+                    "max_prompt_tokens": 96, "routing_replay": "recompute", "server": server,
+                    "weight_sync": weight_sync or {}},
         "algorithm": {"loss": "kl_cov", "kl_cov_ratio": 0.05},
         "data": {"prompts_per_step": 4, "apply_chat_template": False, "dynamic_sampling": False,
                  "arithmetic": {"num_train": 64}},
@@ -55,7 +58,7 @@ def test_ep2_run_feeds_a_server_from_every_ep_rank(tmp_path):
 
 
 def test_ep2_run_broadcasts_every_expert_to_a_server(tmp_path):
-    """weight_sync: distributed (a gloo broadcast from rank 0 to the fake SGLang server's
+    """weight_sync.strategy: broadcast (a gloo broadcast from rank 0 to the fake SGLang server's
     group): each sync sends every tensor of the HF checkpoint once, both EP ranks' experts among
     them (rank 1's gathered over the EP group into rank 0's stream), and the weight check after
     each sync passes."""
@@ -64,9 +67,9 @@ def test_ep2_run_broadcasts_every_expert_to_a_server(tmp_path):
     save_tokenizer(model, 512)
     log = tmp_path / "requests.jsonl"
     _run(model, tmp_path, "broadcast", "sglang", {
-        "launch": 1, "base_port": 32660, "startup_timeout_s": 120, "weight_sync": "distributed",
-        "weight_sync_backend": "gloo", "dtype": FAKE_DTYPE,
-        "launch_command": fake_command(log=str(log))})
+        "launch": 1, "base_port": 32660, "startup_timeout_s": 120, "dtype": FAKE_DTYPE,
+        "launch_command": fake_command(log=str(log))},
+        weight_sync={"strategy": "broadcast", "backend": "gloo"})
     with safe_open(str(model / "model.safetensors"), "pt") as f:
         names = sorted(f.keys())
     assert sum(".mlp.experts." in n for n in names) == 2 * 4 * 3  # layers x experts x projs

@@ -22,6 +22,7 @@ import psutil
 import pytest
 import torch
 
+from megatron_entropy.config import WeightSyncConfig
 from megatron_entropy.rollout.base import SamplingParams
 from megatron_entropy.rollout.server import supervisor
 from megatron_entropy.rollout.server.errors import RequestRejected, ServerError
@@ -420,9 +421,9 @@ def test_a_server_that_dies_under_a_sync_is_left_out_then_restarted_from_the_new
 @pytest.mark.slow
 def test_distributed_sync_by_gloo_broadcast(models, tmp_path):
     log = tmp_path / "requests.jsonl"
-    cfg = make_cfg(launch=2, weight_sync="distributed",
-                   launch_command=fake_command(log=str(log)))
-    eng = SGLangEngine(cfg, str(models["a"]), str(tmp_path))
+    cfg = make_cfg(launch=2, launch_command=fake_command(log=str(log)))
+    eng = SGLangEngine(cfg, str(models["a"]), str(tmp_path),
+                       WeightSyncConfig(strategy="broadcast", backend="gloo"))
     try:
         state = models["model_b"].state_dict()
         stats = push_weights(eng, state.items(), 1, tmp_path, bucket_mb=1)

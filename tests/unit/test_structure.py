@@ -18,8 +18,9 @@ PACKAGE = ROOT / "megatron_entropy"
 MAX_FUNCTION_LINES = 80
 
 # Bottom to top (docs/architecture.md#layout): a package imports only those before it.
-LAYERS = ("settings", "runtime", "ops", "algorithms", "models", "weight_sync", "config", "data",
-          "rewards", "rollout", "trainer", "evaluation", "analysis", "launch", "cli", "testing")
+LAYERS = ("settings", "runtime", "ops", "algorithms", "models", "config", "data", "rewards",
+          "rollout", "weight_sync", "trainer", "evaluation", "analysis", "launch", "cli",
+          "testing")
 
 PRODUCT_TEXT = ("megatron_entropy", "docs", "examples", "bench", "README.md")
 TEXT_SUFFIXES = {".py", ".md", ".yaml", ".yml", ".sh", ".sbatch", ".txt", ".toml"}

@@ -160,6 +160,15 @@ class ServerEngine(RolloutEngine):
             raise lost
         return out
 
+    def generate_in_background(self, inflight_at_sync: str) -> None:
+        """Rollouts may run in another thread while weights are pushed (GeneratesAhead)."""
+        self.pool.run_in_background()
+        self.pool.inflight_at_sync = inflight_at_sync
+
+    def take_drain_wait_seconds(self) -> float:
+        waited, self.pool.drain_wait_s = self.pool.drain_wait_s, 0.0
+        return waited
+
     def metrics(self) -> dict[str, float]:
         out = self.pool.pop_metrics()
         if self._seconds > 0:

@@ -34,7 +34,7 @@ prefixes stay cached):
   shapes) and sent tensor by tensor with ``broadcast(src=0)``. A restarted server holds stale
   weights until the next sync re-forms the group with it; until then it gets no requests. The
   group's master listens on loopback when every server is on this host, else on the address of
-  the interface that routes to the first server (``weight_sync_master_addr`` overrides).
+  the interface that routes to the first server (``rollout.weight_sync.master_addr`` overrides).
 Every answer's ``meta_info.weight_version`` must be the version last synced.
 """
 
@@ -54,7 +54,7 @@ import torch
 from torch.distributed.distributed_c10d import (Backend, PrefixStore, _new_process_group_helper,
                                                 _world, rendezvous)
 
-from megatron_entropy.config import ServerConfig
+from megatron_entropy.config import ServerConfig, WeightSyncConfig
 from megatron_entropy.rollout.base import Completion, SamplingParams
 from megatron_entropy.rollout.server.engine import ServerEngine
 from megatron_entropy.rollout.server.errors import RequestRejected, ServerError
@@ -100,7 +100,7 @@ def weight_sync_address(server_urls: list[str]) -> str:
             s.connect((remote[0], 9))
         except OSError as e:
             raise ServerError(f"no route to rollout server host {remote[0]!r} ({e}): set "
-                              "rollout.server.weight_sync_master_addr") from e
+                              "rollout.weight_sync.master_addr") from e
         return s.getsockname()[0]
 
 
@@ -136,8 +136,11 @@ class SGLangEngine(ServerEngine):
     generate_path = "/generate"
     _server_argv = staticmethod(server_argv)
 
-    def __init__(self, server_cfg: ServerConfig, hf_dir: str, run_dir: str):
+    def __init__(self, server_cfg: ServerConfig, hf_dir: str, run_dir: str,
+                 weight_sync: Optional[WeightSyncConfig] = None):
         super().__init__(server_cfg, hf_dir, run_dir, launch_version=INITIAL_VERSION)
+        # The broadcast's process group: its backend and this node's address.
+        self.weight_sync = weight_sync or WeightSyncConfig()
         self.router = (Server(url=server_cfg.router_url.rstrip("/"), index=-1)
                        if server_cfg.router_url else None)
         self._group: Optional[torch.distributed.ProcessGroup] = None
@@ -322,7 +325,7 @@ class SGLangEngine(ServerEngine):
             self._group = None
         self._groups_formed += 1
         name = f"megatron_entropy_sync_{self._groups_formed}"
-        address = self.cfg.weight_sync_master_addr or weight_sync_address(
+        address = self.weight_sync.master_addr or weight_sync_address(
             [s.url for s in targets])
         port = free_port(address, 29700, set())
         world = 1 + sum(self.tp_size[s.index] for s in targets)
@@ -331,11 +334,11 @@ class SGLangEngine(ServerEngine):
             offsets[s.index], rank = rank, rank + self.tp_size[s.index]
         futures = [self.pool.call_all_async("/init_weights_update_group", {
             "master_address": address, "master_port": port, "rank_offset": offsets[s.index],
-            "world_size": world, "group_name": name, "backend": self.cfg.weight_sync_backend},
+            "world_size": world, "group_name": name, "backend": self.weight_sync.backend},
             targets=[s]) for s in targets]
         try:
             group = init_weight_sync_group(address, port, world, 0, name,
-                                           self.cfg.weight_sync_backend,
+                                           self.weight_sync.backend,
                                            timeout_s=self.cfg.startup_timeout_s)
         except Exception as e:
             errors = [f.exception() for f in futures if f.done() and f.exception()]
@@ -350,12 +353,9 @@ class SGLangEngine(ServerEngine):
         """Inside ``weight_update``: announce one bucket to ``targets`` and broadcast its
         tensors from rank 0 of the weight-sync group (formed again when its members changed);
         the last bucket carries the version."""
-        if self.cfg.weight_sync != "distributed":
-            raise ServerError("broadcast weight sync needs rollout.server.weight_sync="
-                              "distributed (the servers were set up for disk)")
         self._ensure_group(targets)
         device = (torch.device("cuda", torch.cuda.current_device())
-                  if self.cfg.weight_sync_backend == "nccl" else torch.device("cpu"))
+                  if self.weight_sync.backend == "nccl" else torch.device("cpu"))
         tensors = [t.detach().to(device).contiguous() for _, t in bucket]
         future = self.pool.call_all_async("/update_weights_from_distributed", {
             "names": [n for n, _ in bucket],

@@ -81,9 +81,6 @@ class VLLMEngine(ServerEngine):
     _server_argv = staticmethod(server_argv)
 
     def __init__(self, server_cfg: ServerConfig, hf_dir: str, run_dir: str):
-        if server_cfg.weight_sync != "disk":
-            raise ServerError("rollout.server.weight_sync=distributed is SGLang-only; vLLM takes "
-                              "weights from disk (set rollout.server.weight_sync=disk)")
         super().__init__(server_cfg, hf_dir, run_dir,
                          env=server_env(parse_extra_env(server_cfg.extra_env)))
         self.model_name = self._served_name()
