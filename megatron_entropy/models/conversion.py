@@ -174,6 +174,27 @@ def _global_name(key: str, offset: tuple[int, ...], prepended: int) -> str:
     return key
 
 
+def _described_model(arch: ModelArch, dtype: str):
+    """The model on the meta device, which only describes the checkpoint's layout. megatron-core's
+    MoE all-to-all dispatcher makes a CUDA stream when it is built, which fails without CUDA (a
+    CPU node; conversion hides the GPUs too); a model that never runs needs none, so a
+    placeholder stands in while it is built."""
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    dispatcher = MoEAlltoAllTokenDispatcher
+    stand_in = not torch.cuda.is_available() and \
+        getattr(dispatcher, "cuda_dtoh_stream", False) is None
+    if stand_in:
+        dispatcher.cuda_dtoh_stream = object()
+    try:
+        with torch.device("meta"):
+            return build_gpt_model(arch, 1, 1, dtype, "local", seq_length=16,
+                                   use_cpu_initialization=True)
+    finally:
+        if stand_in:
+            dispatcher.cuda_dtoh_stream = None
+
+
 def _checked_source(hf_dir: Path, dtype: str, tensor: int, pipeline: int
                     ) -> tuple[ModelArch, str, list[Path]]:
     """An HF folder to convert, checked: (its architecture, split as ``tensor`` x
@@ -241,9 +262,7 @@ def convert_hf_to_checkpoint(hf_dir: Union[str, Path], out_dir: Union[str, Path]
         with single_process_megatron():
             # The model Megatron would save, described without memory: its sharded state dict
             # gives every key, global shape, chunk and dtype of the torch_dist layout.
-            with torch.device("meta"):
-                model = build_gpt_model(arch, 1, 1, dtype, "local", seq_length=16,
-                                        use_cpu_initialization=True)
+            model = _described_model(arch, dtype)
             sharded, common = save_preprocess({"model": model.sharded_state_dict()}, True)
             torch.save(common, tmp / "common.pt")
             items, objects, tensors = _write_items(sharded)

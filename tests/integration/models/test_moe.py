@@ -5,6 +5,9 @@ the key."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +21,8 @@ from tolerance import rounding_tol, transformer_terms
 from megatron_entropy.models.arch import UnsupportedModelError, load_arch
 from megatron_entropy.models.megatron_checkpoint import write_checkpoint_metadata
 from megatron_entropy.testing.ranks import init_megatron
+
+REPO = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module")
@@ -138,6 +143,20 @@ def test_round_trip_is_bit_identical(moe_hf, moe_ckpt, tmp_path):
     [[stats]] = run_distributed(run_conversions, 1, [("to_hf", moe_ckpt, tmp_path / "hf", {})])
     _assert_same_hf(tmp_path / "hf", moe_hf[3])
     assert stats["tensors"] == len(moe_hf[3])
+
+
+def test_the_convert_command_round_trips_an_moe_in_a_fresh_process(moe_hf, tmp_path):
+    """`megatron-entropy convert` as a user runs it on a CPU node: its own process, where no
+    CPU compatibility layer is applied (the forked ranks above inherit the test process's); the
+    MoE comes back bit for bit."""
+    ckpt, out = tmp_path / "ckpt", tmp_path / "hf"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    for args in (["hf-to-mcore", "--hf-dir", str(moe_hf[0]), "--out", str(ckpt)],
+                 ["mcore-to-hf", "--ckpt", str(ckpt), "--out", str(out)]):
+        done = subprocess.run([sys.executable, "-m", "megatron_entropy.cli", "convert", *args,
+                               "--quiet"], capture_output=True, text=True, timeout=300, env=env)
+        assert done.returncode == 0, done.stderr[-3000:]
+    _assert_same_hf(out, moe_hf[3])
 
 
 @pytest.mark.parametrize("save_ep,load_ep", [(2, 1), (4, 2)])
