@@ -60,6 +60,21 @@ def read_arch(ckpt_dir: Union[str, Path]) -> ModelArch:
                           "(--hf-config-from)")
 
 
+def read_latest(folder: Path) -> Path:
+    """The checkpoint that ``folder/latest`` (the trainer's pointer to its newest checkpoint)
+    names; CheckpointError naming the file when it names none (empty, not text, several
+    lines: damaged on disk)."""
+    pointer = folder / "latest"
+    try:
+        name = pointer.read_bytes().decode().strip()
+    except UnicodeDecodeError:
+        name = ""
+    if not name or "\n" in name or "\0" in name:
+        raise CheckpointError(f"{pointer} is damaged: it holds no checkpoint name (it should "
+                              "hold one line, e.g. step_00000020)")
+    return folder / name
+
+
 def resolve_checkpoint_dir(path: Union[str, Path]) -> Path:
     """The dist checkpoint folder: ``path`` itself, or the one its ``latest`` file names (the
     trainer's ``checkpoints/`` folder)."""
@@ -67,8 +82,28 @@ def resolve_checkpoint_dir(path: Union[str, Path]) -> Path:
     if (path / "metadata.json").is_file():
         return path
     if (path / "latest").is_file():
-        return resolve_checkpoint_dir(path / (path / "latest").read_text().strip())
+        return resolve_checkpoint_dir(read_latest(path))
     raise CheckpointError(f"{path} is not a Megatron dist checkpoint (no metadata.json)")
+
+
+# What shapes a model's tensors: a checkpoint of a model that differs in one cannot be loaded.
+SHAPE_FIELDS = ("vocab_size", "hidden_size", "ffn_hidden_size", "num_layers",
+                "num_attention_heads", "num_query_groups", "head_dim", "tie_word_embeddings",
+                "qkv_bias", "qk_layernorm", "num_experts", "moe_ffn_hidden_size")
+
+
+def check_same_model(ckpt_dir: Path, arch: ModelArch, model_key: str) -> None:
+    """Raise CheckpointError naming the checkpoint and each shape that differs when the model it
+    records (arch.json) is not the one ``model_key`` names; one that records none passes."""
+    if not (ckpt_dir / ARCH_FILE).is_file():
+        return
+    saved = read_arch(ckpt_dir)
+    differ = [f"{f} {getattr(saved, f)} (the model's {getattr(arch, f)})"
+              for f in SHAPE_FIELDS if getattr(saved, f) != getattr(arch, f)]
+    if differ:
+        raise CheckpointError(f"checkpoint {ckpt_dir} holds another model than {model_key}: "
+                              f"{', '.join(differ)}; resume from a checkpoint of this model, or "
+                              "set trainer.resume=none to start over")
 
 
 def check_checkpoint_files(ckpt_dir: Path) -> Any:

@@ -14,7 +14,8 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-from megatron_entropy.models.megatron_checkpoint import CheckpointError, check_checkpoint_files
+from megatron_entropy.models.megatron_checkpoint import (CheckpointError, check_checkpoint_files,
+                                                         read_latest)
 
 TRAINER_STATE = "trainer_state.json"
 COMMON_FILES = ("metadata.json", "common.pt")  # dist_checkpointing's, beside .metadata
@@ -54,20 +55,29 @@ def latest_checkpoint(root: Path) -> Optional[Path]:
     """The newest intact checkpoint of a ``checkpoints/`` folder: the one ``latest`` names, else
     (it was damaged since it was written: a warning names the bad file) the newest older one
     that verifies. None when there is no checkpoint; CheckpointError when none of them is
-    intact."""
-    pointer = root / "latest"
-    if not pointer.is_file():
+    intact. A damaged ``latest`` (no checkpoint name in it) is a warning, as one that names a
+    damaged checkpoint."""
+    if not (root / "latest").is_file():
         return None
-    named = root / pointer.read_text().strip()
-    candidates = [named] + sorted((p for p in root.glob("step_*")
-                                   if p.is_dir() and p.name < named.name), reverse=True)
     problems = []
+    try:
+        named = [read_latest(root)]
+    except CheckpointError as e:  # the pointer is damaged: every checkpoint is a candidate
+        problems.append(str(e))
+        named = []
+    candidates = named + sorted((p for p in root.glob("step_*")
+                                 if p.is_dir() and (not named or p.name < named[0].name)),
+                                reverse=True)
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    if problems and candidates and rank0:
+        print(f"warning: {problems[0]}; resuming from the newest intact checkpoint",
+              file=sys.stderr, flush=True)
     for path in candidates:
         try:
             verify_checkpoint(path)
         except CheckpointError as e:
             problems.append(str(e))
-            if not dist.is_initialized() or dist.get_rank() == 0:
+            if rank0:
                 print(f"warning: checkpoint {path} is damaged, not resuming from it: {e}",
                       file=sys.stderr, flush=True)
             continue

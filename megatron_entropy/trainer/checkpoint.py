@@ -42,7 +42,7 @@ from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
 from megatron_entropy.models.megatron_checkpoint import (CheckpointError, check_checkpoint_files,
-                                                         write_checkpoint_metadata)
+                                                         read_latest, write_checkpoint_metadata)
 from megatron_entropy.models.run_checkpoints import (TRAINER_STATE, checkpoints_folder,
                                                      latest_checkpoint, verify_checkpoint)
 from megatron_entropy.models.sharding import unwrap_model
@@ -151,11 +151,11 @@ def resume_checkpoint(resume: str, manager: "CheckpointManager") -> Optional[Pat
     if resume == "auto":
         return manager.latest()
     path = Path(resume)
-    for root in (path, path / "checkpoints"):
-        if (root / "latest").is_file():
-            path = root / (root / "latest").read_text().strip()
-            break
     try:
+        for root in (path, path / "checkpoints"):
+            if (root / "latest").is_file():
+                path = read_latest(root)
+                break
         verify_checkpoint(path)
     except CheckpointError as e:
         raise CheckpointError(f"trainer.resume={resume!r}: {e}") from None

@@ -30,7 +30,8 @@ from megatron_entropy.data import PromptSampler, load_prompt_dataset, load_token
 from megatron_entropy.models.arch import load_arch
 from megatron_entropy.models.bridge import load_hf_weights
 from megatron_entropy.models.builder import build_gpt_model
-from megatron_entropy.models.megatron_checkpoint import load_model_weights, read_arch
+from megatron_entropy.models.megatron_checkpoint import (CheckpointError, check_same_model,
+                                                         load_model_weights, read_arch)
 from megatron_entropy.rewards import RewardScorer
 from megatron_entropy.rollout import build_engine, engine_is_shared
 from megatron_entropy.runtime import init_distributed, set_seed, shutdown
@@ -38,7 +39,8 @@ from megatron_entropy.runtime.roles import Roles
 from megatron_entropy.runtime import preemption
 from megatron_entropy.trainer.actor import Actor
 from megatron_entropy.trainer.batch import Sample
-from megatron_entropy.trainer.checkpoint import CheckpointManager, resume_checkpoint
+from megatron_entropy.trainer.checkpoint import (CheckpointManager, resume_checkpoint,
+                                                 verify_checkpoint)
 from megatron_entropy.trainer.drift import DriftTrend, drift_metrics
 from megatron_entropy.trainer.entropy_control import (build_controller, controller_state,
                                                       loss_knobs, restore_controller,
@@ -170,6 +172,8 @@ class Trainer:
         cfg, m = self.cfg, self.cfg.model
         self.ckpt = CheckpointManager(self.run_dir, cfg.trainer.keep_last)
         resume_from = resume_checkpoint(cfg.trainer.resume, self.ckpt)
+        if resume_from is not None:
+            self._check_resumable(resume_from)
         sharded_optimizer = cfg.trainer.uses_distributed_optimizer(
             ps.get_data_parallel_world_size())
         replay = cfg.rollout.routing_replay if self.arch.is_moe else "none"
@@ -193,7 +197,6 @@ class Trainer:
             saved = self.ckpt.load(resume_from, self.model, optimizer)
             scheduler.load_state_dict(saved["scheduler"])
             self.state = RunState(step=saved["step"], rollout_seed=saved["rollout_seed"])
-            self.sampler.load_state_dict(saved["sampler"])
             restore_controller(self.controller, saved)
             self.drift.restore(saved)
         return resume_from
@@ -274,6 +277,18 @@ class Trainer:
                 print(f"{reason} during start-up: nothing to checkpoint; exiting with "
                       f"{PREEMPTED_EXIT_CODE} to be resumed", flush=True)
             raise Preempted()
+
+    def _check_resumable(self, checkpoint: Path) -> None:
+        """Before anything loads, a checkpoint of another model or of other training data is
+        one error naming it and what differs; restores the data position."""
+        m = self.cfg.model
+        check_same_model(checkpoint, self.arch, f"model.megatron_ckpt={m.megatron_ckpt}"
+                         if m.megatron_ckpt else f"model.hf_path={m.hf_path}")
+        try:
+            self.sampler.load_state_dict(verify_checkpoint(checkpoint)["sampler"])
+        except ValueError as e:
+            raise CheckpointError(f"checkpoint {checkpoint}: {e} (resume from a checkpoint of "
+                                  "this data, or set trainer.resume=none to start over)") from None
 
     def _starting(self, part: str) -> None:
         """What the start-up does next, on the console (it runs for minutes on a large model)."""
