@@ -7,6 +7,7 @@ import contextlib
 import datetime
 import importlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -74,6 +75,8 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
                         "(default: parallel.tensor x parallel.pipeline)")
 
 
+# Set for the ranks `--nproc` starts: their launcher names the rank that ended first.
+LAUNCHED = "MEGATRON_ENTROPY_LOCAL_RANK_OF_LAUNCHER"
 # After the first rank fails: how long the others get to end on their own (their messages are
 # clearer), then after SIGTERM, before SIGKILL. A rank still starting up only records SIGTERM.
 STOP_GRACE_S = 5.0
@@ -123,77 +126,98 @@ def _spawn_local(args: argparse.Namespace, nproc: int, run_dir: Path) -> int:
         # Threads per rank: already in our environment (runtime/threads.py, set before torch).
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(nproc), "LOCAL_RANK": str(rank),
                "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port)}
+               "MASTER_PORT": str(port), LAUNCHED: "1"}
         out = None if rank == 0 else _open_rank_log(run_dir / "logs" / f"rank_{rank}.log")
         procs.append(start_held(cmd, env=env, stdout=out,
                                 stderr=subprocess.STDOUT if out else None))
     for signum in list(sent):  # the ranks started after a signal came have not had it
         send(signum)
-    first, stopped, ended = _wait_for_ranks(procs, asked)
-    return _launcher_exit_code([p.returncode for p in procs], first, stopped, ended, asked,
+    order, stopped = _wait_for_ranks(procs, asked)
+    return _launcher_exit_code([p.returncode for p in procs], order, stopped, asked,
                                len(interrupts), run_dir)
 
 
+# How a rank ends when all is well: done; checkpointed on a signal (or stopped by SIGTERM or
+# SIGUSR1 during start-up); stopped by Ctrl-C during start-up.
+ENDED_WELL = (0, PREEMPTED, 128 + signal.SIGINT)
+# A rank that stopped alone, on a signal sent to it: the signal its exit code stands for.
+STOPPED_BY = {PREEMPTED: "SIGTERM", 128 + signal.SIGINT: "SIGINT"}
+
+
 def _wait_for_ranks(procs: list[subprocess.Popen], asked: list[int]
-                    ) -> tuple[Optional[int], list[int], list[int]]:
+                    ) -> tuple[list[int], list[int]]:
     """Until every rank has ended: the first to fail stops the others (SIGTERM, then SIGKILL);
-    after a stop that was asked for, the others get a grace period once one has ended.
-    Returns (the rank that failed first or None, the ranks stopped after a failure, the ranks
-    stopped after an asked-for stop)."""
-    first, stopped, ended = None, [], []
-    while any(p.poll() is None for p in procs):
-        failed = [r for r, p in enumerate(procs) if p.poll() not in (None, *_asked_codes(asked))]
-        if failed:
-            first = failed[0]
+    after a stop (one asked for, or a rank's own: a signal sent to it alone) the others get a
+    grace period once one has ended. Returns (the ranks in the order they ended, those this
+    launcher had to stop)."""
+    order: list[int] = []
+    stopped: list[int] = []
+    while None in (polled := [p.poll() for p in procs]):
+        order += [r for r, c in enumerate(polled) if c is not None and r not in order]
+        codes = [polled[r] for r in order]
+        if any(c not in ENDED_WELL for c in codes):  # killed, an error, a peer gone
             stopped = stop_all(procs, STOP_GRACE_S)
             break
-        if asked and any(p.poll() is not None for p in procs):
-            ended = stop_all(procs, ASKED_STOP_GRACE_S)  # what stopped them was asked for
+        if any(codes) or (asked and codes):
+            # The others end with it, or wait for it where no signal reaches (the c10d store at
+            # start-up): they are stopped.
+            stopped = stop_all(procs, ASKED_STOP_GRACE_S, None if asked else STOP_GRACE_S)
             break
         time.sleep(0.2)
     for p in procs:
         p.wait()
-    return first, stopped, ended
+    return order + [r for r in range(len(procs)) if r not in order], stopped
 
 
-def _launcher_exit_code(codes: list[int], first: Optional[int], stopped: list[int],
-                        ended: list[int], asked: list[int], interrupts: int, run_dir: Path
-                        ) -> int:
-    """The local launcher's exit code from its ranks' (``codes``), with a line on stderr that
-    names the rank that failed first where rank 0 did not say it."""
-    if first is None:
-        first = next((r for r, c in enumerate(codes)
-                      if c not in _asked_codes(asked) and r not in ended), None)
-    if first is None and interrupts < 2:
-        if 0 not in ended:
-            return codes[0]  # 0, or the stop that rank 0 printed (75, or 130 in start-up)
-        # Rank 0 said nothing: it waited for the others in a place no signal reaches.
-        print(f"megatron-entropy train: stopped by {signal.Signals(asked[0]).name}; rank"
-              f"{'s' * (len(ended) > 1)} {', '.join(map(str, ended))} did not end on "
-              "it and had to be stopped", file=sys.stderr)
-        return 128 + signal.SIGINT if interrupts else PREEMPTED
-    if codes[0] in (1, 2) and 0 not in stopped and codes[first] > 0 and interrupts < 2:
-        # Rank 0 ended on an error it named on this terminal (a bad model or a full disk: every
-        # rank meets it); which rank met it first adds nothing. A rank that was killed, or rank
-        # 0 stopped because another is gone (PEER_LOST_EXIT_CODE), is named below.
-        return codes[0]
+def _launcher_exit_code(codes: list[int], order: list[int], stopped: list[int],
+                        asked: list[int], interrupts: int, run_dir: Path) -> int:
+    """The local launcher's exit code from its ranks' (``codes``), and its line on stderr where
+    rank 0's own (on this terminal) does not say what happened. ``order``: the ranks in the
+    order they ended; ``stopped``: those this launcher stopped; ``asked``: the signals it
+    passed on."""
+    logs = f"logs of ranks > 0 are in {run_dir / 'logs'}"
+    failed = [r for r in order if codes[r] not in ENDED_WELL and r not in stopped]
+    # A rank whose peer is gone (PEER_LOST_EXIT_CODE) only follows the one that left.
+    culprits = [r for r in failed if codes[r] != PEER_LOST_EXIT_CODE]
+    stops = [r for r in order if codes[r] in STOPPED_BY and r not in stopped]
     if interrupts > 1:
-        cause = "stopped at once by a second Ctrl-C (no checkpoint of the step in progress)"
+        first = (culprits or failed or [0])[0]
+        print("megatron-entropy train: stopped at once by a second Ctrl-C (no checkpoint of the "
+              f"step in progress); {logs}", file=sys.stderr)
+    elif culprits or (failed and not stops and not asked):
+        first = (culprits or failed)[0]
+        if codes[0] in (1, 2) and 0 not in stopped and codes[first] > 0:
+            # Rank 0 ended on an error it named on this terminal (a bad model or a full disk:
+            # every rank meets it); which rank met it first adds nothing. A rank that was
+            # killed, or rank 0 stopped because another is gone, is named here.
+            return codes[0]
+        stopped_too = f"; stopped {_ranks(stopped)}" if stopped else ""
+        print(f"megatron-entropy train: rank {first} failed first "
+              f"({_exit_status(codes[first])}){stopped_too}; {logs}", file=sys.stderr)
+    elif asked:
+        if 0 not in stopped and codes[0] in ENDED_WELL:
+            return codes[0]  # 0, or the stop that rank 0 printed (75, or 130 in start-up)
+        # Rank 0 said nothing: it waited for the others in a place no signal reaches, or
+        # another rank left before it.
+        waited = f"; {_ranks(stopped)} did not end on it and had to be stopped" if stopped \
+            else ""
+        print(f"megatron-entropy train: stopped by {signal.Signals(asked[0]).name}{waited}",
+              file=sys.stderr)
+        return 128 + signal.SIGINT if interrupts else PREEMPTED
+    elif stops and (stopped or failed) and 0 not in stops:
+        # A signal to one rank alone, not rank 0 (whose own line names itself and the signal).
+        first = stops[0]
+        stopped_too = f"; stopped {_ranks(stopped)}" if stopped else ""
+        print(f"megatron-entropy train: rank {first} stopped by {STOPPED_BY[codes[first]]} "
+              f"(exit {codes[first]}){stopped_too}; {logs}", file=sys.stderr)
     else:
-        cause = f"rank {first} failed first ({_exit_status(codes[first])})"
-        if stopped:
-            cause += f"; stopped rank{'s' * (len(stopped) > 1)} " \
-                     f"{', '.join(map(str, stopped))}"
-    print(f"megatron-entropy train: {cause}; logs of ranks > 0 are in {run_dir / 'logs'}",
-          file=sys.stderr)
-    code = codes[first or 0]
+        first = stops[0] if stops else 0  # they ended as one, or rank 0 said how
+    code = codes[first]
     return 128 - code if code < 0 else code  # killed by a signal: as a shell reports it
 
 
-def _asked_codes(asked: list[int]) -> tuple[int, ...]:
-    """How ranks end when all is well: done, checkpointed on a signal, or (after one was passed
-    on) stopped in start-up by Ctrl-C, which reaches them from the terminal."""
-    return (0, PREEMPTED, 128 + signal.SIGINT) if asked else (0, PREEMPTED)
+def _ranks(ranks: list[int]) -> str:
+    return f"rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))}"
 
 
 def _exit_status(code: int) -> str:
@@ -229,9 +253,12 @@ def _train_command(args: argparse.Namespace) -> int:
     nproc = (args.nproc or tp * pp * ep) if launch.launcher == "single" else launch.world_size
     check_layout(nproc, tp, pp, ep)
     preemption.stop_if_requested()  # Ctrl-C while the model's files were checked
-    with _run_folder_lock(cfg.run_dir, launch.rank):  # a bad start above makes no run folder
+    with _run_folder_lock(cfg.run_dir, launch.rank) as start:  # none for a bad start above
         if launch.launcher == "single" and nproc > 1:
-            return _spawn_local(args, nproc, cfg.run_dir)
+            code = _spawn_local(args, nproc, cfg.run_dir)
+            if code and start is not None and not _started(cfg.run_dir):
+                start.undo(logs=code == 2)  # bad input: the terminal has rank 0's line
+            return code
         from megatron_entropy.trainer.loop import train
 
         train(cfg)
@@ -253,22 +280,33 @@ RUN_LOCK_HELD = "MEGATRON_ENTROPY_RUN_LOCK_HELD"
 
 
 @contextlib.contextmanager
-def _run_folder_lock(run_dir: Path, rank: int) -> Iterator[None]:
+def _run_folder_lock(run_dir: Path, rank: int) -> Iterator[Optional[run_lock.FolderStart]]:
     """One trainer per run folder: rank 0 of the job (or the local launcher, for its ranks)
     holds ``RUN/train.lock`` while it runs; a second trainer there stops with one line naming
-    the holder's host and pid (runtime/run_lock.py)."""
+    the holder's host and pid (runtime/run_lock.py). A start that fails before the run begins
+    removes the lock and folders it made (yielded, for the launcher's failures)."""
     lock = run_dir / "train.lock"
     if rank != 0 or os.environ.get(RUN_LOCK_HELD) == str(lock):
-        yield
+        yield None
         return
+    start = run_lock.FolderStart(run_dir, lock)
     run_dir.mkdir(parents=True, exist_ok=True)
     fd = run_lock.acquire(lock, "run folder")
     os.environ[RUN_LOCK_HELD] = str(lock)  # for the ranks this process starts
     try:
-        yield
+        yield start
+    except BaseException:
+        if not _started(run_dir):
+            start.undo(logs=False)
+        raise
     finally:
         del os.environ[RUN_LOCK_HELD]
         run_lock.release(fd)
+
+
+def _started(run_dir: Path) -> bool:
+    """Whether a run has begun in ``run_dir`` (its config is written once start-up is over)."""
+    return (run_dir / "config.yaml").is_file()
 
 
 def _check_model(cfg) -> None:
@@ -373,7 +411,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         return commands[args.command][2](args) or 0
     except preemption.StartupInterrupted as e:
-        print(f"megatron-entropy {args.command}: {e}", file=sys.stderr)
+        # A rank of several names itself: a signal may have reached it alone.
+        who = f"rank {os.environ.get('RANK')} " if _world_size() > 1 else ""
+        print(f"megatron-entropy {args.command}: {who}{e}", file=sys.stderr)
         end_rank_at_once(e.exit_code)  # a rank of a group: no teardown of its collectives
         return e.exit_code
     except _user_errors() as e:
@@ -389,9 +429,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         if not _peer_lost(e):
             raise
         # Another rank died (killed, out of memory): its own log says why; this one's
-        # traceback of the broken collective would only hide that.
-        print(f"megatron-entropy {args.command}: rank {os.environ.get('RANK')} stopped: another "
-              f"rank of the job is gone ({str(e).splitlines()[0][:200]})", file=sys.stderr)
+        # traceback of the broken collective would only hide that. On `--nproc`'s terminal
+        # the launcher's line names that rank instead.
+        if os.environ.get("RANK") != "0" or not os.environ.get(LAUNCHED):
+            print(f"megatron-entropy {args.command}: rank {os.environ.get('RANK')} stopped: "
+                  f"another rank of the job is gone ({_peer_lost_cause(e)})", file=sys.stderr)
         return PEER_LOST_EXIT_CODE
 
 
@@ -402,9 +444,20 @@ PEER_LOST_EXIT_CODE = 3
 PEER_LOST_MESSAGES = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
 
 
+def _world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def _peer_lost(error: RuntimeError) -> bool:
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and any(
-        m in str(error) for m in PEER_LOST_MESSAGES)
+    return _world_size() > 1 and any(m in str(error) for m in PEER_LOST_MESSAGES)
+
+
+def _peer_lost_cause(error: RuntimeError) -> str:
+    """gloo's own sentence of the error, without the source file it names first and the
+    advice that follows ("[.../pair.cc:553] Connection closed by peer [127.0.0.1]:37040. This is
+    typically caused by ...")"""
+    line = re.sub(r"^\[[^\]]*\]\s*", "", str(error).splitlines()[0])
+    return line.split(". ")[0].rstrip(".")
 
 
 if __name__ == "__main__":

@@ -51,12 +51,15 @@ def start_held(cmd: list[str], **popen_kwargs) -> subprocess.Popen:
                             **popen_kwargs)
 
 
-def stop_all(procs: list[subprocess.Popen], grace_s: float) -> list[int]:
+def stop_all(procs: list[subprocess.Popen], grace_s: float,
+             kill_after_s: Optional[float] = None) -> list[int]:
     """End every process of ``procs`` still running: wait ``grace_s`` for them to end on their
-    own, then SIGTERM, ``grace_s`` more, then SIGKILL. Returns the indices of those that had to
-    be stopped (a rank in start-up only records a SIGTERM, so the SIGKILL is what ends it)."""
+    own, then SIGTERM, ``kill_after_s`` (default ``grace_s``) more, then SIGKILL. Returns the
+    indices of those that had to be stopped (a rank in start-up only records a SIGTERM, so the
+    SIGKILL is what ends it)."""
     stopped: list[int] = []
-    for sig in (None, signal.SIGTERM, signal.SIGKILL):
+    waits = (grace_s, grace_s if kill_after_s is None else kill_after_s, grace_s)
+    for sig, wait in zip((None, signal.SIGTERM, signal.SIGKILL), waits):
         running = [i for i, p in enumerate(procs) if p.poll() is None]
         if not running:
             break
@@ -64,7 +67,7 @@ def stop_all(procs: list[subprocess.Popen], grace_s: float) -> list[int]:
             stopped = stopped or running
             for i in running:
                 procs[i].send_signal(sig)
-        deadline = time.monotonic() + grace_s
+        deadline = time.monotonic() + wait
         while time.monotonic() < deadline and any(procs[i].poll() is None for i in running):
             time.sleep(0.1)
     for p in procs:

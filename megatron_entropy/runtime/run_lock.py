@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import shutil
 import socket
 import sys
 import time
@@ -77,3 +78,29 @@ def release(fd: Optional[int]) -> None:
     except OSError:
         pass  # a full or read-only file system: the lock still goes with the descriptor
     os.close(fd)
+
+
+class FolderStart:
+    """What a start makes in its folder before the work begins (the folder itself and missing
+    parents, the lock file, ``logs/``), noted before it makes them: ``undo`` removes them again
+    after a start that failed, so that a bad start leaves nothing behind; what the folder held
+    before, and anything else the start wrote, stays."""
+
+    def __init__(self, folder: Path, lock: Path) -> None:
+        self.lock = lock
+        self.logs = folder / "logs"
+        self.made = [p for p in (folder, *folder.parents) if not p.exists()]  # deepest first
+        self.lock_made, self.logs_made = not lock.exists(), not self.logs.exists()
+
+    def undo(self, logs: bool) -> None:
+        """Remove what this start made; ``logs``: its ``logs/`` too (with the ranks' copies of
+        an error the terminal showed)."""
+        if self.lock_made:
+            self.lock.unlink(missing_ok=True)
+        if logs and self.logs_made:
+            shutil.rmtree(self.logs, ignore_errors=True)
+        for folder in self.made:
+            try:
+                folder.rmdir()
+            except OSError:  # something else was written there: it stays
+                return

@@ -226,8 +226,12 @@ def _processes(launcher: subprocess.Popen, nproc: int, log: Path) -> list[psutil
     return [psutil.Process(launcher.pid), *ranks.values()]
 
 
-STOPPED = {signal.SIGINT: (130, "megatron-entropy train: stopped by SIGINT during start-up"),
-           signal.SIGTERM: (75, "megatron-entropy train: stopped by SIGTERM during start-up")}
+def _stopped(sig: int, nproc: int) -> tuple[int, str]:
+    """The exit code and the last line of a run stopped by ``sig`` during start-up: rank 0's
+    line, which names the rank where the run has several."""
+    who = "rank 0 " if nproc > 1 else ""
+    return ({signal.SIGINT: 130, signal.SIGTERM: 75}[sig],
+            f"megatron-entropy train: {who}stopped by {signal.Signals(sig).name} during start-up")
 
 
 def _stop_with_group_signal(launcher: subprocess.Popen, processes: list[psutil.Process],
@@ -239,7 +243,8 @@ def _stop_with_group_signal(launcher: subprocess.Popen, processes: list[psutil.P
     launcher.wait(timeout=120)
     took = time.monotonic() - sent
     out = log.read_text()
-    assert (launcher.returncode, out.strip().splitlines()[-1]) == STOPPED[sig], out[-3000:]
+    assert (launcher.returncode, out.strip().splitlines()[-1]) == \
+        _stopped(sig, len(processes) - 1 or 1), out[-3000:]
     # Not "rank 0 failed first (130)", an abort's 134, Ctrl-C's promise of a step's checkpoint.
     for noise in ("Traceback", "failed first", "stopping after this step", "core dumped"):
         assert noise not in out, out[-3000:]
@@ -298,6 +303,44 @@ def test_a_signal_to_the_group_while_rank_0_waits_for_a_server_stops_every_rank(
             kill_marked(str(tmp_path))
 
 
+def _ended(process: psutil.Process) -> bool:
+    try:
+        return process.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+@pytest.mark.parametrize("moment", ["before the ranks join", "once joined"])
+def test_sigterm_to_rank_0_alone_during_start_up_ends_the_run_naming_it(tmp_path, moment):
+    """SIGTERM to rank 0 of `--nproc 2` alone (not the launcher): it stops (75), and rank 1,
+    which waits for it (in the c10d store before they join, where no signal reaches; after, in
+    a collective whose peer is gone), ends within 20 s of it: the launcher gives it 15 s, then
+    SIGTERM, then SIGKILL 5 s later. One line, rank 0's own, names the rank and the signal; the
+    run's exit code is the stop's, not rank 1's (3: its peer is gone). The launcher's line for
+    another rank that stops alone: tests/unit/test_cli.py."""
+    launcher, log = _launch(tmp_path, 2, {})
+    try:
+        processes = _processes(launcher, 2, log)
+        if moment == "once joined":
+            _wait_for(launcher, lambda: "2 ranks joined" in log.read_text(), "join", log)
+        # Before: the ranks start with the signals blocked, so rank 0 acts on it once its
+        # handler is installed, before it opens the store.
+        processes[1].send_signal(signal.SIGTERM)
+        _wait_for(launcher, lambda: _ended(processes[1]), "stop", log)
+        stopped = time.monotonic()
+        launcher.wait(timeout=120)
+        took = time.monotonic() - stopped
+    finally:
+        launcher.kill()
+        kill_marked(str(tmp_path))
+    out = log.read_text()
+    lines = [line for line in out.splitlines() if line.startswith("megatron-entropy train:")]
+    assert launcher.returncode == 75, out[-3000:]
+    assert lines == ["megatron-entropy train: rank 0 stopped by SIGTERM during start-up"], out
+    assert took < 35, took  # 20 s at most, on a loaded machine
+    assert not [p.pid for p in processes if p.is_running() and p.status() != "zombie"]
+
+
 def test_an_error_of_rank_0_is_its_own_line_only(tmp_path):
     """The ranks of `--nproc 2` stop on a bad model (a NaN in a weight, found as the weights
     load): rank 0's line is the last, the launcher adds none ("rank 1 failed first (2)")."""
@@ -319,3 +362,5 @@ def test_an_error_of_rank_0_is_its_own_line_only(tmp_path):
         "megatron-entropy train: error: model.hf_path: "), out[-3000:]
     assert "failed first" not in out and "Traceback" not in out, out[-3000:]
     assert not [p.pid for p in processes if p.is_running() and p.status() != "zombie"]
+    # What this start made (the run folder, its lock, the rank logs) is removed.
+    assert not (tmp_path / "runs").exists()

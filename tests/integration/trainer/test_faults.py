@@ -270,6 +270,29 @@ def test_bad_starts_are_one_line_before_any_rank_starts(tmp_path, capsys):
     assert not (tmp_path / "runs").exists()  # no rank started, no run folder made
 
 
+def test_a_start_that_fails_in_the_ranks_removes_what_it_made(tmp_path):
+    """An error the ranks find at start-up (here an empty data file), met in a fresh process:
+    one line, exit 2, and the run folder this start made (with its lock) is gone; a run folder
+    that existed keeps what it held, without a lock of this start's. (`--nproc`, whose launcher
+    also removes the rank logs it made: test_start_up_faults.py.)"""
+    config = _cli_config(tmp_path)
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "runs" / "old").mkdir(parents=True)
+    (tmp_path / "runs" / "old" / "notes.txt").write_text("kept")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    runs = {name: subprocess.Popen(
+        [sys.executable, "-m", "megatron_entropy.cli", "train", str(config),
+         f"data.train_files=[{tmp_path / 'empty.jsonl'}]", f"logging.name={name}"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        for name in ("new", "old")}
+    for name, run in runs.items():
+        _, err = run.communicate(timeout=600)
+        assert run.returncode == 2 and len(err.strip().splitlines()) == 1, err[-3000:]
+        assert "empty.jsonl" in err
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["old"]
+    assert [p.name for p in (tmp_path / "runs" / "old").iterdir()] == ["notes.txt"]
+
+
 def test_run_config_is_kept_per_start_and_rank_logs_are_appended(tmp_path):
     from megatron_entropy.cli import _exit_status, _open_rank_log
     from megatron_entropy.config import load_config
@@ -309,8 +332,12 @@ def test_rank_whose_peer_died_ends_with_one_line(monkeypatch, capsys):
     monkeypatch.setenv("RANK", "0")
     assert cli.main(["train", "c.yaml"]) == cli.PEER_LOST_EXIT_CODE  # not an error of its own
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"megatron-entropy train: rank 0 stopped: another rank of the job is gone "
-                   f"({gloo})"]
+    # gloo's sentence, without the source file it names and the advice that follows.
+    assert err == ["megatron-entropy train: rank 0 stopped: another rank of the job is gone "
+                   "(Read error [127.0.0.1]:18145: Connection reset by peer)"]
+    monkeypatch.setenv(cli.LAUNCHED, "1")  # `--nproc`'s rank 0: the launcher names the rank
+    assert cli.main(["train", "c.yaml"]) == cli.PEER_LOST_EXIT_CODE
+    assert capsys.readouterr().err == ""
     monkeypatch.setenv("WORLD_SIZE", "1")  # alone, the same error is no peer's death: raised
     with pytest.raises(RuntimeError, match="Connection reset"):
         cli.main(["train", "c.yaml"])
