@@ -378,6 +378,14 @@ class DataConfig(Settings):
     sums: SumsConfig = _f(default_factory=SumsConfig)
     hinted: HintedConfig = _f(default_factory=HintedConfig)
 
+    def split_problem(self, split: str) -> Optional[str]:
+        """Why this data has no ``split`` ("train", "val" or "test"), or None: only data.task
+        hinted's generated problems have a test split."""
+        if split == "test" and (self.train_files or self.task != "hinted"):
+            what = "data.train_files" if self.train_files else f"data.task={self.task!r}"
+            return f"{what} has no test split: give test files (eval.files) or eval.split=val"
+        return None
+
 
 @dataclass
 class RewardConfig(Settings):

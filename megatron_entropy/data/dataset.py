@@ -282,10 +282,9 @@ def load_prompt_dataset(data: DataConfig, tokenizer: Any, max_prompt_tokens: int
     """The train, validation or test prompts of a run. No ``data.train_files`` means the
     synthetic task ``data.task`` (train and validation; test: data.task hinted only); real
     training files without ``data.val_files`` mean no validation set (an empty dataset)."""
-    if split == "test" and (data.train_files or data.task != "hinted"):
-        what = "data.train_files" if data.train_files else f"data.task={data.task!r}"
-        raise DatasetError(f"{what} has no test split: give test files (eval.files) or "
-                           "eval.split=val")
+    problem = data.split_problem(split)
+    if problem:
+        raise DatasetError(problem)
     files = data.train_files if split == "train" else data.val_files
     if split == "test":
         rows = hinted_rows(data.hinted, "test")

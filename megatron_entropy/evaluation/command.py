@@ -10,7 +10,9 @@ Per problem: one greedy answer (``eval.greedy``) and ``eval.n_samples`` samples 
 ``eval.temperature`` / ``eval.top_p``; from them pass@1 greedy, pass@k (the unbiased estimator,
 k = 1, 2, 4, ... n), avg@k and maj@k (the majority of the boxed answers of the first k samples),
 overall and per data source, and for tasks with solution modes (data/hinted.py) each mode's
-share and accuracy. The JSON result goes to ``--out``; a one-screen table to stdout.
+share and accuracy. The JSON result goes to ``--out`` (default: the run folder's
+``eval_<split>_<checkpoint>.json``, never the model folder); a one-screen table to stdout. The
+config, the split and the paths are checked before anything loads.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Optional
 
-from megatron_entropy.config import Config, load_config
+from megatron_entropy.config import Config, ConfigError, DataConfig, load_config
 from megatron_entropy.evaluation.passk import (avg_at_k, ks_up_to, maj_at_k, majority_answer,
                                                pass_at_k)
 from megatron_entropy.runtime.harmless import silence_harmless_warnings
@@ -36,7 +38,8 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", required=True, type=Path,
                    help="HF model folder, dist checkpoint, a run's checkpoints/ or run folder")
     p.add_argument("--out", type=Path, default=None,
-                   help="JSON result (default: eval_<split>.json beside the checkpoint)")
+                   help="JSON result (default: eval_<split>_<checkpoint>.json in the run folder "
+                        "the checkpoint belongs to, else in the config's run folder)")
 
 
 def model_folder(path: Path, scratch: Path) -> tuple[Path, Optional[Path]]:
@@ -158,9 +161,7 @@ def evaluate(cfg: Config, checkpoint: Path, scratch: Path) -> dict[str, Any]:
     e = cfg.eval
     model_dir, converted = model_folder(checkpoint, scratch)
     tokenizer = load_tokenizer(model_dir)
-    data, split = cfg.data, e.split
-    if e.files:
-        data, split = dataclasses.replace(cfg.data, val_files=list(e.files)), "val"
+    data, split = eval_data(cfg)
     items = list(load_prompt_dataset(data, tokenizer, cfg.rollout.max_prompt_tokens, split))
     if e.num_problems:
         items = items[:e.num_problems]
@@ -193,17 +194,50 @@ def evaluate(cfg: Config, checkpoint: Path, scratch: Path) -> dict[str, Any]:
     return result
 
 
-def default_out(checkpoint: Path, split: str) -> Path:
-    folder = checkpoint if checkpoint.is_dir() else checkpoint.parent
-    return folder / f"eval_{split}.json"
+def eval_data(cfg: Config) -> tuple[DataConfig, str]:
+    """The data and split the eval reads: eval.files as a validation split, else the config's
+    data's eval.split."""
+    if cfg.eval.files:
+        return dataclasses.replace(cfg.data, val_files=list(cfg.eval.files)), "val"
+    return cfg.data, cfg.eval.split
+
+
+def check_eval(cfg: Config, checkpoint: Path) -> None:
+    """What the config and the command line say, checked before anything loads: the split
+    exists, eval.files and the checkpoint are there."""
+    data, split = eval_data(cfg)
+    problem = data.split_problem(split)
+    if problem:
+        raise ConfigError(problem)
+    for f in cfg.eval.files:
+        if not Path(f).is_file():
+            raise ConfigError(f"eval.files: {f!r} does not exist")
+    if not checkpoint.exists():
+        raise FileNotFoundError(f"--checkpoint: {checkpoint} does not exist")
+
+
+def default_out(checkpoint: Path, split: str, run_dir: Path) -> Path:
+    """Where the result goes without --out, never into a model folder: the run folder the
+    checkpoint belongs to (a run folder, its checkpoints/ or one of their step folders), else
+    ``run_dir`` (the config's); named after the split and the checkpoint."""
+    from megatron_entropy.models.megatron_checkpoint import read_latest
+
+    folder = checkpoint / "checkpoints" if (checkpoint / "checkpoints").is_dir() else checkpoint
+    if (folder / "latest").is_file():
+        folder = read_latest(folder)
+    if folder.parent.name == "checkpoints":  # a step of a run
+        run_dir = folder.parent.parent
+    return run_dir / f"eval_{split}_{folder.name}.json"
 
 
 def run_eval(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
+    check_eval(cfg, args.checkpoint)
+    out = args.out or default_out(args.checkpoint, "files" if cfg.eval.files else
+                                  cfg.eval.split, cfg.run_dir)
     silence_harmless_warnings()  # the megatron-core notes `train` hides
     with tempfile.TemporaryDirectory(prefix="megatron_entropy_eval_") as scratch:
         result = evaluate(cfg, args.checkpoint, Path(scratch))
-    out = args.out or default_out(args.checkpoint, result["split"])
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(render_table(result))
