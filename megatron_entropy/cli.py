@@ -25,7 +25,7 @@ from megatron_entropy.runtime import files, run_lock
 from megatron_entropy.runtime.harmless import silence_harmless_warnings
 from megatron_entropy.runtime.launch_env import UrlFileError
 from megatron_entropy.runtime.processes import end_rank_at_once, start_held, stop_all
-from megatron_entropy.runtime.threads import apply_thread_defaults
+from megatron_entropy.runtime.threads import apply_thread_defaults, usable_cpus
 from megatron_entropy.runtime import preemption
 from megatron_entropy.runtime.preemption import PREEMPTED_EXIT_CODE as PREEMPTED
 
@@ -252,6 +252,10 @@ def _train_command(args: argparse.Namespace) -> int:
     _check_model(cfg)  # before any rank starts
     nproc = (args.nproc or tp * pp * ep) if launch.launcher == "single" else launch.world_size
     check_layout(nproc, tp, pp, ep)
+    if launch.launcher == "single" and nproc > usable_cpus():
+        print(f"warning: {nproc} ranks on {usable_cpus()} cores: each rank gets one thread and "
+              "they take turns on the cores, slower than fewer ranks (docs/performance.md)",
+              file=sys.stderr)
     preemption.stop_if_requested()  # Ctrl-C while the model's files were checked
     with _run_folder_lock(cfg.run_dir, launch.rank) as start:  # none for a bad start above
         if launch.launcher == "single" and nproc > 1:
@@ -271,7 +275,8 @@ def finished_summary(run_dir: Path, steps: int) -> str:
     """The line a finished run ends with: where its checkpoint and metrics are."""
     pointer = run_dir / "checkpoints" / "latest"
     checkpoint = pointer.parent / pointer.read_text().strip() if pointer.is_file() else None
-    return (f"finished: {steps} steps; last checkpoint {checkpoint or '(none)'}; metrics "
+    return (f"finished: {steps} step{'s' * (steps != 1)}; last checkpoint "
+            f"{checkpoint or '(none)'}; metrics "
             f"{run_dir / 'metrics.jsonl'} (megatron-entropy plot {run_dir})")
 
 
@@ -318,18 +323,20 @@ def _check_model(cfg) -> None:
     from megatron_entropy.models.megatron_checkpoint import read_arch
 
     m = cfg.model
-    if m.megatron_ckpt:
-        arch = read_arch(m.megatron_ckpt)
-    elif not m.hf_path:
+    key = "model.megatron_ckpt" if m.megatron_ckpt else "model.hf_path"
+    if not (m.megatron_ckpt or m.hf_path):
         raise ConfigError("model.hf_path: set an HF model folder (or model.megatron_ckpt, a "
                           "converted checkpoint)")
-    else:
-        arch = load_arch(m.hf_path)
-        try:
+    try:
+        if m.megatron_ckpt:
+            arch = read_arch(m.megatron_ckpt)
+        else:
+            arch = load_arch(m.hf_path)
             check_hf_checkpoint(hf_weight_files(m.hf_path), arch, m.hf_path)
-        except (KeyError, ValueError) as e:
-            raise ConfigError(f"model.hf_path: {e.args[0] if isinstance(e, KeyError) else e}") \
-                from None
+    except PermissionError as e:  # these are reads, whatever the errno would suggest
+        raise ConfigError(f"{key}: {files.describe(e, 'read')}") from None
+    except (KeyError, ValueError, FileNotFoundError) as e:
+        raise ConfigError(f"{key}: {e.args[0] if isinstance(e, KeyError) else e}") from None
     arch.check_parallel(cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.expert)
     # The tokenizer and chat template come from hf_path, else the checkpoint's hf/ folder.
     key, folder = ("model.hf_path", m.hf_path) if m.hf_path else \

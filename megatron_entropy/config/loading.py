@@ -182,6 +182,9 @@ def load_config(path: Optional[Union[str, Path]] = None, overrides: Optional[lis
     said: dict[str, str] = {}  # deprecated key -> the line about it (the value that is read)
     if path is not None:
         p = Path(path)
+        if p.is_dir():
+            raise ConfigError(f"config file {str(p)!r} is a folder: give a YAML file in it "
+                              "(e.g. examples/quickstart.yaml)")
         if not p.is_file():
             raise ConfigError(f"config file {str(p)!r} does not exist")
         try:

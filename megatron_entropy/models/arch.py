@@ -215,8 +215,13 @@ def _moe(cfg: dict, where: str) -> dict[str, Any]:
 
 
 def load_arch(hf_dir: Union[str, Path]) -> ModelArch:
+    """The architecture of the Hugging Face model folder ``hf_dir`` (its config.json); the
+    errors name the folder, the caller the setting that gave it."""
     path = Path(hf_dir) / "config.json"
+    if not Path(hf_dir).is_dir():
+        raise FileNotFoundError(f"{str(hf_dir)!r} does not exist" if not Path(hf_dir).exists()
+                                else f"{str(hf_dir)!r} is a file, not a model folder")
     if not path.is_file():
-        raise FileNotFoundError(f"no config.json in {str(hf_dir)!r} (model.hf_path must be a "
-                                "Hugging Face model folder)")
+        raise FileNotFoundError(f"no config.json in {str(hf_dir)!r}: not a Hugging Face model "
+                                "folder")
     return arch_from_hf_config(json.loads(path.read_text()), where=str(path))

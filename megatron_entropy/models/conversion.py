@@ -134,10 +134,12 @@ def run_conversion(convert: Callable[[], dict[str, float]],
     try:
         stats = convert()
     except (OSError, KeyError, ValueError) as e:
-        print(f"error: {e.args[0] if isinstance(e, KeyError) else e}", file=sys.stderr)
+        print(f"megatron-entropy convert: error: {e.args[0] if isinstance(e, KeyError) else e}",
+              file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("interrupted: the partial output was removed", file=sys.stderr)
+        print("megatron-entropy convert: interrupted: the partial output was removed",
+              file=sys.stderr)
         return 130
     print(summary(stats))
     return 0
@@ -200,7 +202,10 @@ def _checked_source(hf_dir: Path, dtype: str, tensor: int, pipeline: int
     """An HF folder to convert, checked: (its architecture, split as ``tensor`` x
     ``pipeline`` allows; the dtype to write, "auto" resolved; its weight files, every tensor
     against config.json)."""
-    arch = load_arch(hf_dir)
+    try:
+        arch = load_arch(hf_dir)
+    except FileNotFoundError as e:
+        raise CheckpointError(f"--hf-dir: {e}") from None
     try:
         arch.check_parallel(tensor, pipeline)
     except ValueError as e:

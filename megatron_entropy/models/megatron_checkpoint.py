@@ -83,6 +83,8 @@ def resolve_checkpoint_dir(path: Union[str, Path]) -> Path:
         return path
     if (path / "latest").is_file():
         return resolve_checkpoint_dir(read_latest(path))
+    if not path.exists():
+        raise CheckpointError(f"{path} does not exist")
     raise CheckpointError(f"{path} is not a Megatron dist checkpoint (no metadata.json)")
 
 

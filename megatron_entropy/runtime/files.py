@@ -69,8 +69,30 @@ def _existing(path: Path) -> Path:
     return path
 
 
-def describe(error: OSError) -> str:
-    """One line: what could not be written, and why (errno name and text)."""
+def describe(error: OSError, action: Optional[str] = None) -> str:
+    """One line: what could not be done to which path (``action`` where the caller knows,
+    e.g. "read"), and why (errno name and text). Else a refused access (EACCES, EPERM) to a
+    path that exists and cannot be read is a read, one behind a folder that cannot be entered
+    (said) an open; the rest are writes (a full or read-only disk, a folder that takes no new
+    file)."""
     name = errno.errorcode.get(error.errno, str(error.errno))
-    where = f"cannot write {error.filename}" if error.filename else "a write failed"
-    return f"{where}: {name} ({error.strerror})"
+    why = error.strerror
+    if not error.filename:
+        return f"a {action or 'write'} failed: {name} ({why})"
+    path = Path(error.filename)
+    refused = error.errno in (errno.EACCES, errno.EPERM)
+    closed = _closed_folder(path) if refused else None
+    if action is None:
+        unreadable = refused and os.access(path, os.F_OK) and not os.access(path, os.R_OK)
+        action = "open" if closed else "read" if unreadable else "write"
+    if closed is not None:
+        why += f": {closed} cannot be entered"
+    return f"cannot {action} {error.filename}: {name} ({why})"
+
+
+def _closed_folder(path: Path) -> Optional[Path]:
+    """The first folder on the way to ``path`` that exists and this process cannot enter."""
+    for folder in reversed(path.absolute().parents):
+        if os.access(folder, os.F_OK) and not os.access(folder, os.X_OK):
+            return folder
+    return None

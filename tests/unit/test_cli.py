@@ -70,3 +70,39 @@ def test_launcher_names_the_rank_that_ended_first(capsys, codes, order, stopped,
     assert _launcher_exit_code(codes, order, stopped, asked=[], interrupts=0, run_dir=RUN) == code
     err = capsys.readouterr().err.strip()
     assert err == (f"megatron-entropy train: {line}" if line else "")
+
+
+def _config(tmp_path: Path, model: Path) -> Path:
+    config = tmp_path / "c.yaml"
+    config.write_text(f"model:\n  hf_path: {model}\nlogging:\n  runs_dir: {tmp_path / 'runs'}\n")
+    return config
+
+
+def test_messages_point_the_right_way(tmp_path, capsys, monkeypatch):
+    """A config path that is a folder, a model folder that does not exist, `--nproc` above the
+    cores (a warning), the summary of a one-step run."""
+    from megatron_entropy import cli
+    from megatron_entropy.runtime import run_lock
+
+    def error(*argv: str) -> str:
+        assert main(list(argv)) == 2
+        return capsys.readouterr().err.strip()
+
+    assert error("train", str(tmp_path)) == (
+        f"megatron-entropy train: error: config file '{tmp_path}' is a folder: give a YAML file "
+        "in it (e.g. examples/quickstart.yaml)")
+    assert error("train", str(_config(tmp_path, tmp_path / "nowhere"))) == (
+        f"megatron-entropy train: error: model.hf_path: '{tmp_path / 'nowhere'}' does not exist")
+    # Four ranks on two cores are said before they start (here a held run folder stops them).
+    config = _config(tmp_path, Path(__file__).parents[2] / "examples" / "quickstart_model")
+    (tmp_path / "runs" / "run").mkdir(parents=True)
+    held = run_lock.acquire(tmp_path / "runs" / "run" / "train.lock", "run folder")
+    monkeypatch.setattr(cli, "usable_cpus", lambda: 2)
+    try:
+        lines = error("train", str(config), "--nproc", "4").splitlines()
+    finally:
+        run_lock.release(held)
+    assert lines[0] == ("warning: 4 ranks on 2 cores: each rank gets one thread and they take "
+                        "turns on the cores, slower than fewer ranks (docs/performance.md)")
+    assert "is in use by" in lines[1]
+    assert cli.finished_summary(tmp_path, 1).startswith("finished: 1 step; last checkpoint")

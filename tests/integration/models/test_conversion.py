@@ -331,7 +331,8 @@ def test_interrupted_conversion_leaves_no_temporary_folder(tiny_hf, tmp_path, ca
 
     out = tmp_path / "mcore"
     assert run_distributed(_interrupted_conversion, 1, tiny_hf["qwen2"][0], out) == [130]
-    assert "interrupted: the partial output was removed" in capfd.readouterr().err
+    assert "megatron-entropy convert: interrupted: the partial output was removed" in \
+        capfd.readouterr().err
     assert list(tmp_path.iterdir()) == []
     # A writer killed outright (-9) cannot clean up: the next writer of that folder removes its
     # temporary folder, and leaves a live writer's alone.
@@ -382,6 +383,18 @@ def test_tools_run_with_any_accepted_megatron_without_the_cpu_layer(tmp_path):
                                                               "model.safetensors")
     assert out.keys() == ref.keys()
     assert all(torch.equal(out[name], t) for name, t in ref.items())
+
+
+def test_the_commands_errors_are_one_line_naming_the_command(tmp_path):
+    missing = tmp_path / "missing"
+    for args, line in (
+            (["mcore-to-hf", "--ckpt", str(missing)], f"{missing} does not exist"),
+            (["hf-to-mcore", "--hf-dir", str(missing)], f"--hf-dir: '{missing}' does not exist")):
+        done = subprocess.run([sys.executable, "-m", "megatron_entropy.cli", "convert", *args,
+                               "--out", str(tmp_path / "out")], capture_output=True, text=True,
+                              timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+        assert (done.returncode, done.stderr.strip().splitlines()) == (
+            2, [f"megatron-entropy convert: error: {line}"])
 
 
 def _cli_exit_and_stderr(argv: list[str]) -> tuple[int, str]:

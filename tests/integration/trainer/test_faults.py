@@ -16,6 +16,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import torch
@@ -217,10 +218,11 @@ def test_run_restarted_before_its_first_checkpoint_logs_step_0_once(tmp_path):
 REPO = Path(__file__).resolve().parents[3]
 
 
-def _cli_config(tmp_path: Path, **sections) -> Path:
+def _cli_config(tmp_path: Path, model: Path = REPO / "examples" / "quickstart_model",
+                **sections) -> Path:
     import yaml
 
-    cfg = {"model": {"hf_path": str(REPO / "examples" / "quickstart_model")},
+    cfg = {"model": {"hf_path": str(model)},
            "logging": {"runs_dir": str(tmp_path / "runs"), "name": "r", "progress_bar": False},
            **sections}
     path = tmp_path / "c.yaml"
@@ -449,18 +451,31 @@ def _as_nobody(argv: list[str], err: Path) -> int:
     return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
 
 
+@contextlib.contextmanager
+def _shared_folder() -> Iterator[Path]:
+    """A folder the other user can reach: pytest's tmp_path is root's alone, and so may be the
+    checkout (a clone in a home folder, or in mktemp's 0700 folder)."""
+    shared = Path(tempfile.mkdtemp(prefix="me-eacces-"))
+    try:
+        shared.chmod(0o755)
+        yield shared
+    finally:
+        shutil.rmtree(shared)
+
+
+def _readable_model(shared: Path) -> Path:
+    """The quickstart model where the other user can read it."""
+    return Path(shutil.copytree(REPO / "examples" / "quickstart_model", shared / "model"))
+
+
 @pytest.mark.parametrize("closed", ["runs_dir", "run folder"])
 def test_unwritable_run_folder_is_one_line_naming_the_path_and_errno(tmp_path, closed):
     """EACCES on a writable file system: runs_dir, or an earlier run's folder, that the user
     may not write to."""
     if os.geteuid() != 0:
         pytest.skip("needs root to become another user")
-    with contextlib.ExitStack() as undo:
-        # A folder the other user can reach: pytest's tmp_path is root's alone.
-        shared = Path(tempfile.mkdtemp(prefix="me-eacces-"))
-        undo.callback(shutil.rmtree, shared)
-        shared.chmod(0o755)
-        config = _cli_config(shared, parallel={"tensor": 1})
+    with _shared_folder() as shared:
+        config = _cli_config(shared, _readable_model(shared), parallel={"tensor": 1})
         closed_dir = shared / "runs" / ("r" if closed == "run folder" else "")
         closed_dir.mkdir(parents=True)
         closed_dir.chmod(0o555)
@@ -469,6 +484,22 @@ def test_unwritable_run_folder_is_one_line_naming_the_path_and_errno(tmp_path, c
     path = shared / "runs" / "r" / ("train.lock" if closed == "run folder" else "")
     assert (code, err) == (1, [f"megatron-entropy train: error: cannot write {path}: EACCES "
                                "(Permission denied)"])
+
+
+@pytest.mark.parametrize("closed", ["folder", "config.json"])
+def test_a_model_the_user_cannot_read_is_one_line_saying_so(tmp_path, closed):
+    """EACCES while reading (not writing): the model folder, or its config.json, closed to the
+    user."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to become another user")
+    with _shared_folder() as shared:
+        model = _readable_model(shared)
+        (model if closed == "folder" else model / "config.json").chmod(0o700)
+        code = _as_nobody(["train", str(_cli_config(shared, model))], tmp_path / "err")
+    err = (tmp_path / "err").read_text().strip().splitlines()
+    entered = f": {model} cannot be entered" if closed == "folder" else ""
+    assert (code, err) == (2, [f"megatron-entropy train: error: model.hf_path: cannot read "
+                               f"{model / 'config.json'}: EACCES (Permission denied{entered})"])
 
 
 # ------------------------------------------------------------------------- bad model folders

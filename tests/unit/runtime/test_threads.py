@@ -86,11 +86,12 @@ def test_one_process_run_loads_openmp_with_the_defaults(tmp_path, user):
 def test_eval_loads_openmp_with_the_one_process_defaults(tmp_path):
     """Every command but train computes in its own process (eval generates, convert reshards)
     and loads OpenMP with the defaults of a one-process run: a study's eval of each run spun
-    its threads without them. The checkpoint is missing, so eval stops (exit 2) after loading
-    torch."""
+    its threads without them. The checkpoint is an empty folder, so eval stops (exit 2) after
+    loading torch, to read it."""
     config = _config(tmp_path, str(tmp_path / "no_model"))
+    (tmp_path / "no_checkpoint").mkdir()
     out = subprocess.run([sys.executable, "-m", "megatron_entropy.cli", "eval", str(config),
-                          "--checkpoint", str(tmp_path / "no_checkpoint")],
+                          "--checkpoint", str(tmp_path / "no_checkpoint"), "eval.split=val"],
                          env=_env(OMP_DISPLAY_ENV="VERBOSE"), cwd=tmp_path,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2, out.stderr
