@@ -27,6 +27,7 @@ GPU counts as full at 90% of its memory.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -206,6 +207,10 @@ class Plan:
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)  # fits, but wastes GPUs
+    # Rollout-bound: the imbalance, and the plan of the node split that balances it (if one
+    # fits), for the verdict.
+    rollout_bound: str = ""
+    balanced: Optional["Plan"] = None
 
     @property
     def fits(self) -> bool:
@@ -216,8 +221,10 @@ class Plan:
         return sum(b for _, b in self.trainer)
 
 
-def make_plan(cfg: Config, arch: ModelArch, nodes: int, arch_source: str = "") -> Plan:
-    """Layout and memory estimate for ``cfg`` on ``nodes`` nodes of ``cfg.cluster``'s shape."""
+def make_plan(cfg: Config, arch: ModelArch, nodes: int, arch_source: str = "",
+              rebalance: bool = True) -> Plan:
+    """Layout and memory estimate for ``cfg`` on ``nodes`` nodes of ``cfg.cluster``'s shape;
+    ``rebalance``: a rollout-bound plan also plans the node split that balances it."""
     c, p, r, t = cfg.cluster, cfg.parallel, cfg.rollout, cfg.trainer
     plan = Plan(arch=arch, arch_source=arch_source, nodes=nodes, gpus_per_node=c.gpus_per_node,
                 gpu_memory_gb=c.gpu_memory_gb, layout=None, tensor=p.tensor, pipeline=p.pipeline,
@@ -246,6 +253,10 @@ def make_plan(cfg: Config, arch: ModelArch, nodes: int, arch_source: str = "") -
     _plan_trainer_work(plan, cfg, seq)
     if lay.num_servers and not lay.shared:  # rollout servers on their own nodes
         _plan_servers(plan, cfg, seq)
+    if plan.rollout_bound and rebalance:  # the recipes' 1:1 split, where it fits
+        even = make_plan(dataclasses.replace(cfg, cluster=dataclasses.replace(
+            c, server_nodes=nodes // 2)), arch, nodes, arch_source, rebalance=False)
+        plan.balanced = even if even.fits and not even.rollout_bound else None
     mini = t.mini_batches_per_step
     batch_seqs = cfg.data.prompts_per_step * r.n_samples
     if batch_seqs % (plan.data_parallel * mini):
@@ -360,12 +371,13 @@ def _plan_servers(plan: Plan, cfg: Config, seq: int) -> None:
             + ("" if in_flight_seqs >= batch else " (generated in waves)"))
     server_gpus = lay.num_servers * c.server_gpus
     if lay.trainer_tasks > ROLLOUT_BOUND_RATIO * server_gpus:
+        plan.rollout_bound = (f"{lay.trainer_tasks} trainer GPUs wait on {server_gpus} rollout "
+                              f"server GPUs ({lay.trainer_tasks / server_gpus:.0f} to 1)")
         plan.warnings.append(
-            f"rollout-bound: {lay.trainer_tasks} trainer GPUs wait on {server_gpus} rollout "
-            f"server GPUs ({lay.trainer_tasks / server_gpus:.0f} to 1; above "
-            f"{ROLLOUT_BOUND_RATIO} to 1 generation leaves the trainer idle most of each "
-            f"step): raise cluster.server_nodes (e.g. {plan.nodes // 2}, the recipes' 1:1 "
-            "split) or run on fewer nodes")
+            f"rollout-bound: {plan.rollout_bound[:-1]}; above {ROLLOUT_BOUND_RATIO} to 1 "
+            "generation leaves the trainer idle most of each step): raise "
+            f"cluster.server_nodes (e.g. {plan.nodes // 2}, the recipes' 1:1 split) or run on "
+            "fewer nodes")
 
 
 def format_plan(plan: Plan) -> str:
@@ -402,10 +414,26 @@ def format_plan(plan: Plan) -> str:
     lines += [f"note: {n}" for n in plan.notes]
     lines += [f"warning: {w}" for w in plan.warnings]
     if plan.fits:
-        lines.append("verdict: fits")
+        lines.append("verdict: fits" + _imbalance(plan))
     else:
         lines += [f"refused: {msg}" for msg in plan.problems]
     return "\n".join(lines)
+
+
+def _imbalance(plan: Plan) -> str:
+    """What the verdict adds for a rollout-bound plan: the imbalance, and the node split that
+    balances it."""
+    if not plan.rollout_bound:
+        return ""
+    even = plan.balanced
+    if even is None:
+        return f", but rollout-bound: {plan.rollout_bound}; run on fewer nodes"
+    lay = even.layout
+    return (f", but rollout-bound: {plan.rollout_bound}; cluster.server_nodes="
+            f"{len(lay.server_nodes)} balances them ({len(lay.server_nodes)} server + "
+            f"{len(lay.trainer_nodes)} trainer nodes: {lay.num_servers * lay.server_gpus} server "
+            f"and {lay.trainer_tasks} trainer GPUs, TP {even.tensor} x PP {even.pipeline} x DP "
+            f"{even.data_parallel})")
 
 
 # ------------------------------------------------------------------------------------ CLI
