@@ -336,7 +336,10 @@ def _check_model(cfg) -> None:
     except PermissionError as e:  # these are reads, whatever the errno would suggest
         raise ConfigError(f"{key}: {files.describe(e, 'read')}") from None
     except (KeyError, ValueError, FileNotFoundError) as e:
-        raise ConfigError(f"{key}: {e.args[0] if isinstance(e, KeyError) else e}") from None
+        where = files.relative_note(m.megatron_ckpt or m.hf_path) \
+            if not Path(m.megatron_ckpt or m.hf_path).exists() else ""
+        raise ConfigError(f"{key}: {e.args[0] if isinstance(e, KeyError) else e}{where}") \
+            from None
     arch.check_parallel(cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.expert)
     # The tokenizer and chat template come from hf_path, else the checkpoint's hf/ folder.
     key, folder = ("model.hf_path", m.hf_path) if m.hf_path else \

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import os
 import types
 import typing
 from pathlib import Path
@@ -175,6 +176,44 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
+# The keys that name files or folders a run reads. A relative path in a config file is taken
+# from the file's folder where it exists there, else from the working directory (the examples'
+# paths are relative to the checkout's top). Outputs (logging.runs_dir,
+# rollout.weight_sync.dir) and dotted overrides are relative to the working directory.
+INPUT_PATH_KEYS = ("model.hf_path", "model.megatron_ckpt", "rollout.server.urls_file",
+                   "data.train_files", "data.val_files", "eval.files", "trainer.resume",
+                   "reward.function")
+
+
+def _paths_beside(tree: dict, folder: Path) -> dict:
+    """``tree`` (a config file's) with the relative paths of INPUT_PATH_KEYS that exist in
+    ``folder`` made absolute there."""
+    for key in INPUT_PATH_KEYS:
+        *sections, name = key.split(".")
+        node: Any = tree
+        for section in sections:
+            node = node.get(section) if isinstance(node, dict) else None
+        if isinstance(node, dict) and name in node:
+            value = node[name]
+            node[name] = [_beside(v, folder) for v in value] if isinstance(value, list) \
+                else _beside(value, folder)
+    return tree
+
+
+def _beside(value: Any, folder: Path) -> Any:
+    """A relative path (also a ``path/to/file.py:function``) that exists in ``folder``, made
+    absolute; anything else as it is (trainer.resume's "auto", a registered reward, an absolute
+    path)."""
+    if not isinstance(value, str) or not value or value.lower() in ("auto", "none"):
+        return value
+    path, colon, function = value, "", ""
+    if ".py:" in value:  # reward.function's path/to/file.py:function
+        path, colon, function = value.rpartition(":")
+    if Path(path).is_absolute() or not (folder / path).exists():
+        return value
+    return os.path.abspath(folder / path) + colon + function
+
+
 def load_config(path: Optional[Union[str, Path]] = None, overrides: Optional[list[str]] = None,
                 data: Optional[dict] = None) -> Config:
     """Build the config from a YAML file (or a dict), then apply dotted overrides."""
@@ -201,7 +240,7 @@ def load_config(path: Optional[Union[str, Path]] = None, overrides: Optional[lis
                               "examples/quickstart.yaml")
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {str(p)!r} must hold a mapping of sections")
-        tree = _renamed(_floats_in_yaml(loaded), said)
+        tree = _paths_beside(_renamed(_floats_in_yaml(loaded), said), p.parent)
     if data:
         tree = _merge(tree, _renamed(data, said))
     if overrides:

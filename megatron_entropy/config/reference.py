@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Iterator, Literal, Union
 
 from megatron_entropy.config import Config
+from megatron_entropy.config.loading import INPUT_PATH_KEYS
 from megatron_entropy.settings import Settings, choices, field_types
 
 PAGE = "docs/configuration.md"
@@ -27,7 +28,15 @@ trainer.lr=1e-6`). An unknown key, a wrong type or an out-of-range value stops t
 message naming the key (`unknown config key 'algorithm.clip_cov_ration'; did you mean
 'algorithm.clip_cov_ratio'?`); keys that depend on each other are checked together when the
 config loads. How the sections are composed of the components' settings classes:
-[architecture.md](architecture.md#configuration-in-the-code)."""
+[architecture.md](architecture.md#configuration-in-the-code).
+
+Relative paths in a config file that name what a run reads (""" + ", ".join(
+    f"`{key}`" for key in INPUT_PATH_KEYS) + """) are taken from the file's folder where they
+exist there, else from the working directory: a config copied elsewhere with its model and data
+beside it works from any folder, and the examples' paths, written from the checkout's top, work
+from there. Outputs (`logging.runs_dir`, `rollout.weight_sync.dir`) and command-line
+overrides are relative to the working directory. A path found in neither place is an error that
+says where it was looked for."""
 
 
 def _is_section(tp: Any) -> bool:

@@ -23,6 +23,7 @@ from megatron_entropy.data.arithmetic import train_val_problems
 from megatron_entropy.data.hinted import hinted_splits
 from megatron_entropy.data.sums import train_val_sum_problems
 from megatron_entropy.models.tokenizer_files import tokenizer_problem
+from megatron_entropy.runtime.files import relative_note
 
 # Both splits come from one generation (the validation problems are drawn apart from the
 # training ones): a run that loads its train and val splits generates them once.
@@ -125,7 +126,7 @@ def read_rows(path: Union[str, Path], prompt_key: str = "prompt", answer_key: st
     """All rows of one file; a row without a prompt or an answer raises naming file and row."""
     path = Path(path)
     if not path.is_file():
-        raise DatasetError(f"dataset file {str(path)!r} does not exist")
+        raise DatasetError(f"dataset file {str(path)!r} does not exist{relative_note(path)}")
     rows = []
     for where, record in _iter_records(path):
         if not isinstance(record, dict):

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from megatron_entropy.config import ConfigError
+from megatron_entropy.runtime.files import relative_note
 
 KEY = "reward.function"
 _MARK = "__megatron_entropy_reward__"  # the attribute reward_function() sets
@@ -124,7 +125,7 @@ def get_reward(name: str) -> Callable:
 def _load_file(path: str) -> Any:
     file = Path(path)
     if not file.is_file():
-        raise ConfigError(f"{KEY}: the file {path!r} does not exist")
+        raise ConfigError(f"{KEY}: the file {path!r} does not exist{relative_note(path)}")
     # One module per file: a second resolution (a worker's, a validation's) finds it loaded.
     name = f"_reward_file_{abs(hash(str(file.resolve())))}"
     if name in sys.modules:

@@ -1,4 +1,5 @@
-"""Writing a run's files: whole or not at all, and a full or unwritable disk said as such.
+"""Writing a run's files: whole or not at all, and a full or unwritable disk said as such (a
+refused read too, as a read).
 
 No torch here (the study's and the Slurm helpers' processes write with it too)."""
 
@@ -96,3 +97,12 @@ def _closed_folder(path: Path) -> Optional[Path]:
         if os.access(folder, os.F_OK) and not os.access(folder, os.X_OK):
             return folder
     return None
+
+
+def relative_note(path: str | os.PathLike) -> str:
+    """What a "does not exist" message adds for a relative ``path`` (empty for an absolute one):
+    where it was looked for (config/loading.py: INPUT_PATH_KEYS)."""
+    if Path(path).is_absolute():
+        return ""
+    return (" (a relative path in a config file is taken from the file's folder, else from the "
+            f"working directory, {os.getcwd()})")

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional
 
+from megatron_entropy.runtime.files import relative_note
+
 
 @dataclass(frozen=True)
 class LaunchEnv:
@@ -194,7 +196,8 @@ def read_urls_file(path: str | os.PathLike) -> list[str]:
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"rollout.server.urls_file {str(p)!r} does not exist (the "
-                                "slurm/ scripts write it once every server answers)")
+                                "slurm/ scripts write it once every server answers)"
+                                f"{relative_note(p)}")
     urls = [line.strip() for line in p.read_text().splitlines()]
     urls = [u for u in urls if u and not u.startswith("#")]
     if not urls:

@@ -241,3 +241,48 @@ def test_a_key_given_twice_is_an_error_naming_it_and_its_lines(tmp_path):
     path.write_text("trainer: {lr: 1.0e-5}\nalgorithm: {lr: 2.0e-5}\n")  # one per section
     with pytest.raises(ConfigError, match=r"unknown config key 'algorithm.lr'"):
         load_config(path)
+
+
+def test_relative_paths_in_a_config_file_are_taken_from_its_folder_first(tmp_path, monkeypatch):
+    """A config copied elsewhere with what it reads beside it works from any working directory:
+    a relative input path that exists beside the file is taken from there; one that does not
+    stays relative to the working directory (the examples', written from the checkout's top),
+    as do outputs and command-line overrides."""
+    from megatron_entropy.config.loading import INPUT_PATH_KEYS
+
+    beside = tmp_path / "copied"
+    (beside / "model").mkdir(parents=True)
+    for name in ("train.jsonl", "score.py"):
+        (beside / name).write_text("")
+    work = tmp_path / "work"
+    (work / "examples").mkdir(parents=True)
+    (work / "examples" / "val.jsonl").write_text("")
+    monkeypatch.chdir(work)
+    config = _yaml(beside, "model:\n  hf_path: model\ndata:\n  train_files: [train.jsonl]\n"
+                           "  val_files: [examples/val.jsonl]\nreward:\n  function: score.py:f\n"
+                           "trainer:\n  resume: auto\nlogging:\n  runs_dir: runs\n")
+    cfg = load_config(config)
+    assert cfg.model.hf_path == str(beside / "model")
+    assert (cfg.data.train_files, cfg.data.val_files) == ([str(beside / "train.jsonl")],
+                                                          ["examples/val.jsonl"])
+    assert cfg.reward.function == f"{beside / 'score.py'}:f"
+    assert (cfg.trainer.resume, cfg.logging.runs_dir) == ("auto", "runs")
+    assert load_config(config, ["model.hf_path=model"]).model.hf_path == "model"
+    # The same from the config file's own folder, given relative to the working directory.
+    monkeypatch.chdir(tmp_path)
+    assert load_config("copied/c.yaml").model.hf_path == str(beside / "model")
+    # Every key named is one of the config's.
+    for key in INPUT_PATH_KEYS:
+        load_config(overrides=[f"{key}={'[]' if key.endswith('files') else 'x'}"])
+
+
+def test_a_relative_path_that_exists_nowhere_says_where_it_was_looked_for(tmp_path, monkeypatch):
+    from megatron_entropy.data import read_rows
+    from megatron_entropy.data.dataset import DatasetError
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(DatasetError, match=r"dataset file 'nope.jsonl' does not exist \(a "
+                                           r"relative path in a config file is taken from the "
+                                           r"file's folder, else from the working directory, "
+                                           f"{tmp_path}\\)"):
+        read_rows("nope.jsonl")
