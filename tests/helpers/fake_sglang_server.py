@@ -40,8 +40,8 @@ source states it
   empty body;
   ``/health``, ``/health_generate``, ``/get_model_info`` and ``/model_info`` (with the
   weight version; ``/weight_version`` is 404, as on 0.5.15), ``/get_server_info``.
-- After a batched ``/generate`` (several prompts, or n > 1) SIGTERM no longer stops it (the real
-  server loops on "Remaining number of requests"): only SIGKILL does.
+- SIGTERM ends it (aiohttp's graceful exit), as a real 0.5.15 CPU server drains and exits
+  within ~7 s of one, also after batched requests.
 Test knobs (not SGLang's): ``--token-delay-s`` slows decoding; ``--request-log`` appends every
 request body to a JSONL file; ``--busy-health-delay-s`` makes ``/health`` answer that late while a
 request runs and ``--warmup-s`` holds the first request that long before decoding (a busy server,
@@ -71,7 +71,6 @@ import argparse
 import asyncio
 import json
 import os
-import signal
 import threading
 import time
 import uuid
@@ -261,7 +260,6 @@ class FakeSGLang:
         self.decoded = 0  # tokens decoded since start
         self.die_on_sync = False
         self.abort_next = 0
-        self.batched = False
         self.requests: dict[str, RequestState] = {}  # by rid, while they wait or run
         self.unperturbed: Optional[dict[str, torch.Tensor]] = None  # before /fake/perturb
         # /fake/perturb with after_requests: (answers still to send, scale, seed).
@@ -478,8 +476,6 @@ class FakeSGLang:
         except UnknownSamplingKey as e:
             print(f"TypeError: {e}", flush=True)  # the real server logs it; the client sees:
             return web.Response(text="Internal Server Error", status=500)
-        if len(batch) > 1 or p["n"] > 1:
-            self.stop_ignoring_sigterm()
         rid = body.get("rid")
         state = RequestState(rid if isinstance(rid, str) else uuid.uuid4().hex)
         self.requests[state.rid] = state
@@ -540,15 +536,6 @@ class FakeSGLang:
         return web.Response(status=200)
 
     # ---------------------------------------------------------------------- weight updates
-
-    def stop_ignoring_sigterm(self) -> None:
-        """What a real server does after a batched request: SIGTERM leaves it looping."""
-        if self.batched:
-            return
-        self.batched = True
-        asyncio.get_running_loop().remove_signal_handler(signal.SIGTERM)
-        signal.signal(signal.SIGTERM, lambda *_: print("Remaining number of requests: 1",
-                                                       flush=True))
 
     def load_named(self, named: list[tuple[str, torch.Tensor]]) -> tuple[bool, str]:
         params = self.model.params
