@@ -32,6 +32,7 @@ from megatron_entropy.models.bridge import load_hf_weights
 from megatron_entropy.models.builder import build_gpt_model
 from megatron_entropy.models.megatron_checkpoint import (CheckpointError, check_same_model,
                                                          load_model_weights, read_arch)
+from megatron_entropy.models.run_checkpoints import verify_checkpoint
 from megatron_entropy.rewards import RewardScorer
 from megatron_entropy.rollout import build_engine, engine_is_shared
 from megatron_entropy.runtime import init_distributed, set_seed, shutdown
@@ -39,8 +40,7 @@ from megatron_entropy.runtime.roles import Roles
 from megatron_entropy.runtime import preemption
 from megatron_entropy.trainer.actor import Actor
 from megatron_entropy.trainer.batch import Sample
-from megatron_entropy.trainer.checkpoint import (CheckpointManager, resume_checkpoint,
-                                                 verify_checkpoint)
+from megatron_entropy.trainer.checkpoint import CheckpointManager, resume_checkpoint
 from megatron_entropy.trainer.drift import DriftTrend, drift_metrics
 from megatron_entropy.trainer.entropy_control import (build_controller, controller_state,
                                                       loss_knobs, restore_controller,
