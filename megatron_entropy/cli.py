@@ -77,16 +77,18 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
 
 # Set for the ranks `--nproc` starts: their launcher names the rank that ended first.
 LAUNCHED = "MEGATRON_ENTROPY_LOCAL_RANK_OF_LAUNCHER"
-# After the first rank fails: how long the others get to end on their own (their messages are
-# clearer), then after SIGTERM, before SIGKILL. A rank still starting up only records SIGTERM.
+# After the first rank is killed: how long the others get to end on their own (their messages
+# are clearer), then after SIGTERM, before SIGKILL. A rank still starting up only records SIGTERM.
 STOP_GRACE_S = 5.0
-# The same after a stop that was asked for (a signal passed on), once one rank has ended on it:
-# the others end with it (they leave a step together), unless one waits for it in a place no
-# signal reaches (the c10d store, at start-up).
+# The first wait after a stop that was asked for (a signal passed on), or a rank's own (an
+# error, a signal to it alone), once one rank has ended on it: the others end with it (they
+# leave a step together, meet the same bad input and say it), unless one waits for it in a
+# place no signal reaches (the c10d store, at start-up).
 ASKED_STOP_GRACE_S = 15.0
 
 
-def _spawn_local(args: argparse.Namespace, nproc: int, run_dir: Path) -> int:
+def _spawn_local(args: argparse.Namespace, nproc: int, run_dir: Path,
+                 start: Optional[run_lock.FolderStart]) -> int:
     """Start ``nproc`` ranks of this command on this machine; rank 0 prints, the others log to
     ``<run_dir>/logs/rank_N.log``. The first rank to fail stops the rest (SIGTERM, then
     SIGKILL), at any moment of start-up too. SIGTERM/SIGUSR1 are passed on; Ctrl-C asks every
@@ -133,8 +135,12 @@ def _spawn_local(args: argparse.Namespace, nproc: int, run_dir: Path) -> int:
     for signum in list(sent):  # the ranks started after a signal came have not had it
         send(signum)
     order, stopped = _wait_for_ranks(procs, asked)
-    return _launcher_exit_code([p.returncode for p in procs], order, stopped, asked,
+    code = _launcher_exit_code([p.returncode for p in procs], order, stopped, asked,
                                len(interrupts), run_dir)
+    if code and start is not None and not _started(run_dir):
+        # Bad input every rank met: the terminal has rank 0's line, and no line names the logs.
+        start.undo(logs=all(p.returncode == 2 for p in procs))
+    return code
 
 
 # How a rank ends when all is well: done; checkpointed on a signal (or stopped by SIGTERM or
@@ -156,7 +162,9 @@ def _wait_for_ranks(procs: list[subprocess.Popen], asked: list[int]
         order += [r for r, c in enumerate(polled) if c is not None and r not in order]
         codes = [polled[r] for r in order]
         if any(c not in ENDED_WELL for c in codes):  # killed, an error, a peer gone
-            stopped = stop_all(procs, STOP_GRACE_S)
+            killed = any(c < 0 for c in codes)
+            stopped = stop_all(procs, STOP_GRACE_S if killed else ASKED_STOP_GRACE_S,
+                               STOP_GRACE_S)
             break
         if any(codes) or (asked and codes):
             # The others end with it, or wait for it where no signal reaches (the c10d store at
@@ -259,10 +267,7 @@ def _train_command(args: argparse.Namespace) -> int:
     preemption.stop_if_requested()  # Ctrl-C while the model's files were checked
     with _run_folder_lock(cfg.run_dir, launch.rank) as start:  # none for a bad start above
         if launch.launcher == "single" and nproc > 1:
-            code = _spawn_local(args, nproc, cfg.run_dir)
-            if code and start is not None and not _started(cfg.run_dir):
-                start.undo(logs=code == 2)  # bad input: the terminal has rank 0's line
-            return code
+            return _spawn_local(args, nproc, cfg.run_dir, start)
         from megatron_entropy.trainer.loop import train
 
         train(cfg)
