@@ -86,12 +86,6 @@ def solution_mode(text: str) -> str:
     return "other"
 
 
-def response_mode(source: str, text: str) -> Optional[str]:
-    """The solution mode of a response to a problem from ``source``; None where the task has no
-    modes."""
-    return solution_mode(text) if source.startswith("hinted_") else None
-
-
 def make_hinted_problem(rng: random.Random, min_terms: int, max_terms: int, max_operand: int,
                         guess_right: float, guess_error: GuessError = "random") -> HintedProblem:
     terms = make_problem(rng, min_terms, max_terms, max_operand).terms

@@ -113,20 +113,17 @@ def summarize(problems: list[dict], ks: list[int]) -> dict[str, Any]:
 
 def mode_summary(sources: list[str], sampled: list[list[str]], rewards: list[list[float]]
                  ) -> dict[str, dict[str, Optional[float]]]:
-    """Share and accuracy of each solution mode among the samples, for tasks that have modes."""
-    from megatron_entropy.data.hinted import MODES, response_mode
+    """Share and accuracy of each solution mode among the samples, for tasks that have modes
+    (data/task_metrics.py, as training logs them)."""
+    from megatron_entropy.data.task_metrics import mode_shares, response_modes
 
-    pairs = [(response_mode(s, t), r) for s, texts, rs in zip(sources, sampled, rewards)
-             for t, r in zip(texts, rs)]
-    pairs = [(m, r) for m, r in pairs if m is not None]
-    if not pairs:
-        return {}
-    out = {}
-    for mode in MODES:
-        rs = [r for m, r in pairs if m == mode]
-        out[mode] = {"share": len(rs) / len(pairs),
-                     "accuracy": sum(r > 0 for r in rs) / len(rs) if rs else None}
-    return out
+    modes, mode_rewards = [], []
+    for source, texts, rs in zip(sources, sampled, rewards):
+        of_problem = response_modes(source, texts)
+        modes += of_problem
+        mode_rewards += rs[:len(of_problem)]
+    return {mode: {"share": share, "accuracy": accuracy}
+            for mode, (share, accuracy) in mode_shares(modes, mode_rewards).items()}
 
 
 def render_table(result: dict[str, Any]) -> str:

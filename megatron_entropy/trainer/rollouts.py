@@ -27,7 +27,7 @@ from megatron.core import parallel_state as ps
 
 from megatron_entropy.algorithms.advantages import compute_advantages
 from megatron_entropy.data import GroupFilter, PromptItem
-from megatron_entropy.data.hinted import MODES, response_mode
+from megatron_entropy.data.task_metrics import mode_shares, response_modes
 from megatron_entropy.rollout.base import Completion, RolloutEngine, SamplingParams
 from megatron_entropy.rollout.server.partial import version_runs
 from megatron_entropy.runtime.roles import Roles
@@ -55,16 +55,16 @@ class GroupStats:
     response_tokens: list[int]
     truncated: list[bool]
     baseline: Optional[float] = None
-    # Each response's solution mode, for tasks whose responses have modes (data/hinted.py).
+    # Each response's solution mode, for tasks whose responses have modes (data/task_metrics.py).
     modes: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, group: Group) -> "GroupStats":
-        modes = [response_mode(group.item.source, c.text) for c in group.completions]
-        return cls(group.item.source, list(group.rewards), len(group.item.prompt_ids),
+        source = group.item.source
+        return cls(source, list(group.rewards), len(group.item.prompt_ids),
                    [len(c.token_ids) for c in group.completions],
                    [c.finish_reason == "length" for c in group.completions], group.baseline,
-                   tuple(m for m in modes if m is not None))
+                   response_modes(source, [c.text for c in group.completions]))
 
 
 @dataclass
@@ -199,6 +199,33 @@ def _send_shares(held: dict[tuple[int, int], Group], kept: list[tuple[int, int]]
     return share, received
 
 
+def _refill_rounds(keep: GroupFilter, next_items: Callable[[int], list[PromptItem]],
+                   sampling: SamplingParams, between_rounds: Callable[[], None],
+                   generate: Callable[[list[PromptItem], SamplingParams],
+                                      tuple[dict[int, Group], list[GroupStats]]]
+                   ) -> tuple[dict[tuple[int, int], Group], dict[tuple[int, int], GroupStats],
+                              list[GroupStats]]:
+    """Dynamic sampling's rounds until ``keep`` is done: each draws the prompts still needed,
+    with the round's own seed, and ``generate`` returns the groups this rank generated (by item
+    index) and every item's statistics. ``between_rounds`` runs before each refill round (the
+    trainer's stop check; it may raise). Returns the groups held here and every group's
+    statistics, by (round, item index), and every generated group's statistics in order."""
+    held: dict[tuple[int, int], Group] = {}
+    stats_of: dict[tuple[int, int], GroupStats] = {}
+    generated: list[GroupStats] = []
+    while not keep.done:
+        if keep.rounds:
+            between_rounds()
+        local, stats = generate(next_items(keep.prompts_needed()),
+                                _round_sampling(sampling, keep.rounds))
+        keys = [(keep.rounds, i) for i in range(len(stats))]
+        held.update({(keep.rounds, i): g for i, g in local.items()})
+        stats_of.update(zip(keys, stats))
+        generated += stats
+        keep.add(keys, [s.rewards for s in stats])
+    return held, stats_of, generated
+
+
 def collect_step_groups(engine: Optional[RolloutEngine], next_items: Callable[[int], list[PromptItem]],
                         sampling: SamplingParams, reward_fn, shared: bool, target_groups: int,
                         dynamic_sampling: bool, max_refill_rounds: int,
@@ -210,21 +237,17 @@ def collect_step_groups(engine: Optional[RolloutEngine], next_items: Callable[[i
     ``rollout/bytes_received`` is the most rollout data any rank received from the others."""
     keep = GroupFilter(target_groups, max_refill_rounds, enabled=dynamic_sampling)
     received = 0
-    held: dict[tuple[int, int], Group] = {}  # (round, item index) -> a group this rank generated
-    generated: list[GroupStats] = []
-    stats_of: dict[tuple[int, int], GroupStats] = {}
-    while not keep.done:
-        if keep.rounds:
-            between_rounds()
-        local, stats, nbytes = generate_round(engine, next_items(keep.prompts_needed()),
-                                              _round_sampling(sampling, keep.rounds), reward_fn,
-                                              shared, greedy_baseline)
+
+    def generate(items: list[PromptItem], round_sampling: SamplingParams
+                 ) -> tuple[dict[int, Group], list[GroupStats]]:
+        nonlocal received
+        local, stats, nbytes = generate_round(engine, items, round_sampling, reward_fn, shared,
+                                              greedy_baseline)
         received += nbytes
-        keys = [(keep.rounds, i) for i in range(len(stats))]
-        held.update({(keep.rounds, i): g for i, g in local.items()})
-        stats_of.update(zip(keys, stats))
-        generated += stats
-        keep.add(keys, [s.rewards for s in stats])
+        return local, stats
+
+    held, stats_of, generated = _refill_rounds(keep, next_items, sampling, between_rounds,
+                                               generate)
     kept = keep.take()
     share, nbytes = _send_shares(held, kept, shared)
     per_rank: list = [None] * dist.get_world_size()
@@ -253,24 +276,16 @@ def generate_step_local(engine: RolloutEngine, next_items: Callable[[int], list[
     """`collect_step_groups`'s rounds with a shared engine, on rank 0 alone and without
     collectives: the same prompts, seeds and dynamic-sampling decisions."""
     keep = GroupFilter(target_groups, max_refill_rounds, enabled=dynamic_sampling)
-    held: dict[tuple[int, int], Group] = {}
-    generated: list[GroupStats] = []
-    stats_of: dict[tuple[int, int], GroupStats] = {}
-    while not keep.done:
-        if keep.rounds:
-            between_rounds()
-        items = next_items(keep.prompts_needed())
-        local = _generate_groups(engine, items, list(range(len(items))),
-                                 _round_sampling(sampling, keep.rounds), reward_fn,
-                                 greedy_baseline)
-        keys = [(keep.rounds, i) for i in range(len(items))]
-        stats = [GroupStats.of(local[i]) for i in range(len(items))]
-        held.update(zip(keys, (local[i] for i in range(len(items)))))
-        stats_of.update(zip(keys, stats))
-        generated += stats
-        keep.add(keys, [s.rewards for s in stats])
-    kept = keep.take()
-    return LocalStep(held, kept, stats_of, generated, keep.metrics())
+
+    def generate(items: list[PromptItem], round_sampling: SamplingParams
+                 ) -> tuple[dict[int, Group], list[GroupStats]]:
+        local = _generate_groups(engine, items, list(range(len(items))), round_sampling,
+                                 reward_fn, greedy_baseline)
+        return local, [GroupStats.of(local[i]) for i in range(len(items))]
+
+    held, stats_of, generated = _refill_rounds(keep, next_items, sampling, between_rounds,
+                                               generate)
+    return LocalStep(held, keep.take(), stats_of, generated, keep.metrics())
 
 
 def distribute_step(local: Optional[LocalStep], extra: Optional[dict] = None
@@ -364,13 +379,12 @@ def rollout_metrics(groups: Sequence[GroupStats], prefix: str = "") -> dict[str,
 def mode_metrics(groups: Sequence[GroupStats], prefix: str = "") -> dict[str, float]:
     """Share of each solution mode among the responses that have one, and its accuracy (only
     where some response is in it)."""
-    pairs = [(m, r) for g in groups for m, r in zip(g.modes, g.rewards)]
+    with_modes = [g for g in groups if g.modes]
+    shares = mode_shares([m for g in with_modes for m in g.modes],
+                         [r for g in with_modes for r in g.rewards])
     out: dict[str, float] = {}
-    if not pairs:
-        return out
-    for mode in MODES:
-        rs = [r for m, r in pairs if m == mode]
-        out[f"{prefix}modes/{mode}_frac"] = len(rs) / len(pairs)
-        if rs:
-            out[f"{prefix}modes/{mode}_acc"] = sum(r > 0 for r in rs) / len(rs)
+    for mode, (share, accuracy) in shares.items():
+        out[f"{prefix}modes/{mode}_frac"] = share
+        if accuracy is not None:
+            out[f"{prefix}modes/{mode}_acc"] = accuracy
     return out

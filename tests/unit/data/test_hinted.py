@@ -14,7 +14,8 @@ import pytest
 from megatron_entropy.config import ConfigError, HintedConfig, load_config
 from megatron_entropy.data.hinted import (HintedProblem, direct_solution, generate_hinted_problems,
                                           hinted_splits, hinted_worked_solution, mode_accuracy,
-                                          response_mode, solution_mode, sum_key)
+                                          solution_mode, sum_key)
+from megatron_entropy.data.task_metrics import response_modes
 from megatron_entropy.rewards import math_rewards
 from megatron_entropy.trainer.rollouts import GroupStats, rollout_metrics
 
@@ -72,8 +73,8 @@ def test_each_mode_is_scored_and_detected():
     assert len(lines) == 2 and lines[-1].endswith("=\\boxed{38}")
     assert mode_accuracy(responses, rewards) == {"direct": (2, 0.5), "worked": (2, 0.5),
                                                  "other": (2, 0.5)}
-    assert response_mode("hinted_3terms", responses[0]) == "direct"
-    assert response_mode("sums_3terms", responses[0]) is None
+    assert response_modes("hinted_3terms", responses[:3]) == ("direct", "direct", "worked")
+    assert response_modes("sums_3terms", responses[:3]) == ()
 
 
 def test_mode_shares_are_logged_per_step():
