@@ -56,8 +56,8 @@ class PolicyLossSettings(Settings):
                                                     "below 1 - clip_ratio_low")
     ce_gppo_beta2: float = setting(1.0, ge=0, help="ce_gppo: gradient scale of A > 0 tokens "
                                                    "above 1 + clip_ratio_high")
-    dppo_ratio_cap: float = setting(20.0, ge=1, help="dppo_tv/dppo_kl: cap of the detached IS "
-                                                     "ratio")
+    dppo_ratio_cap: float = setting(3.0, ge=1, help="dppo_tv/dppo_kl: cap of the detached IS "
+                                                    "ratio (verl's: its clip_ratio_c, 3)")
     loss_agg_mode: AggMode = setting(
         "token-mean", help="token-mean: over the step's tokens; seq-mean-token-*: each "
                            "sequence's token mean (or sum), then the mean over sequences; "

@@ -419,6 +419,35 @@ def test_pass_at_k_needs_two_samples_per_prompt():
         load_config(overrides=["algorithm.advantage=grpo_passk", "rollout.n_samples=1"])
 
 
+def test_gmpo_clips_on_the_sequence_advantage_side():
+    """A row whose token advantages have both signs (entropy shaping at kappa = 1 makes them):
+    each log-ratio is clipped on the side of the row's mean advantage, the sign of the term
+    -A_i exp(mean c) (docs/algorithms/policy_losses.md, "Where verl differs"). Clipping on each
+    token's own sign, as verl's geo_mean does, gives another value (-0.416 against -0.358)."""
+    lr = torch.tensor([[0.5, -0.5]], dtype=torch.float64)
+    adv = torch.tensor([[1.0, -0.2]], dtype=torch.float64)
+    d = dict(logp=lr - 1.0, old=torch.full_like(lr, -1.0), adv=adv, mask=torch.ones_like(lr))
+    s = PolicyLossSettings(loss="gmpo", clip_ratio_low=0.2, clip_ratio_high=0.28,
+                           loss_agg_mode="seq-mean-token-mean")
+    got, _, _ = run_loss(s, d, 1.0)
+    row_side = torch.tensor([0.28, -0.5], dtype=torch.float64).mean()  # A_i = 0.4 > 0: min(c, clamp(c))
+    assert float(got) == pytest.approx(-0.4 * float(torch.exp(row_side)), rel=1e-12)
+    assert float(got) == pytest.approx(-0.358, abs=5e-4)
+    token_side = torch.tensor([0.28, -0.2], dtype=torch.float64).mean()  # verl: each token by the sign of its own A
+    assert -0.4 * float(torch.exp(token_side)) == pytest.approx(-0.416, abs=5e-4)
+
+
+def test_dppo_caps_the_ratio_at_verls_clip_ratio_c():
+    """The default cap of the detached IS ratio is verl's clip_ratio_c, 3: a token whose ratio is
+    e^2 (inside the TV region: its probability moves by 0.06) is weighted 3, not e^2."""
+    s = PolicyLossSettings(loss="dppo_tv")
+    assert s.dppo_ratio_cap == 3.0
+    logp = torch.tensor([[-2.0]], dtype=torch.float64)
+    d = dict(logp=logp, old=logp - 2.0, adv=torch.ones_like(logp), mask=torch.ones_like(logp))
+    _, grad, _ = run_loss(s, d, 1.0)
+    assert float(grad) == pytest.approx(-3.0, rel=1e-12)
+
+
 # ------------------------------------------------------------------------ the study
 
 
