@@ -76,6 +76,10 @@ class TokenAdjustments:
         ``normalizer``); the regularisers keep ``mask`` and ``normalizer``.
     clip_low, clip_high: per-token eps_low / eps_high in place of the settings' (ppo_clip only).
     kl_coef: per-token coefficient of the KL-to-reference term in place of ``settings.kl_coef``.
+    detach: bool; the policy-gradient term of these tokens keeps its value but passes no
+        gradient (entropy ratio clipping).
+    entropy_coef: per-token coefficient of the entropy bonus in place of ``settings.entropy_coef``
+        (the adaptive coefficients).
     """
 
     weight: Optional[Tensor] = None
@@ -84,6 +88,8 @@ class TokenAdjustments:
     clip_low: Optional[Tensor] = None
     clip_high: Optional[Tensor] = None
     kl_coef: Optional[Tensor] = None
+    detach: Optional[Tensor] = None
+    entropy_coef: Optional[Tensor] = None
 
     def merged(self, other: "TokenAdjustments") -> "TokenAdjustments":
         """Both adjustments at once: weights multiply; any other part may come from one only."""
@@ -259,6 +265,8 @@ def _check_inputs(settings: PolicyLossSettings, named: dict[str, Optional[Tensor
         raise ValueError(f"per-token clip ranges apply to ppo_clip only, not {settings.loss}")
     if adjust.kl_coef is not None and named["ref_logp"] is None:
         raise ValueError("a per-token kl_coef needs the reference log-probs (ref_logp)")
+    if adjust.entropy_coef is not None and named["entropy"] is None:
+        raise ValueError("a per-token entropy_coef needs the per-token entropy")
     if adjust.pg_normalizer is not None and not adjust.pg_normalizer > 0:
         raise ValueError(f"pg_normalizer must be > 0; got {adjust.pg_normalizer}")
 
@@ -303,7 +311,7 @@ def policy_loss(settings: PolicyLossSettings, logp: Tensor, old_logp: Tensor, ad
                 if f.name != "pg_normalizer"}
     _check_inputs(settings, {**named, **adjusted}, normalizer, selection, adjust)
     _check_values({k: v for k, v in {**named, **adjusted}.items()
-                   if k not in ("mask", "adjust.pg_mask")}, mask)
+                   if k not in ("mask", "adjust.pg_mask", "adjust.detach")}, mask)
 
     valid = mask.bool()
     # Whatever sits at masked positions (padding, NaN) must not reach values or gradients.
@@ -325,6 +333,8 @@ def policy_loss(settings: PolicyLossSettings, logp: Tensor, old_logp: Tensor, ad
                  None if settings.cov_rule is None else selection.selected)
     if adjust.weight is not None:
         pg = pg * adjust.weight.detach().to(pg.dtype)
+    if adjust.detach is not None:
+        pg = torch.where(adjust.detach.bool(), pg.detach(), pg)
     pg_valid = valid if adjust.pg_mask is None else valid & adjust.pg_mask.bool()
     mode = settings.loss_agg_mode
     loss = aggregate(pg, pg_valid, mode,
@@ -338,7 +348,10 @@ def policy_loss(settings: PolicyLossSettings, logp: Tensor, old_logp: Tensor, ad
         per_seq = torch.where(valid, entropy.detach().double(), 0).sum(-1) / \
             valid.sum(-1).clamp(min=1)
         metrics["entropy_seq_mean"] = torch.stack([per_seq[rows].sum(), rows.sum().double()])
-        if settings.entropy_coef > 0:
+        if adjust.entropy_coef is not None:
+            coef = torch.where(valid, adjust.entropy_coef.detach(), 0).to(entropy.dtype)
+            loss = loss - aggregate(coef * entropy, mask, mode, normalizer)
+        elif settings.entropy_coef > 0:
             loss = loss - settings.entropy_coef * aggregate(entropy, mask, mode, normalizer)
     if ref_logp is not None:
         kl = kl_penalty(logp, ref_logp.detach(), settings.kl_type)

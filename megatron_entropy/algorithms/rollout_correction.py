@@ -60,6 +60,14 @@ class RolloutCorrection:
     adjust: TokenAdjustments
     metrics: dict[str, Tensor] = field(default_factory=dict)
 
+    def merged_into(self, adjust: Optional[TokenAdjustments], device: torch.device
+                    ) -> Optional[TokenAdjustments]:
+        """Other adjustments (the token rules') with this correction's weight (tis) merged in."""
+        if self.adjust.weight is None:
+            return adjust
+        weight = TokenAdjustments(weight=self.adjust.weight.to(device))
+        return weight if adjust is None else adjust.merged(weight)
+
 
 def correct_rollout(settings: RolloutCorrectionSettings, old_logp: Tensor, engine_logp: Tensor,
                     mask: Tensor, sources: Optional[Sequence[str]] = None) -> RolloutCorrection:

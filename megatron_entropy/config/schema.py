@@ -2,10 +2,10 @@
 
 A field's type is the schema, its metadata holds its bounds and help, and the section's
 ``validate`` its rules between fields. The components own their sections: ``algorithm`` is the
-policy loss's ``PolicyLossSettings`` (plus the actor's keys), ``algorithm.token_rules``,
-``.rollout_correction`` and ``.entropy_control`` are the algorithms' settings classes, ``study``
-is the study's (config/study.py); the trainer, optimizer and actor take the
-``trainer`` section itself. Torch-free.
+policy loss's ``PolicyLossSettings`` (plus the actor's keys and the entropy methods'
+sections), ``algorithm.token_rules``, ``.rollout_correction`` and ``.entropy_control`` are the
+algorithms' settings classes, ``study`` the study's (config/study.py); the trainer, optimizer
+and actor take the ``trainer`` section itself. Torch-free.
 """
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal, Optional, Union
 
 from megatron_entropy.algorithms.entropy_control import EntropyControlSettings, EntropyController
+from megatron_entropy.algorithms.method_settings import EntropyMethodSections
 from megatron_entropy.algorithms.settings import (AdvantageName, PolicyLossSettings,
-                                                  RolloutCorrectionSettings,
-                                                  TokenRuleSettings, check_token_rules)
+                                                  RolloutCorrectionSettings, TokenRuleSettings,
+                                                  check_token_rules)
 from megatron_entropy.config.evaluation import EvalConfig
 from megatron_entropy.config.study import StudyConfig
 from megatron_entropy.runtime.dtypes import DTYPE_ALIASES, DtypeName
@@ -231,9 +232,9 @@ class EntropyControlConfig(EntropyControlSettings):
 
 
 @dataclass
-class AlgorithmConfig(PolicyLossSettings):
-    """The policy loss's settings (algorithms/settings.py: loss, clip ranges, Clip-Cov/KL-Cov,
-    regularisers, aggregation), the advantage and the actor's log-prob and Cov-scope keys."""
+class AlgorithmConfig(EntropyMethodSections, PolicyLossSettings):
+    """The policy loss's settings (algorithms/settings.py), the entropy methods' sections
+    (algorithms/method_settings.py), the advantage and the actor's log-prob and Cov keys."""
 
     advantage: AdvantageName = _f("grpo", help="the advantage estimator (algorithms/advantages.py)")
     norm_adv_by_std: bool = _f(True, help="GRPO: divide by the group std (+1e-6)")

@@ -19,11 +19,12 @@ positions where it does not (a flat distribution) take a second all-gather, of e
 min(top_k, V_local) largest logits: at most 2. The backward needs none: N is a fixed set, and
 dH_p/dz_v = -q_v (d_v - u_N / s_N) / temperature on v in N, 0 elsewhere.
 
-Min-p proxy (``vocab_parallel_min_p_logprob``, forward only). The proxy keeps the tokens whose
+Min-p proxy (``vocab_parallel_min_p_shift``, forward only). The proxy keeps the tokens whose
 probability at temperature 1 is at least ``min_p`` times the top token's, z_v - M >= log(min_p),
-and renormalises the tempered distribution over them: log q(target) = d_target - log sum_kept
-exp(d), or -inf where the target is filtered out. Two all-gathers of [T, 2] (the maximum and
-target logit, then the kept mass).
+and renormalises the tempered distribution over them: log q(target) = log p(target) - log(kept
+mass), or -inf where the target is filtered out. The op returns that shift, so that a proxy
+which keeps everything is exactly the policy (not up to rounding). Two all-gathers of [T, 2]
+(the maximum and target logit, then the kept and total mass).
 
 Entropy change (``vocab_parallel_entropy_change``, forward only). From the logits of one
 position before and after an update: H_before, H_after (exact) and the first-order prediction
@@ -44,7 +45,7 @@ from torch import Tensor
 from megatron_entropy.ops.logprob_entropy import (_gather_stats, _group_layout, _merge_stats,
                                                   _real_columns)
 
-__all__ = ["vocab_parallel_top_p_entropy", "vocab_parallel_min_p_logprob",
+__all__ = ["vocab_parallel_top_p_entropy", "vocab_parallel_min_p_shift",
            "vocab_parallel_entropy_change"]
 
 # Candidates each rank sends in the first all-gather of the top-p entropy.
@@ -198,12 +199,13 @@ def vocab_parallel_top_p_entropy(logits: Tensor, *, vocab_size: Optional[int] = 
 
 
 @torch.no_grad()
-def vocab_parallel_min_p_logprob(logits: Tensor, targets: Tensor, *, min_p: float,
-                                 vocab_size: Optional[int] = None,
-                                 group: Optional[dist.ProcessGroup] = None,
-                                 temperature: float = 1.0) -> Tensor:
-    """[T] log-prob of each target under the min-p proxy (module docstring); -inf where the
-    target is filtered out."""
+def vocab_parallel_min_p_shift(logits: Tensor, targets: Tensor, *, min_p: float,
+                               vocab_size: Optional[int] = None,
+                               group: Optional[dist.ProcessGroup] = None,
+                               temperature: float = 1.0) -> Tensor:
+    """[T] log pi_proxy(target) - log pi(target) under the min-p proxy (module docstring):
+    -log(kept mass), exactly 0 where the filter keeps the whole vocabulary (the kept and the
+    total mass are the same sum then), -inf where it drops the target."""
     if not 0 < min_p <= 1:
         raise ValueError(f"min_p must be in (0, 1]; got {min_p}")
     rank, world = _group_layout(group)
@@ -216,14 +218,16 @@ def vocab_parallel_min_p_logprob(logits: Tensor, targets: Tensor, *, min_p: floa
     picked = z.gather(1, local_t.clamp(0, max(n_real - 1, 0))[:, None]).squeeze(1) \
         if n_real > 0 else z.new_zeros(c)
     local_m = z.amax(dim=1) if n_real > 0 else z.new_full((c,), -math.inf)
-    g = _gather_stats(torch.stack([local_m, torch.where(owned, picked, 0.0)], dim=1), group, world)
+    g = _gather_stats(torch.stack([local_m, torch.where(owned, picked, 0.0)], dim=1), group,
+                      world)
     big_m, target = g[..., 0].amax(dim=0), g[..., 1].sum(dim=0)
+    e = torch.exp((z - big_m[:, None]) / temperature)
     kept = (z - big_m[:, None]) >= math.log(min_p)
-    mass = torch.where(kept, torch.exp((z - big_m[:, None]) / temperature), 0.0).sum(dim=1)
-    total = _gather_stats(mass[:, None], group, world)[..., 0].sum(dim=0)
+    mass = torch.stack([torch.where(kept, e, 0.0).sum(dim=1), e.sum(dim=1)], dim=1)
+    total = _gather_stats(mass, group, world).sum(dim=0)
+    shift = torch.log(total[:, 1]) - torch.log(total[:, 0])
     inside = (target - big_m) >= math.log(min_p)
-    out = (target - big_m) / temperature - torch.log(total)
-    return torch.where(inside, out, -math.inf).to(torch.float32)
+    return torch.where(inside, shift, -math.inf).to(torch.float32)
 
 
 @torch.no_grad()

@@ -40,8 +40,9 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_entropy.algorithms.aggregation import step_normalizer
 from megatron_entropy.algorithms import token_rules as rules_ops
-from megatron_entropy.algorithms.policy_loss import (TokenAdjustments, policy_loss,
-                                                     reduce_metrics, select_tokens_global)
+from megatron_entropy.algorithms.entropy_methods import TOP_P_ENTROPY, EntropyMethods
+from megatron_entropy.algorithms.policy_loss import (policy_loss, reduce_metrics,
+                                                     select_tokens_global)
 from megatron_entropy.algorithms.rollout_correction import RolloutCorrection, correct_rollout
 from megatron_entropy.algorithms.settings import PolicyLossSettings
 from megatron_entropy.config import AlgorithmConfig, ConfigError, TrainerConfig
@@ -53,10 +54,13 @@ from megatron_entropy.models.positions import token_positions
 from megatron_entropy.ops.logprob_entropy import (fused_linear_logprob_entropy,
                                                   vocab_parallel_logprob_entropy)
 from megatron_entropy.runtime.seeds import micro_batch_draw_seed, update_seed
-from megatron_entropy.trainer.batch import MicroBatch, Sample, pack_micro_batches, to_device
+from megatron_entropy.trainer.batch import (MicroBatch, Sample, engine_token_stats,
+                                           pack_micro_batches, to_device)
 from megatron_entropy.trainer.entropy_change import entropy_change_metrics
 from megatron_entropy.trainer.model_setup import optimizer_step
 from megatron_entropy.trainer.moe_routing import MoeRouting, is_filler, with_fillers
+from megatron_entropy.trainer.step_methods import (MethodsStep, fill_token_stats,
+                                                   recomputed_entropy, recomputed_stat, stats_fn)
 from megatron_entropy.trainer.step_rules import StepRules
 
 
@@ -73,8 +77,9 @@ class MiniBatchPlan:
     corrections: dict[int, RolloutCorrection]  # the rollout correction, per micro-batch
     own_old: bool  # the old log-probs are this forward's (the step's first update)
     keeps: bool  # ... and become the samples' own (the recompute left them out)
-    # micro-batch index -> this forward's (log-probs, entropies), where it ``keeps`` them
-    scored: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    methods: MethodsStep  # the entropy methods' populations and terms
+    # micro-batch index -> this forward's "logp" and "entropy", where it ``keeps`` them
+    scored: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
 
 
 class Actor:
@@ -102,6 +107,7 @@ class Actor:
         self.routing = (MoeRouting(model_chunks, routing_replay)
                         if arch is not None and arch.is_moe else None)
         self.layout = micro_batch_layout(trainer.micro_batch_layout, arch, model_chunks)
+        self.methods = EntropyMethods(algorithm)  # their state: checkpointed by the loop
         self.first_update_scores_itself = first_update_scores_itself(algorithm,
                                                                      self.routing is not None)
 
@@ -186,23 +192,25 @@ class Actor:
 
     @torch.no_grad()
     def _forward_only(self, chunks: list, mbs: list[MicroBatch],
-                      scope: Optional[Callable[[MicroBatch], ContextManager]] = None
-                      ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-        """micro-batch index -> (log-probs [N], entropies [N]); on the last PP stage only."""
+                      scope: Optional[Callable[[MicroBatch], ContextManager]] = None,
+                      stats: Optional[Callable[..., dict]] = None) -> dict[int, dict]:
+        """micro-batch index -> name -> [N] per response token (``stats(model, output, mb)``;
+        default: logp and entropy); on the last PP stage only."""
+        stats = stats or stats_fn(self, ())
         for c in chunks:
             c.eval()
 
         def loss_fn(model, output, mb):
-            logp, ent = self._token_stats(model, output, mb)
+            named = {k: v.float().cpu() for k, v in stats(model, output, mb).items()}
             return (output.new_zeros(()), torch.tensor(0, dtype=torch.int),
-                    {"index": mb.index, "logp": logp.float().cpu(), "entropy": ent.float().cpu()})
+                    {"index": mb.index, **named})
 
         try:
             outs = self._run_schedule(chunks, mbs, loss_fn, forward_only=True, scope=scope)
         finally:
             for c in chunks:
                 c.train()
-        return {o["index"]: (o["logp"], o["entropy"]) for o in outs}
+        return {o.pop("index"): o for o in outs}
 
     def compute_logprobs(self, samples: list[Sample], reference: bool = False,
                          record_routing: bool = False, ids: Optional[list[int]] = None
@@ -219,19 +227,20 @@ class Actor:
             scope = lambda mb: self.routing.record(mb, samples)  # noqa: E731
         stats = self._forward_only([self.ref_model] if reference else self.model, mbs, scope)
         by_sample = self._by_sample(mbs, stats, samples)
-        return [by_sample.get(i) for i in range(len(samples))]
+        return [(by_sample[i]["logp"], by_sample[i]["entropy"]) if i in by_sample else None
+                for i in range(len(samples))]
 
-    def _by_sample(self, mbs: list[MicroBatch], stats: dict[int, tuple[torch.Tensor, torch.Tensor]],
-                   samples: Sequence[Sample]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-        """Per-micro-batch (log-probs [N], entropies [N]) of the last PP stage as sample index ->
-        its response tokens' (log-probs, entropies), on every stage of the replica."""
-        result = {}
+    def _by_sample(self, mbs: list[MicroBatch], stats: dict[int, dict],
+                   samples: Sequence[Sample]) -> dict[int, dict]:
+        """Per-micro-batch named statistics ([N, ...]) of the last PP stage as sample index ->
+        name -> its response tokens' rows, on every stage of the replica."""
+        result: dict[int, dict] = {}
         if self.ps.is_pipeline_last_stage():
             for mb in mbs:
                 lengths = [len(samples[i].response_ids) for i in mb.sample_ids]
-                logp, ent = stats[mb.index]
-                for sid, lp, en in zip(mb.sample_ids, logp.split(lengths), ent.split(lengths)):
-                    result[sid] = (lp, en)
+                for name, values in stats[mb.index].items():
+                    for sid, part in zip(mb.sample_ids, values.split(lengths)):
+                        result.setdefault(sid, {})[name] = part
         return self._broadcast_from_last_stage(result)
 
     def recompute(self, samples: list[Sample]) -> None:
@@ -241,7 +250,7 @@ class Actor:
         scores itself, the first mini-batch's samples are left to it (``update`` fills them)."""
         if self.algorithm.old_logprobs == "engine":
             for s in samples:
-                s.old_logprobs, s.entropy = _engine_token_stats(s)
+                s.old_logprobs, s.entropy = engine_token_stats(s)
         else:
             ids = None
             if self.first_update_scores_itself:
@@ -253,6 +262,7 @@ class Actor:
             for s, st in zip(samples, stats):
                 if st is not None:
                     s.old_logprobs, s.entropy = st
+        fill_token_stats(self, samples)
         if self.ref_model is not None:
             for s, (lp, _) in zip(samples, self.compute_logprobs(samples, reference=True)):
                 s.ref_logprobs = lp
@@ -260,26 +270,29 @@ class Actor:
     # ------------------------------------------------------------------ updates
 
     def _selection_inputs(self, mbs: list[MicroBatch], samples: Sequence[Sample]
-                          ) -> Optional[tuple[list, list]]:
-        """The ([B, R] log-probs, entropies) per micro-batch that choose for the ``global``
-        populations, on the loss's device; None when nothing selects globally or off the last
-        PP stage."""
-        if self.algorithm.cov_scope != "global" and \
+                          ) -> Optional[tuple[list, list, dict]]:
+        """The ([B, R] log-probs, entropies, name -> vocab statistics) per micro-batch that
+        choose for the step's populations (``global`` scope, token rules, entropy methods), on
+        the loss's device; None when nothing selects globally or off the last PP stage."""
+        names = self.methods.token_stat_names()
+        if self.algorithm.cov_scope != "global" and not self.methods.selects and \
                 not StepRules.needs_select_entropies(self.algorithm.token_rules):
             return None
         if self.algorithm.global_selection_logprobs == "fresh":
             # An extra forward-only pass: the current policy's log-probs, exact for every update.
-            fresh = self._forward_only(self.model, mbs)
+            fresh = self._forward_only(self.model, mbs, stats=stats_fn(self, names))
             if not self.ps.is_pipeline_last_stage():
                 return None
-            logps = [mb.scatter(fresh[mb.index][0]) for mb in mbs]
-            ents = [mb.scatter(fresh[mb.index][1]) for mb in mbs]
+            named = {n: [mb.scatter(fresh[mb.index][n]) for mb in mbs]
+                     for n in ("logp", "entropy", *names)}
         else:
             if not self.ps.is_pipeline_last_stage():
                 return None
-            logps = [mb.old_logprobs for mb in mbs]
-            ents = [_recomputed_entropy(mb, samples) for mb in mbs]
-        return [lp.to(self.device) for lp in logps], [h.to(self.device) for h in ents]
+            named = {"logp": [mb.old_logprobs for mb in mbs],
+                     "entropy": [recomputed_entropy(mb, samples) for mb in mbs],
+                     **{n: [recomputed_stat(mb, samples, n) for mb in mbs] for n in names}}
+        named = {n: [t.to(self.device) for t in ts] for n, ts in named.items()}
+        return named.pop("logp"), named.pop("entropy"), named
 
     def _global_selections(self, loss: PolicyLossSettings, mbs: list[MicroBatch],
                            inputs: Optional[tuple[list, list]], seed: int) -> Optional[list]:
@@ -301,7 +314,7 @@ class Actor:
         metrics = {}
         for mb in mbs:
             mb.advantages, metrics[mb.index] = rules_ops.shape_advantages(
-                self.algorithm.token_rules, mb.advantages, _recomputed_entropy(mb, samples),
+                self.algorithm.token_rules, mb.advantages, recomputed_entropy(mb, samples),
                 mb.mask)
         return metrics
 
@@ -347,6 +360,8 @@ class Actor:
         ``loss_knobs`` are this step's values of loss settings that change while the run goes
         (the entropy controller's knob); the ``algorithm`` section keeps the configured ones."""
         loss = replace(self.algorithm, **loss_knobs) if loss_knobs else self.algorithm
+        self.methods.begin_step([s.token_stats.get(TOP_P_ENTROPY) for s in samples],
+                                self.ps.get_data_parallel_group())
         bounds = self._mini_batch_bounds(len(samples))
         all_metrics: list[dict] = []
         opt_stats: list[dict] = []
@@ -392,9 +407,11 @@ class Actor:
         # either sign). Without the engine's, the recompute left them out and this forward's
         # are kept as the samples' own.
         own_old = self.first_update_scores_itself and epoch == 0 and k == 0
+        methods = MethodsStep(self, mbs, samples, inputs, self.ps.get_data_parallel_group())
         return MiniBatchPlan(loss, normalizer, draw_seed, selections, step_rules, shaping,
                              corrections, own_old,
-                             keeps=own_old and self.algorithm.old_logprobs == "recompute")
+                             keeps=own_old and self.algorithm.old_logprobs == "recompute",
+                             methods=methods)
 
     def _micro_batch_loss(self, plan: MiniBatchPlan, samples: list[Sample], model,
                           output: torch.Tensor, mb: MicroBatch) -> tuple:
@@ -404,13 +421,17 @@ class Actor:
         entropy = mb.scatter(ent)
         old_logp = mb.scatter(logp.detach()) if plan.own_old else mb.old_logprobs
         adjust, rule_metrics = plan.step_rules.for_micro_batch(mb.index, entropy, mb.mask)
+        adjust, method_metrics = plan.methods.adjust(
+            mb, adjust, entropy.detach(),
+            entropy.detach() if plan.own_old else recomputed_entropy(mb, samples))
         if plan.keeps:
-            plan.scored[mb.index] = (logp.detach().float().cpu(), ent.detach().float().cpu())
+            plan.scored[mb.index] = {"logp": logp.detach().float().cpu(),
+                                     "entropy": ent.detach().float().cpu()}
             correction = self._rollout_correction(mb, old_logp, samples)
             if correction is not None:  # mode none: its metrics only
                 rule_metrics.update(correction.metrics)
         if mb.index in plan.corrections:
-            adjust = _with_correction(adjust, plan.corrections[mb.index], entropy.device)
+            adjust = plan.corrections[mb.index].merged_into(adjust, entropy.device)
             rule_metrics.update(plan.corrections[mb.index].metrics)
         gen = torch.Generator().manual_seed(micro_batch_draw_seed(plan.draw_seed, mb.index))
         value, metrics = policy_loss(
@@ -418,7 +439,9 @@ class Actor:
             normalizer=plan.normalizer, entropy=entropy, ref_logp=mb.ref_logprobs,
             selection=None if plan.selections is None else plan.selections[mb.index],
             generator=gen, adjust=adjust)
-        metrics.update(rule_metrics, **plan.shaping.get(mb.index, {}))
+        value = plan.methods.add_terms(self, model, output, mb, value, metrics,
+                                       mb.scatter(logp), old_logp, plan.normalizer)
+        metrics.update(rule_metrics, **method_metrics, **plan.shaping.get(mb.index, {}))
         return value, torch.tensor(mb.num_tokens, dtype=torch.int), {"m": metrics}
 
     def _train(self, plan: MiniBatchPlan, mbs: list[MicroBatch], samples: list[Sample]
@@ -435,8 +458,8 @@ class Actor:
                                       functools.partial(self._micro_batch_loss, plan, samples),
                                       forward_only=False, scope=scope)
         if plan.keeps:
-            for sid, (lp, en) in self._by_sample(mbs, plan.scored, samples).items():
-                samples[sid].old_logprobs, samples[sid].entropy = lp, en
+            for sid, d in self._by_sample(mbs, plan.scored, samples).items():
+                samples[sid].old_logprobs, samples[sid].entropy = d["logp"], d["entropy"]
         return [o["m"] for o in outs]
 
     def entropy_change(self, samples: list[Sample]) -> dict[str, float]:
@@ -461,6 +484,7 @@ class Actor:
         out["update_skipped"] = float(sum(not s["update_successful"] for s in opt_stats))
         if self.routing is not None:
             out.update(self.routing.metrics())
+        out.update(self.methods.metrics())
         return out
 
 
@@ -471,6 +495,9 @@ def first_update_scores_itself(algorithm: AlgorithmConfig, moe: bool) -> bool:
     global Cov scope and global token rules choose, entropy advantage shaping and a weighting or
     masking rollout correction adjust before it, and an MoE policy replays the routing its
     recompute records."""
+    methods = EntropyMethods(algorithm)
+    if methods.controllers or methods.selects or methods.token_stat_names():
+        return False  # they read the recompute of every sample before the first update
     if algorithm.old_logprobs == "engine":
         return True
     return not (moe or algorithm.cov_scope == "global"
@@ -494,32 +521,3 @@ def micro_batch_layout(setting: str, arch: Optional[ModelArch], model_chunks: li
         raise ConfigError(f"trainer.micro_batch_layout=shared_prompt: {why_not}; use "
                           "trainer.micro_batch_layout=padded (or auto)")
     return setting
-
-
-def _with_correction(adjust: Optional[TokenAdjustments], correction: RolloutCorrection,
-                     device: torch.device) -> Optional[TokenAdjustments]:
-    """The token rules' adjustments with the rollout correction's weight (tis) merged in."""
-    if correction.adjust.weight is None:
-        return adjust
-    weight = TokenAdjustments(weight=correction.adjust.weight.to(device))
-    return weight if adjust is None else adjust.merged(weight)
-
-
-def _recomputed_entropy(mb: MicroBatch, samples: Sequence[Sample]) -> torch.Tensor:
-    """[B, R] the recompute's entropies of the micro-batch's response tokens."""
-    return mb.scatter(torch.cat([samples[i].entropy.float() for i in mb.sample_ids]))
-
-
-def _engine_token_stats(s: Sample) -> tuple[torch.Tensor, torch.Tensor]:
-    """The engine's (log-probs, entropies) [R] of a sample's response tokens, in fp32."""
-    n = len(s.response_ids)
-    if len(s.engine_logprobs) != n or s.engine_entropies is None or \
-            len(s.engine_entropies) != n or not s.exact_logprobs:
-        raise ValueError(f"algorithm.old_logprobs=engine needs the engine's log-prob and entropy "
-                         f"of every response token under the full sampling distribution; a "
-                         f"sample of {n} tokens has {len(s.engine_logprobs)} log-probs"
-                         f"{'' if s.exact_logprobs else ' (renormalised by the server)'} and "
-                         f"{'no' if s.engine_entropies is None else len(s.engine_entropies)} "
-                         "entropies")
-    return (torch.tensor(s.engine_logprobs, dtype=torch.float32),
-            torch.tensor(s.engine_entropies, dtype=torch.float32))

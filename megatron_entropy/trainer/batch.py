@@ -20,7 +20,7 @@ Two layouts of the input rows:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -48,6 +48,8 @@ class Sample:
     old_logprobs: Optional[torch.Tensor] = None
     ref_logprobs: Optional[torch.Tensor] = None
     entropy: Optional[torch.Tensor] = None
+    # Vocab statistics some entropy methods read (trainer/step_methods.py), by name.
+    token_stats: dict = field(default_factory=dict)
     # Mixture of experts: the recompute's top-k experts of every token (prompt and response) in
     # each MoE layer of this pipeline stage, [layers, length, k] (trainer/moe_routing.py).
     routing: Optional[torch.Tensor] = None
@@ -58,6 +60,21 @@ class Sample:
     @property
     def length(self) -> int:
         return len(self.prompt_ids) + len(self.response_ids)
+
+
+def engine_token_stats(s: Sample) -> tuple[torch.Tensor, torch.Tensor]:
+    """The engine's (log-probs, entropies) [R] of a sample's response tokens, in fp32."""
+    n = len(s.response_ids)
+    if len(s.engine_logprobs) != n or s.engine_entropies is None or \
+            len(s.engine_entropies) != n or not s.exact_logprobs:
+        raise ValueError(f"algorithm.old_logprobs=engine needs the engine's log-prob and entropy "
+                         f"of every response token under the full sampling distribution; a "
+                         f"sample of {n} tokens has {len(s.engine_logprobs)} log-probs"
+                         f"{'' if s.exact_logprobs else ' (renormalised by the server)'} and "
+                         f"{'no' if s.engine_entropies is None else len(s.engine_entropies)} "
+                         "entropies")
+    return (torch.tensor(s.engine_logprobs, dtype=torch.float32),
+            torch.tensor(s.engine_entropies, dtype=torch.float32))
 
 
 @dataclass

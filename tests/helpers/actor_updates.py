@@ -166,3 +166,31 @@ def rule_reference(rule: str, entropies: list[torch.Tensor]) -> dict[str, float]
 def weights_after(results: list) -> dict[str, torch.Tensor]:
     """The whole model from every rank's stage (TP ranks of a stage hold the same full tensors)."""
     return {name: t for _, weights in results for name, t in weights.items()}
+
+
+def layout_worker(tp: int, pp: int, weights: dict, args: tuple, extra: dict | None = None):
+    """``update_worker(*args, **extra)`` in another layout: Megatron's parallel state and the model at
+    (TP, PP), the model loaded from ``weights`` (the TP=1 run's initial weights; the initial
+    shards of another layout come from other draws). Runs in a forked rank, so the two names it
+    replaces stay replaced only there."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_entropy.models.sharding import load_full_state_dict
+    from megatron_entropy.trainer import model_setup
+
+    build = model_setup.build_trainable_model
+
+    def build_in_layout(arch, model_cfg, parallel, *rest, **kwargs):
+        chunks = build(arch, model_cfg, replace(parallel, tensor=tp, pipeline=pp), *rest,
+                       **kwargs)
+        load_full_state_dict(chunks[0], weights)
+        return chunks
+
+    model_setup.build_trainable_model = build_in_layout
+    global init_megatron
+    base = init_megatron
+    init_megatron = lambda: base(tensor=tp, pipeline=pp)  # noqa: E731
+    out = update_worker(*args, **(extra or {}))
+    assert (ps.get_tensor_model_parallel_world_size(),
+            ps.get_pipeline_model_parallel_world_size()) == (tp, pp)
+    return out

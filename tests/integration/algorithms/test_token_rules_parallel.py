@@ -6,15 +6,12 @@ choosing with fresh log-probs and entropies (algorithm.global_selection_logprobs
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
-import actor_updates
-from actor_updates import (RULE_TEMPERATURE, RULES, UPDATES, rounding_paths, rule_reference,
-                           weights_after)
-from harness import init_megatron, run_distributed
+from actor_updates import (RULE_TEMPERATURE, RULES, UPDATES, layout_worker, rounding_paths,
+                           rule_reference, update_worker, weights_after)
+from harness import run_distributed
 from tiny_models import random_samples
 from tolerance import rounding_tol, update_tol
 
@@ -24,32 +21,6 @@ def _rule_args(rule: str, selection_logprobs: str, micro_batch_tokens: int) -> t
     loss, scope, clip, rules = RULES[rule]
     return (loss, scope, selection_logprobs, "token-mean", False, micro_batch_tokens, rules, clip,
             RULE_TEMPERATURE)
-
-
-def _layout_worker(tp: int, pp: int, weights: dict, args: tuple):
-    """``actor_updates.update_worker`` in another layout: Megatron's parallel state and the model at
-    (TP, PP), the model loaded from ``weights`` (the TP=1 run's initial weights; the initial
-    shards of another layout come from other draws). Runs in a forked rank, so the two names it
-    replaces stay replaced only there."""
-    from megatron.core import parallel_state as ps
-
-    from megatron_entropy.models.sharding import load_full_state_dict
-    from megatron_entropy.trainer import model_setup
-
-    build = model_setup.build_trainable_model
-
-    def build_in_layout(arch, model_cfg, parallel, *rest, **kwargs):
-        chunks = build(arch, model_cfg, dataclasses.replace(parallel, tensor=tp, pipeline=pp),
-                       *rest, **kwargs)
-        load_full_state_dict(chunks[0], weights)
-        return chunks
-
-    model_setup.build_trainable_model = build_in_layout
-    actor_updates.init_megatron = lambda: init_megatron(tensor=tp, pipeline=pp)
-    out = actor_updates.update_worker(*args)
-    assert (ps.get_tensor_model_parallel_world_size(),
-            ps.get_pipeline_model_parallel_world_size()) == (tp, pp)
-    return out
 
 
 def _entropy_tol(metrics: dict) -> float:
@@ -91,8 +62,8 @@ def _assert_same_step(ref: tuple, layouts: list, rule_names: list[str]) -> None:
 
 
 def _layouts(args_tp: tuple, args_pp: tuple, weights: dict) -> list:
-    return [run_distributed(_layout_worker, 2, 2, 1, weights, args_tp),
-            run_distributed(_layout_worker, 2, 1, 2, weights, args_pp)]
+    return [run_distributed(layout_worker, 2, 2, 1, weights, args_tp),
+            run_distributed(layout_worker, 2, 1, 2, weights, args_pp)]
 
 
 @pytest.mark.parametrize("rule", list(RULES))
@@ -102,7 +73,7 @@ def test_token_rule_step_at_tp2_and_pp2_equals_tp1(rule):
     the rule's formula over the step's recompute entropies in each layout, the selections the
     same, the weights the same up to rounding. (With these arguments the rule changes the update:
     test_actor's test of the rule checks that.)"""
-    ((w1, m1, w0),) = run_distributed(actor_updates.update_worker, 1,
+    ((w1, m1, w0),) = run_distributed(update_worker, 1,
                                       *_rule_args(rule, "recompute", 24))
     layouts = _layouts(_rule_args(rule, "recompute", 1000), _rule_args(rule, "recompute", 24), w0)
     ref = rule_reference(rule, m1["recompute_entropies"])
@@ -118,7 +89,7 @@ def test_fresh_selection_of_the_80_20_rule_at_tp2_and_pp2_equals_tp1():
     with the current weights gives the entropies the 80/20 rule chooses by. Its selections and
     update at TP=2 and PP=2 are TP=1's; they differ from choosing by the recompute's entropies
     (after the first update the weights have moved), so the fresh pass is what is compared."""
-    ((w1, m1, w0),) = run_distributed(actor_updates.update_worker, 1,
+    ((w1, m1, w0),) = run_distributed(update_worker, 1,
                                       *_rule_args("minority", "fresh", 24))
     layouts = _layouts(_rule_args("minority", "fresh", 1000), _rule_args("minority", "fresh", 24),
                        w0)

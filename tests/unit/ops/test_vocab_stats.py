@@ -11,7 +11,7 @@ import torch
 from harness import run_distributed
 
 from megatron_entropy.ops.vocab_stats import (TOP_P_CANDIDATES, vocab_parallel_entropy_change,
-                                              vocab_parallel_min_p_logprob,
+                                              vocab_parallel_min_p_shift,
                                               vocab_parallel_top_p_entropy)
 
 T, V_PAD, VOCAB = 9, 384, 377
@@ -114,25 +114,29 @@ def test_top_p_entropy_of_a_peaked_batch_takes_one_collective():
 
 
 def _reference_min_p(z: torch.Tensor, targets, min_p: float, temperature: float):
+    """log pi_proxy(target) - log pi(target): the authors' proxy (filtered logits set to -1e4)."""
     x = z[:, :VOCAB]
     p1 = torch.softmax(x, dim=-1)
     kept = p1 >= min_p * p1.max(dim=-1, keepdim=True).values
     proxy = torch.log_softmax(torch.where(kept, x, -1e4) / temperature, dim=-1)
-    lp = proxy.gather(1, targets[:, None]).squeeze(1)
-    return torch.where(kept.gather(1, targets[:, None]).squeeze(1), lp, -torch.inf)
+    full = torch.log_softmax(x / temperature, dim=-1)
+    shift = (proxy - full).gather(1, targets[:, None]).squeeze(1)
+    return torch.where(kept.gather(1, targets[:, None]).squeeze(1), shift, -torch.inf)
 
 
 def _min_p_worker(targets, min_p, temperature):
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    return vocab_parallel_min_p_logprob(_shard(_logits(), rank, world), targets, min_p=min_p,
-                                        vocab_size=VOCAB, group=dist.group.WORLD,
-                                        temperature=temperature)
+    return vocab_parallel_min_p_shift(_shard(_logits(), rank, world), targets, min_p=min_p,
+                                      vocab_size=VOCAB, group=dist.group.WORLD,
+                                      temperature=temperature)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
-def test_min_p_proxy_logprob_equals_the_filtered_distribution(world):
+def test_min_p_proxy_equals_the_filtered_distribution(world):
+    """The proxy's log-prob minus the policy's, of each target: -inf where the filter drops it,
+    and exactly 0 where it keeps the whole vocabulary (min_p small enough for the flat row)."""
     z = _logits()
     targets = z[:, :VOCAB].argsort(dim=1, descending=True)[:, 3]  # kept in some rows only
     targets[3] = 11
@@ -140,6 +144,8 @@ def test_min_p_proxy_logprob_equals_the_filtered_distribution(world):
     assert torch.isinf(want).any() and torch.isfinite(want).any()
     for got in run_distributed(_min_p_worker, world, targets, 0.02, 0.8):
         torch.testing.assert_close(got, want.float(), rtol=0, atol=1e-6)
+    for got in run_distributed(_min_p_worker, world, targets, 0.5, 0.8):
+        assert float(got[1]) == 0.0  # the flat row: nothing filtered
 
 
 def _change_worker(after: torch.Tensor, temperature: float):
