@@ -25,7 +25,7 @@ class EntroPICSettings(Settings):
     entropy error sets alpha; the loss gains alpha * token-mean(-ratio |A|) over the tokens with
     probability above ``high_prob``."""
 
-    enabled: bool = setting(False, help="add EntroPIC's PI-weighted term on high-probability tokens")
+    enabled: bool = setting(False, help="add EntroPIC's PI-weighted term on confident tokens")
     target: float = setting(0.1, gt=0, help="the target entropy, nats (token mean)")
     kp: float = setting(1.0, ge=0, help="proportional gain on entropy - target")
     ki: float = setting(0.01, ge=0, help="integral gain on the sum of past errors")

@@ -504,6 +504,10 @@ class AnalysisConfig(Settings):
     entropy_change: bool = _f(False, help=(
         "after each step's updates, score its response tokens again with the new weights (one "
         "forward-only pass) and log entropy/delta = H_after - H_before beside cov/step"))
+    entropy_lemma: bool = _f(False, help=(
+        "per response token of each step's first mini-batch: the entropy change over its "
+        "optimizer step against the lemma's -Cov(log pi, dz) over the vocabulary, from the "
+        "logits before and after (two forward-only passes); logs lemma/*"))
 
 
 @dataclass

@@ -93,7 +93,7 @@ class Actor:
     def __init__(self, arch: ModelArch, model_chunks: list, optimizer, scheduler,
                  algorithm: AlgorithmConfig, trainer: TrainerConfig, temperature: float,
                  ref_model: Optional[torch.nn.Module] = None,
-                 routing_replay: str = "none") -> None:
+                 routing_replay: str = "none", entropy_lemma: bool = False) -> None:
         self.arch = arch
         self.model = model_chunks
         self.optimizer = optimizer
@@ -108,8 +108,10 @@ class Actor:
                         if arch is not None and arch.is_moe else None)
         self.layout = micro_batch_layout(trainer.micro_batch_layout, arch, model_chunks)
         self.methods = EntropyMethods(algorithm)  # their state: checkpointed by the loop
-        self.first_update_scores_itself = first_update_scores_itself(algorithm,
-                                                                     self.routing is not None)
+        self.entropy_lemma = entropy_lemma  # analysis.entropy_lemma: trainer/step_methods.py
+        # The lemma's probe reads the first mini-batch's recomputed old log-probs.
+        self.first_update_scores_itself = first_update_scores_itself(
+            algorithm, self.routing is not None) and not entropy_lemma
 
     # ------------------------------------------------------------------ token statistics
 
@@ -371,6 +373,7 @@ class Actor:
                 plan = self._plan(mbs, samples, loss, step, epoch, k)
                 all_metrics.extend(self._train(plan, mbs, samples))
                 opt_stats.append(optimizer_step(self.optimizer, self.scheduler, self.model))
+                opt_stats[-1]["lemma"] = plan.methods.after_update(self, mbs)
         return self._summarize(all_metrics, opt_stats)
 
     def _plan(self, mbs: list[MicroBatch], samples: list[Sample], loss: PolicyLossSettings,
@@ -407,7 +410,8 @@ class Actor:
         # either sign). Without the engine's, the recompute left them out and this forward's
         # are kept as the samples' own.
         own_old = self.first_update_scores_itself and epoch == 0 and k == 0
-        methods = MethodsStep(self, mbs, samples, inputs, self.ps.get_data_parallel_group())
+        methods = MethodsStep(self, mbs, samples, inputs, self.ps.get_data_parallel_group(),
+                              epoch == k == 0)
         return MiniBatchPlan(loss, normalizer, draw_seed, selections, step_rules, shaping,
                              corrections, own_old,
                              keeps=own_old and self.algorithm.old_logprobs == "recompute",
@@ -485,6 +489,8 @@ class Actor:
         if self.routing is not None:
             out.update(self.routing.metrics())
         out.update(self.methods.metrics())
+        for s in opt_stats:
+            out.update(s.get("lemma", {}))
         return out
 
 

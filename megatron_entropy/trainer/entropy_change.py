@@ -38,6 +38,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from megatron_entropy.ops.covariance import gather_in_rank_order
+
 
 @dataclass
 class _Moments:
@@ -122,3 +124,52 @@ def entropy_change_metrics(entropy_before: Sequence[Tensor], entropy_after: Sequ
         out[f"entropy/{source}/delta"] = m.delta_sum / m.tokens
         out[f"cov/{source}/step"] = m.co_moment / m.tokens
     return out
+
+
+# --------------------------------------------------------------------- the lemma per token
+
+
+def _corr_slope(sums: Tensor) -> tuple[float, float]:
+    """(Pearson correlation of y on x, least-squares slope of y on x) from [n, sx, sy, sxx, syy,
+    sxy] (float64); NaN where a variance is 0."""
+    n, sx, sy, sxx, syy, sxy = (float(v) for v in sums)
+    if n < 2:
+        return float("nan"), float("nan")
+    vx, vy, cxy = sxx - sx * sx / n, syy - sy * sy / n, sxy - sx * sy / n
+    corr = cxy / (vx * vy) ** 0.5 if vx > 0 and vy > 0 else float("nan")
+    return corr, (cxy / vx if vx > 0 else float("nan"))
+
+
+def _pair_sums(x: Tensor, y: Tensor) -> Tensor:
+    x, y = x.double(), y.double()
+    return torch.stack([torch.tensor(float(x.numel()), dtype=torch.float64), x.sum(), y.sum(),
+                        (x * x).sum(), (y * y).sum(), (x * y).sum()])
+
+
+def lemma_metrics(h_before: Tensor, h_after: Tensor, prediction: Tensor, old_logp: Tensor,
+                  advantages: Tensor, group: Optional[dist.ProcessGroup] = None
+                  ) -> dict[str, float]:
+    """The lemma per token over one optimizer step, from this rank's [N] tensors of one
+    mini-batch's response tokens, merged over ``group`` (the DP group):
+
+    - ``lemma/corr``, ``lemma/slope``: correlation and least-squares slope of the measured
+      change dH_t = H_after(t) - H_before(t) on the prediction -Cov_{a~pi(.|s_t)}(log pi, dz);
+    - ``lemma/pg_corr``, ``lemma/pg_slope``: the same against the policy-gradient form
+      -(log pi(a_t) - mean log pi)(A_t - mean A), the token's share of -Cov(log pi, A) across
+      the mini-batch's positions (means over the mini-batch, every rank);
+    - ``lemma/delta_mean``, ``lemma/prediction_mean``, ``lemma/tokens``.
+    """
+    delta = (h_after - h_before).double()
+    local = torch.stack([old_logp.double().sum(), advantages.double().sum(),
+                         torch.tensor(float(old_logp.numel()), dtype=torch.float64)])
+    means = gather_in_rank_order(local, group).sum(dim=0)
+    count = max(float(means[2]), 1.0)
+    pg = -(old_logp.double() - means[0] / count) * (advantages.double() - means[1] / count)
+    sums = gather_in_rank_order(torch.cat([_pair_sums(prediction, delta), _pair_sums(pg, delta)]),
+                                group).sum(dim=0)
+    corr, slope = _corr_slope(sums[:6])
+    pg_corr, pg_slope = _corr_slope(sums[6:])
+    n = max(float(sums[0]), 1.0)
+    return {"lemma/corr": corr, "lemma/slope": slope, "lemma/pg_corr": pg_corr,
+            "lemma/pg_slope": pg_slope, "lemma/delta_mean": float(sums[2]) / n,
+            "lemma/prediction_mean": float(sums[1]) / n, "lemma/tokens": float(sums[0])}

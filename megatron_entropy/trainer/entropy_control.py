@@ -11,11 +11,14 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from megatron_entropy.algorithms.clipping import clip_schedule_knobs
 from megatron_entropy.algorithms.entropy_control import EntropyController, EntropyControlSettings
+from megatron_entropy.algorithms.entropy_methods import EntropyMethods
 from megatron_entropy.config import AlgorithmConfig
 from megatron_entropy.settings import ConfigError, SettingError
 
 STATE_KEY = "entropy_control"
+METHODS_KEY = "entropy_methods"  # the entropy methods' controllers and SIREN's anchor
 MEASURED = "entropy/seq_mean"  # the mean per-sequence entropy of the step's rollouts
 
 
@@ -41,10 +44,15 @@ def build_controller(algorithm: AlgorithmConfig, vocab_size: int
     return EntropyController(settings, getattr(algorithm, settings.knob), vocab_size)
 
 
-def loss_knobs(controller: Optional[EntropyController]) -> dict[str, float]:
-    """The coming step's value of the controller's knob, for ``Actor.update`` ({} when off):
-    the controller holds it, the config keeps the starting value."""
-    return {} if controller is None else {controller.settings.knob: controller.value}
+def loss_knobs(controller: Optional[EntropyController], algorithm: AlgorithmConfig, step: int,
+               steps: int) -> dict[str, float]:
+    """The coming step's values of the loss settings that move while the run goes, for
+    ``Actor.update`` ({} when none): the controller's knob (it holds the value, the config keeps
+    the starting one) and the clip schedule's clip_ratio_high."""
+    knobs = clip_schedule_knobs(algorithm.clip_schedule, algorithm.clip_ratio_high, step, steps)
+    if controller is not None:
+        knobs[controller.settings.knob] = controller.value
+    return knobs
 
 
 def update_controller(controller: Optional[EntropyController], metrics: dict[str, float]
@@ -69,3 +77,21 @@ def restore_controller(controller: Optional[EntropyController], saved: dict[str,
         raise ConfigError("algorithm.entropy_control.enabled: the checkpoint being resumed was "
                           "written without the entropy controller; its state is not there")
     controller.load_state_dict(saved[STATE_KEY])
+
+
+def methods_state(methods: EntropyMethods) -> dict[str, Any]:
+    """The trainer-state entry of the entropy methods' run state ({} when they keep none)."""
+    state = methods.state_dict()
+    keeps = methods.controllers or methods.algorithm.siren.enabled
+    return {METHODS_KEY: state} if keeps else {}
+
+
+def restore_methods(methods: EntropyMethods, saved: dict[str, Any]) -> None:
+    """Resume the entropy methods' state from a checkpoint's trainer state, exactly."""
+    if not (methods.controllers or methods.algorithm.siren.enabled):
+        return
+    if METHODS_KEY not in saved:
+        raise ConfigError("algorithm: the checkpoint being resumed was written without the "
+                          "entropy methods' state (EntroPIC, SIREN, adaptive_entropy, aer); "
+                          "resume it with the settings it was written with")
+    methods.load_state_dict(saved[METHODS_KEY])

@@ -43,7 +43,8 @@ from megatron_entropy.trainer.batch import Sample
 from megatron_entropy.trainer.checkpoint import CheckpointManager, resume_checkpoint
 from megatron_entropy.trainer.drift import DriftTrend, drift_metrics
 from megatron_entropy.trainer.entropy_control import (build_controller, controller_state,
-                                                      loss_knobs, restore_controller,
+                                                      loss_knobs, methods_state,
+                                                      restore_controller, restore_methods,
                                                       update_controller)
 from megatron_entropy.trainer.metrics import MetricsLogger, PhaseTimer
 from megatron_entropy.trainer.model_setup import (build_optimizer, build_trainable_model,
@@ -189,7 +190,8 @@ class Trainer:
         self.actor = Actor(self.arch, self.model, optimizer, scheduler,
                            cfg.algorithm.with_response_budget(cfg.rollout.max_new_tokens),
                            cfg.trainer, cfg.rollout.temperature,
-                           ref_model=self._reference_model(), routing_replay=replay)
+                           ref_model=self._reference_model(), routing_replay=replay,
+                           entropy_lemma=cfg.analysis.entropy_lemma)
         self.controller = build_controller(cfg.algorithm, self.arch.vocab_size)
         self.drift = DriftTrend()
         self.state = RunState(rollout_seed=cfg.rollout.seed)
@@ -198,6 +200,7 @@ class Trainer:
             scheduler.load_state_dict(saved["scheduler"])
             self.state = RunState(step=saved["step"], rollout_seed=saved["rollout_seed"])
             restore_controller(self.controller, saved)
+            restore_methods(self.actor.methods, saved)
             self.drift.restore(saved)
         return resume_from
 
@@ -348,10 +351,13 @@ class Trainer:
         dp_group = self.ps.get_data_parallel_group()
         with timer("recompute"):
             self.actor.recompute(samples)
+        knobs = loss_knobs(self.controller, self.cfg.algorithm, step, self.cfg.trainer.steps)
         with timer("update"):
-            actor_metrics = self.actor.update(samples, step, loss_knobs(self.controller))
+            actor_metrics = self.actor.update(samples, step, knobs)
         # After the update: its first mini-batch may have scored its own samples.
         metrics = reduce_token_metrics(samples, dp_group)
+        if "clip_ratio_high" in knobs:
+            metrics["clip_schedule/clip_ratio_high"] = knobs["clip_ratio_high"]
         if self.cfg.algorithm.old_logprobs == "recompute":  # else nothing to compare with
             metrics.update(drift_metrics(samples, dp_group))
             metrics.update(self.check_rollout_weights(samples, dp_group, step))
@@ -432,7 +438,8 @@ class Trainer:
                        {"step": step, "sampler": self.sampler.state_dict(),
                         "rollout_seed": self.state.rollout_seed,
                         "scheduler": self.actor.scheduler.state_dict(),
-                        **controller_state(self.controller), **self.drift.state()},
+                        **controller_state(self.controller), **self.drift.state(),
+                        **methods_state(self.actor.methods)},
                        self.arch, self.hf_dir)
         self.saved_step = step
 

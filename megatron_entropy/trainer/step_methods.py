@@ -22,9 +22,11 @@ from megatron_entropy.algorithms.entropy_methods import (PROXY_SHIFT, TOP_P_ENTR
 from megatron_entropy.algorithms.entropy_regularizers import difficulty_weights
 from megatron_entropy.algorithms.policy_loss import TokenAdjustments
 from megatron_entropy.models.output_head import output_layer_weight
-from megatron_entropy.ops.vocab_stats import (vocab_parallel_min_p_shift,
+from megatron_entropy.ops.vocab_stats import (vocab_parallel_entropy_change,
+                                              vocab_parallel_min_p_shift,
                                               vocab_parallel_top_p_entropy)
 from megatron_entropy.trainer.batch import MicroBatch, Sample
+from megatron_entropy.trainer.entropy_change import lemma_metrics
 
 if TYPE_CHECKING:  # the actor imports this module
     from megatron_entropy.trainer.actor import Actor
@@ -98,13 +100,16 @@ def fill_token_stats(actor: "Actor", samples: list[Sample]) -> None:
 class MethodsStep:
     """One optimizer step of the entropy methods: built on every rank (the controllers move
     everywhere), planned on the last PP stage from the selecting pass's ``inputs``
-    ((log-probs, entropies, vocab statistics) per micro-batch, Actor._selection_inputs)."""
+    ((log-probs, entropies, vocab statistics) per micro-batch, Actor._selection_inputs). With
+    ``analysis.entropy_lemma`` the step's ``first`` optimizer step is also measured
+    (``LemmaProbe``): call ``after_update`` once its optimizer step is taken."""
 
     def __init__(self, actor: "Actor", mbs: list[MicroBatch], samples: Sequence[Sample],
-                 inputs: Optional[tuple], group) -> None:
+                 inputs: Optional[tuple], group, first: bool = False) -> None:
         methods = actor.methods
         self.methods, self.samples = methods, samples
         self.plan: Optional[StepPlan] = None
+        self.probe = LemmaProbe(actor, mbs) if first and actor.entropy_lemma else None
         if not methods.active:
             return
         masks = [mb.mask.to(actor.device) for mb in mbs]
@@ -149,3 +154,33 @@ class MethodsStep:
                                                     mb.mask, normalizer, top_p, proxy)
         metrics.update(extra_metrics)
         return value if extra is None else value + extra
+
+    def after_update(self, actor: "Actor", mbs: list[MicroBatch]) -> dict[str, float]:
+        """After the optimizer step: the lemma's metrics of it ({} unless probed)."""
+        return {} if self.probe is None else self.probe.after(actor, mbs)
+
+
+class LemmaProbe:
+    """The entropy lemma per token over one optimizer step (trainer/entropy_change.py,
+    ``lemma_metrics``): the logits of the mini-batch's response tokens before it (this rank's
+    vocab shard, forward only; kept on the CPU: N x V/TP floats) and after it."""
+
+    def __init__(self, actor: "Actor", mbs: list[MicroBatch]) -> None:
+        self.before = actor._forward_only(actor.model, mbs,
+                                          stats=stats_fn(actor, [LOGITS], logprobs=False))
+
+    def after(self, actor: "Actor", mbs: list[MicroBatch]) -> dict[str, float]:
+        after = actor._forward_only(actor.model, mbs,
+                                    stats=stats_fn(actor, [LOGITS], logprobs=False))
+        out = None
+        if actor.ps.is_pipeline_last_stage():
+            parts = [vocab_parallel_entropy_change(
+                self.before[mb.index][LOGITS], after[mb.index][LOGITS],
+                vocab_size=actor.arch.vocab_size, group=actor.ps.get_tensor_model_parallel_group(),
+                temperature=actor.temperature) for mb in mbs]
+            valid = [mb.mask.bool() for mb in mbs]
+            out = lemma_metrics(*(torch.cat([p[i] for p in parts]) for i in range(3)),
+                                torch.cat([mb.old_logprobs[v] for mb, v in zip(mbs, valid)]),
+                                torch.cat([mb.advantages[v] for mb, v in zip(mbs, valid)]),
+                                actor.ps.get_data_parallel_group())
+        return actor._broadcast_from_last_stage(out)
