@@ -137,6 +137,9 @@ def run_study(args: argparse.Namespace) -> int:
         for run in plan.runs:
             roles = ", ".join(f"{role}={value}" for role, value in run.roles)
             print(f"  {run.name} [{roles}]: {' '.join(run.own)}")
+        if plan.pending:
+            print(f"then {len(plan.pending) * len(plan.seeds)} runs of {', '.join(plan.pending)} "
+                  "at the values their tuning runs choose")
         return 0
     try:
         return execute(plan)

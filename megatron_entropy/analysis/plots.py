@@ -190,6 +190,15 @@ def plot_run(run_dir: Union[str, Path], out_dir: Optional[Union[str, Path]] = No
         drawn += n
     save(fig, "training.png", drawn)
 
+    # The lemma per token (analysis.entropy_lemma): agreement of the measured entropy change
+    # with the first-order prediction and with the policy-gradient form, per step.
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+    drawn = _plot_lines(ax1, records, ["lemma/corr", "lemma/pg_corr"], ["lemma/corr"])
+    ax1.set_title(f"{name}: correlation of the entropy change per token with the prediction")
+    drawn += _plot_lines(ax2, records, ["lemma/slope", "lemma/pg_slope"], ["lemma/slope"])
+    ax2.set_title("slope of the measured change on the prediction (1: the lemma exactly)")
+    save(fig, "lemma.png", drawn)
+
     # Performance against entropy, with the fitted law R = -a exp(H) + b.
     if law_points(records)[0]:
         fig, ax = plt.subplots(figsize=(6, 4.5))

@@ -83,6 +83,10 @@ class StudyPlan:
     runs: list[StudyRun]
     arms: list[str]  # the study.losses names in the comparison (after --losses)
     seeds: list[int]
+    base: list[str] = field(default_factory=list)  # every run's overrides before its own
+    # Arms whose tune_key the tuning runs choose: their runs at every seed come after
+    # (analysis/study_tuning.py, ``add_tuned_runs``).
+    pending: list[str] = field(default_factory=list)
 
 
 def settings_of(cfg: Config) -> dict:
@@ -132,10 +136,18 @@ def plan_study(config_path: str, overrides: list[str], out: Optional[str] = None
     if not seeds:
         raise ConfigError("study.seeds is empty: the study has no run")
 
-    entries: list[tuple[str, list[str], int, tuple[str, Any]]] = []
+    entries: list[Entry] = []
+    pending = [name for name in chosen if arms[name].tune_values and st.tune]
     for name in chosen:
-        for seed in seeds:
-            entries.append((f"{name}-seed{seed}", arms[name].overrides, seed, ("loss", name)))
+        arm = arms[name]
+        for value in arm.tune_values if name in pending else []:
+            # The tuning runs; the arm's own runs wait for their choice (study_tuning.py).
+            entries.append((f"{name}-tune{value:g}", [*arm.overrides, f"{arm.tune_key}={value!r}"],
+                            st.tuning_seed, ("tune", f"{name}={value!r}")))
+        fixed = [f"{arm.tune_key}={arm.tune_values[0]!r}"] if arm.tune_values else []
+        for seed in [] if name in pending else seeds:
+            entries.append((f"{name}-seed{seed}", [*arm.overrides, *fixed], seed,
+                            ("loss", name)))
     for part in ("entropy_bonus", "threshold_sweep"):
         sweep = getattr(st, part)
         leaf = sweep.key.rsplit(".", 1)[-1]
@@ -144,17 +156,31 @@ def plan_study(config_path: str, overrides: list[str], out: Optional[str] = None
                 entries.append((f"{sweep.base}-{leaf}{value:g}-seed{seed}",
                                 [*arms[sweep.base].overrides, f"{sweep.key}={value!r}"], seed,
                                 (part, value)))
+    plan = StudyPlan(config_path, out_dir, quick, st, [], chosen, seeds, base, pending)
+    add_runs(plan, entries)
+    if not plan.runs:
+        raise ConfigError("the study has no run: study.losses (or --losses) and the sweeps' "
+                          "values are all empty")
+    return plan
 
-    runs: list[StudyRun] = []
-    by_settings: dict[str, StudyRun] = {}
+
+Entry = tuple[str, list[str], int, tuple[str, Any]]  # name, the arm's overrides, seed, role
+
+
+def add_runs(plan: StudyPlan, entries: list[Entry]) -> list[StudyRun]:
+    """Resolve and check ``entries`` into the plan's runs (ConfigError names the run and the
+    key); an entry whose settings equal a planned run's only adds its role to it. Returns the
+    runs added."""
+    by_settings = {run.fingerprint: run for run in plan.runs}
+    added = []
     for name, arm_overrides, seed, role in entries:
-        own = [*arm_overrides, *(f"{k}={seed}" for k in st.seed_keys)]
-        run_overrides = [*base, *own,
-                         f"logging.runs_dir={out_dir / 'runs'}", f"logging.name={name}",
+        own = [*arm_overrides, *(f"{k}={seed}" for k in plan.study.seed_keys)]
+        run_overrides = [*plan.base, *own,
+                         f"logging.runs_dir={plan.out / 'runs'}", f"logging.name={name}",
                          "logging.progress_bar=false", "analysis.entropy_change=true",
                          "trainer.resume=auto"]
         try:
-            cfg = load_config(config_path, run_overrides)
+            cfg = load_config(plan.config_path, run_overrides)
         except ConfigError as e:
             raise ConfigError(f"study run {name}: {e}") from None
         run = StudyRun(name, seed, run_overrides, own, cfg, [role])
@@ -163,11 +189,9 @@ def plan_study(config_path: str, overrides: list[str], out: Optional[str] = None
             same.roles.append(role)
             continue
         by_settings[run.fingerprint] = run
-        runs.append(run)
-    if not runs:
-        raise ConfigError("the study has no run: study.losses (or --losses) and the sweeps' "
-                          "values are all empty")
-    return StudyPlan(config_path, out_dir, quick, st, runs, chosen, seeds)
+        plan.runs.append(run)
+        added.append(run)
+    return added
 
 
 # ------------------------------------------------------------------------------ run records

@@ -84,3 +84,21 @@ def render_test_section(arms: dict) -> list[str]:
         lines.append(f"| {name} | {test['pass@1']['n']} | "
                      + " | ".join(_cell(test.get(c)) for c in cols) + " |")
     return lines
+
+
+def render_comparison(arms: dict) -> list[str]:
+    """The comparison in one table: per arm, test pass@1, pass@16, pass@64 and the direct mode's
+    share (when evaluated), entropy start -> end and the wall time of one run."""
+    lines = ["", "## Comparison", "",
+             "| arm | seeds | test pass@1 | test pass@16 | test pass@64 | entropy start -> end | "
+             "direct share (test) | minutes a run |", "|" + " --- |" * 8]
+    for name, arm in arms.items():
+        test = arm.get("test") or {}
+        entropy = f"{_cell(arm['entropy_start'])} -> {_cell(arm['entropy_end'])}"
+        wall = arm.get("wall_s")
+        minutes = "n/a" if wall is None else f"{wall['mean'] / 60:.1f}"
+        cells = [_cell(test.get(k)) for k in ("pass@1", "pass@16", "pass@64",
+                                              "modes/direct_frac")]
+        lines.append(f"| {name} | {len(arm['seeds'])} | {' | '.join(cells[:3])} | {entropy} | "
+                     f"{cells[3]} | {minutes} |")
+    return lines

@@ -35,8 +35,10 @@ from megatron_entropy.analysis.entropy_law import (ceiling_interval, fit_and_pre
 from megatron_entropy.analysis.plots import paired_series, read_metrics, series
 from megatron_entropy.analysis.study import (StudyPlan, StudyRun, config_value, read_run_state,
                                              run_wall_seconds)
-from megatron_entropy.analysis.study_eval import (arm_test, render_test_section,
-                                                  run_test_numbers, eval_targets)
+from megatron_entropy.analysis.study_tuning import choices, render_tuning
+from megatron_entropy.analysis.study_eval import (arm_test, render_comparison,
+                                                  render_test_section, run_test_numbers,
+                                                  eval_targets)
 
 ENTROPY = "entropy/seq_mean"
 VAL = "val/acc/mean"
@@ -245,6 +247,7 @@ def summarize(plan: StudyPlan, results: Sequence[RunResult]) -> dict:
             "delta_vs_cov": delta_vs_cov(members),
             "plateau": plateau(members),
             "test": arm_test([n["test"] for n in nums], spread),
+            "wall_s": spread([n["wall_s"] for n in nums]),
         }
     sweeps = {}
     sweep_seeds = plan.seeds[:st.sweep_seeds]
@@ -261,7 +264,7 @@ def summarize(plan: StudyPlan, results: Sequence[RunResult]) -> dict:
     summary = {"config": plan.config_path, "out": str(plan.out), "quick": plan.quick,
                "window": st.window, "early_fraction": st.early_fraction,
                "performance_key": perf, "baseline": st.baseline, "arms": arms,
-               "sweeps": sweeps, "runs": per_run,
+               "sweeps": sweeps, "runs": per_run, "tuning": choices(plan),
                "wall_s": sum(r.wall_s for r in results), "n_runs": len(results)}
     summary["targets"] = targets(summary, plan)
     summary["notes"] = study_notes(plan)
@@ -455,6 +458,7 @@ def render_report(summary: dict, figures: dict[str, Path]) -> str:
                  "n/a" if fit is None else f"{fit['r2']:.3f}", ceiling,
                  _spread_cell(arm["early_abs_final_error"]), _fmt(corr)]
         lines.append("| " + " | ".join(cells) + " |")
+    lines += render_comparison(arms) + render_tuning(summary["tuning"])
     lines += render_test_section(arms)
     for part, title in (("entropy_bonus", "Entropy bonus"), ("threshold_sweep",
                                                               "Threshold sweep")):

@@ -21,6 +21,7 @@ from megatron_entropy.analysis.study import (RUN_EVAL_FILE, RUN_LOG_FILE, StudyE
                                              run_wall_seconds, settings_of, write_run_state)
 from megatron_entropy.analysis.study_plots import plot_study
 from megatron_entropy.analysis.study_report import load_results, render_report, summarize
+from megatron_entropy.analysis.study_tuning import add_tuned_runs
 from megatron_entropy.runtime import run_lock
 from megatron_entropy.runtime.processes import die_with_parent
 from megatron_entropy.runtime.preemption import PREEMPTED_EXIT_CODE
@@ -111,64 +112,81 @@ def _eval_if_wanted(plan: StudyPlan, run: StudyRun, interrupt: _Interrupt,
 
 
 def execute(plan: StudyPlan, echo: Callable[[str], None] = print) -> int:
-    """Run every run of the plan that has not finished, then write the report. Returns 0, or
-    75 when interrupted (run the same command again to go on)."""
+    """Run every run of the plan that has not finished (the tuning runs first, then the runs of
+    the values they chose: analysis/study_tuning.py), then write the report. Returns 0, or 75
+    when interrupted (run the same command again to go on)."""
     plan.out.mkdir(parents=True, exist_ok=True)
     # Another study of this folder, or a run a killed study started that still finishes its step.
     lock_fd = run_lock.acquire(plan.out / "study.lock", "study folder", wait=echo)
     interrupt = _Interrupt()
     try:
-        total = len(plan.runs)
-        for i, run in enumerate(plan.runs, start=1):
-            head = f"[{i}/{total}] {run.name}"
-            state = read_run_state(run)
-            if state is not None:
-                check_same_run(run, state)
-                if state.get("finished"):
-                    echo(f"{head}: finished earlier ({run_wall_seconds(state):.0f} s), "
-                         "not re-run")
-                    _eval_if_wanted(plan, run, interrupt, echo, head)
-                    if interrupt.raised:
-                        return PREEMPTED_EXIT_CODE
-                    continue
-            run.run_dir.mkdir(parents=True, exist_ok=True)
-            state = state or {"name": run.name, "fingerprint": run.fingerprint,
-                              "settings": settings_of(run.config), "overrides": run.overrides,
-                              "attempts": [], "finished": False}
-            done = checkpoint_step(run.run_dir)
-            if done:
-                echo(f"{head}: resuming from the checkpoint of step {done} "
-                     f"(log: {run.run_dir / RUN_LOG_FILE})")
-            else:
-                echo(f"{head}: training (log: {run.run_dir / RUN_LOG_FILE})")
-            state["attempts"].append({"started": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                                      "from_step": done, "wall_s": None, "exit_code": None})
-            write_run_state(run, state)
-            code, wall = _train(run, plan.config_path, lock_fd, interrupt)
-            state["attempts"][-1].update(wall_s=round(wall, 3), exit_code=code)
-            steps = run.config.trainer.steps
-            if code == 0 and last_step(run.run_dir) >= steps:
-                state["finished"] = True
-            write_run_state(run, state)
-            if interrupt.raised or code == PREEMPTED_EXIT_CODE:
-                echo(f"{head}: interrupted after {wall:.0f} s at step {last_step(run.run_dir)}; "
-                     "run the same command again to resume")
-                return PREEMPTED_EXIT_CODE
-            if not state["finished"]:
-                raise StudyError(
-                    f"run {run.name} failed (exit code {code}, at step "
-                    f"{last_step(run.run_dir)} of {steps}); its log: "
-                    f"{run.run_dir / RUN_LOG_FILE}\n{_tail(run.run_dir / RUN_LOG_FILE)}")
-            echo(f"{head}: done in {wall:.0f} s{_summary_line(run)}")
-            _eval_if_wanted(plan, run, interrupt, echo, head)
-            if interrupt.raised:
-                return PREEMPTED_EXIT_CODE
+        done = 0
+        while True:
+            while done < len(plan.runs):
+                run = plan.runs[done]
+                done += 1
+                total = len(plan.runs) + len(plan.pending) * len(plan.seeds)
+                code = _one_run(plan, run, f"[{done}/{total}] {run.name}", lock_fd, interrupt,
+                                echo)
+                if code is not None:
+                    return code
+            if not add_tuned_runs(plan):
+                break
         report = write_report(plan)
         echo(f"report: {report}")
         return 0
     finally:
         interrupt.restore()
         run_lock.release(lock_fd)
+
+
+def _one_run(plan: StudyPlan, run: StudyRun, head: str, lock_fd: Optional[int],
+             interrupt: _Interrupt, echo: Callable[[str], None]) -> Optional[int]:
+    """Train (or resume, or skip when finished) one run and eval it; the study's exit code when
+    it must stop (interrupted), else None."""
+    state = read_run_state(run)
+    if state is not None:
+        check_same_run(run, state)
+        if state.get("finished"):
+            echo(f"{head}: finished earlier ({run_wall_seconds(state):.0f} s), "
+                 "not re-run")
+            _eval_if_wanted(plan, run, interrupt, echo, head)
+            if interrupt.raised:
+                return PREEMPTED_EXIT_CODE
+            return None
+    run.run_dir.mkdir(parents=True, exist_ok=True)
+    state = state or {"name": run.name, "fingerprint": run.fingerprint,
+                      "settings": settings_of(run.config), "overrides": run.overrides,
+                      "attempts": [], "finished": False}
+    done = checkpoint_step(run.run_dir)
+    if done:
+        echo(f"{head}: resuming from the checkpoint of step {done} "
+             f"(log: {run.run_dir / RUN_LOG_FILE})")
+    else:
+        echo(f"{head}: training (log: {run.run_dir / RUN_LOG_FILE})")
+    state["attempts"].append({"started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                              "from_step": done, "wall_s": None, "exit_code": None})
+    write_run_state(run, state)
+    code, wall = _train(run, plan.config_path, lock_fd, interrupt)
+    state["attempts"][-1].update(wall_s=round(wall, 3), exit_code=code)
+    steps = run.config.trainer.steps
+    if code == 0 and last_step(run.run_dir) >= steps:
+        state["finished"] = True
+    write_run_state(run, state)
+    if interrupt.raised or code == PREEMPTED_EXIT_CODE:
+        echo(f"{head}: interrupted after {wall:.0f} s at step {last_step(run.run_dir)}; "
+             "run the same command again to resume")
+        return PREEMPTED_EXIT_CODE
+    if not state["finished"]:
+        raise StudyError(
+            f"run {run.name} failed (exit code {code}, at step "
+            f"{last_step(run.run_dir)} of {steps}); its log: "
+            f"{run.run_dir / RUN_LOG_FILE}\n{_tail(run.run_dir / RUN_LOG_FILE)}")
+    echo(f"{head}: done in {wall:.0f} s{_summary_line(run)}")
+    _eval_if_wanted(plan, run, interrupt, echo, head)
+    if interrupt.raised:
+        return PREEMPTED_EXIT_CODE
+    return None
 
 
 def write_report(plan: StudyPlan) -> Path:

@@ -18,6 +18,11 @@ class StudyLoss(Settings):
     name: str = _f("", help="names its runs (NAME-seedS) and its curves; --losses picks by it")
     overrides: list[str] = _f(default_factory=list, help="dotted overrides, e.g. "
                                                          "algorithm.loss=clip_cov")
+    tune_key: str = _f("", help="a dotted key the study chooses on the validation split: one "
+                                "run per tune_values entry at study.tuning_seed, the best "
+                                "by study.tuning_metric then runs at every seed")
+    tune_values: list[float] = _f(default_factory=list, help="the candidates of tune_key, the "
+                                                             "default first (it wins ties)")
 
 
 @dataclass
@@ -75,6 +80,12 @@ class StudyConfig(Settings):
     eval_runs: bool = _f(False, help="after each run, megatron-entropy eval on its last "
                                       "checkpoint (the eval section) into runs/NAME/"
                                       "eval.json; the report's final numbers")
+    tune: bool = _f(True, help="choose the arms' tune_key on the validation split; false: each "
+                               "arm runs its first tune_values entry, no tuning runs")
+    tuning_seed: int = _f(101, help="the seed of the tuning runs (tune_key); not one of seeds: "
+                                    "the final runs never saw the choice")
+    tuning_metric: str = _f("val/acc/mean", help="what the tuning rule maximises: its mean over "
+                                                 "a tuning run's last `window` logged values")
 
     def validate(self) -> None:
         super().validate()
@@ -101,3 +112,14 @@ class StudyConfig(Settings):
                 raise SettingError(f"{part}.values", f"{sweep.values} repeats a value")
         if len(set(self.seeds)) != len(self.seeds):
             raise SettingError("seeds", f"{self.seeds} repeats a seed")
+        for i, arm in enumerate(self.losses):
+            if bool(arm.tune_key) != bool(arm.tune_values):
+                raise SettingError(f"losses[{i}].tune_values", "set tune_key and tune_values "
+                                   "together (the key the study chooses and its candidates)")
+            if len(set(arm.tune_values)) != len(arm.tune_values):
+                raise SettingError(f"losses[{i}].tune_values", f"{arm.tune_values} repeats a "
+                                                               "value")
+        if self.tune and any(arm.tune_key for arm in self.losses) and \
+                self.tuning_seed in self.seeds:
+            raise SettingError("tuning_seed", f"{self.tuning_seed} is one of seeds "
+                               f"({self.seeds}): the runs that choose would be reported")

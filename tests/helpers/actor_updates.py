@@ -22,15 +22,16 @@ def update_worker(loss: str, scope: str, selection_logprobs: str,
                    distributed_optimizer: bool = False, correction: dict | None = None,
                    overlap: bool = False, kl_cov_ratio: float = 0.1,
                    loss_knobs: dict | None = None, algorithm_extra: dict | None = None,
-                   layout: str = "padded", shared_prompts: bool = False):
+                   layout: str = "padded", shared_prompts: bool = False, lr: float = 1e-2,
+                   entropy_lemma: bool = False):
     """One RL step's updates (2 epochs x 2 mini-batches) of the tiny model on ``random_samples(0)`` (plus
     a sample with an empty response, last), with the token rules ``rules`` (TokenRuleSettings
     fields) and the rollout correction ``correction`` (RolloutCorrectionSettings fields; engine
     log-probs from ``drift_engine_logprobs``) and the step's ``loss_knobs`` (as the entropy
     controller passes them), ``algorithm_extra`` any other AlgorithmConfig fields, the
-    micro-batch ``layout``, with ``shared_prompts`` the samples of a group sharing their prompt;
-    returns the weights after, the metrics (and this rank's recompute entropies), the weights
-    before."""
+    micro-batch ``layout``, with ``shared_prompts`` the samples of a group sharing their prompt,
+    ``lr`` the learning rate and ``entropy_lemma`` the actor's lemma probe; returns the weights
+    after, the metrics (and this rank's recompute entropies), the weights before."""
     from megatron_entropy.algorithms.rollout_correction import RolloutCorrectionSettings
     from megatron_entropy.algorithms.token_rules import TokenRuleSettings
     from megatron_entropy.config import (AlgorithmConfig, ModelConfig, ParallelConfig,
@@ -50,7 +51,7 @@ def update_worker(loss: str, scope: str, selection_logprobs: str,
     # adam_eps = 1: updates proportional to the gradients. With a tiny eps Adam turns float noise
     # in near-zero gradients into full-size steps, and the comparison would test that noise.
     # One step of 2 epochs x 2 mini-batches: 4 updates.
-    trainer = TrainerConfig(lr=1e-2, steps=1, grad_clip=0.0, adam_eps=1.0, weight_decay=0.0,
+    trainer = TrainerConfig(lr=lr, steps=1, grad_clip=0.0, adam_eps=1.0, weight_decay=0.0,
                             micro_batch_tokens=micro_batch_tokens, mini_batches_per_step=2,
                             ppo_epochs=2, seed=5, micro_batch_layout=layout)
     optimizer, scheduler = build_optimizer(chunks, trainer,
@@ -63,7 +64,8 @@ def update_worker(loss: str, scope: str, selection_logprobs: str,
         token_rules=TokenRuleSettings(**(rules or {})),
         rollout_correction=RolloutCorrectionSettings(**(correction or {})),
         **(algorithm_extra or {}))
-    actor = Actor(arch, chunks, optimizer, scheduler, algorithm, trainer, temperature)
+    actor = Actor(arch, chunks, optimizer, scheduler, algorithm, trainer, temperature,
+                  entropy_lemma=entropy_lemma)
     samples = random_samples(0, shared_prompts=shared_prompts)
     if empty_response:
         samples.append(replace(samples[0], response_ids=[], engine_logprobs=[]))
@@ -169,9 +171,9 @@ def weights_after(results: list) -> dict[str, torch.Tensor]:
 
 
 def layout_worker(tp: int, pp: int, weights: dict, args: tuple, extra: dict | None = None):
-    """``update_worker(*args, **extra)`` in another layout: Megatron's parallel state and the model at
-    (TP, PP), the model loaded from ``weights`` (the TP=1 run's initial weights; the initial
-    shards of another layout come from other draws). Runs in a forked rank, so the two names it
+    """``update_worker(*args, **extra)`` in another layout: Megatron's parallel state and the
+    model at (TP, PP), the model loaded from ``weights`` (the TP=1 run's initial weights; the
+    initial shards of another layout come from other draws). Runs in a forked rank, so the two names it
     replaces stay replaced only there."""
     from megatron.core import parallel_state as ps
 
