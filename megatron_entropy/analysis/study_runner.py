@@ -103,7 +103,9 @@ def _eval(run: StudyRun, config_path: str, interrupt: _Interrupt) -> None:
 
 def _eval_if_wanted(plan: StudyPlan, run: StudyRun, interrupt: _Interrupt,
                     echo: Callable[[str], None], head: str) -> None:
-    if plan.study.eval_runs and not (run.run_dir / RUN_EVAL_FILE).is_file():
+    # A tuning run only chooses on the validation split: the test split is not its to read.
+    reported = any(role != "tune" for role, _ in run.roles)
+    if plan.study.eval_runs and reported and not (run.run_dir / RUN_EVAL_FILE).is_file():
         start = time.perf_counter()
         _eval(run, plan.config_path, interrupt)
         if not interrupt.raised:

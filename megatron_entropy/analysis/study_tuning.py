@@ -42,7 +42,9 @@ def tuning_score(plan: StudyPlan, run: StudyRun) -> float:
 
 def choices(plan: StudyPlan) -> dict[str, dict[str, Any]]:
     """Per tuned arm of the plan: its key, each candidate's score and the chosen value."""
-    out = {}
+    out: dict[str, dict[str, Any]] = {}
+    if not plan.study.tune:  # each arm ran its first candidate
+        return out
     arms = {arm.name: arm for arm in plan.study.losses}
     for name in plan.arms:
         arm = arms[name]

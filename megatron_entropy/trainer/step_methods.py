@@ -114,7 +114,8 @@ class MethodsStep:
             return
         masks = [mb.mask.to(actor.device) for mb in mbs]
         coefficients = methods.step_inputs(
-            [recomputed_entropy(mb, samples).to(actor.device) for mb in mbs], masks, group)
+            [recomputed_entropy(mb, samples).to(actor.device) for mb in mbs], masks, group) \
+            if methods.controllers else {}
         if not actor.ps.is_pipeline_last_stage():
             return
         weights = None

@@ -43,7 +43,10 @@ METHODS = {
 }
 RUNS = {"token_methods": ["entropic", "siren", "lp_reg", "entropy_ratio_clip",
                           "positive_reweight"],
-        "adaptive_entropy": ["adaptive_entropy"], "aer": ["aer"]}
+        "adaptive_entropy": ["adaptive_entropy"], "aer": ["aer"],
+        # Alone, these read no recompute: the step's first update scores itself (its old
+        # log-probs and entropies from its own forward: an entropy ratio of exactly 1).
+        "pointwise": ["entropy_ratio_clip", "positive_reweight"]}
 # The metric that shows each method acted on the step (averaged over its updates).
 ACTED = {"entropic": "entropic/high_prob_frac", "siren": "siren/masked_frac",
          "lp_reg": "lp_reg/selected_frac", "entropy_ratio_clip": "erc/clipped_frac",

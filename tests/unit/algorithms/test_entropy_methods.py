@@ -362,3 +362,32 @@ def test_step_normalizer_of_no_high_probability_token_leaves_the_term_out():
     term, _ = plan.extra_loss(0, logp, d["old"], d["adv"], d["mask"], 1.0, None, None)
     term.backward()
     assert float(term.detach()) == 0.0 and float(logp.grad.abs().max()) == 0.0
+
+
+def test_the_methods_state_resumes_exactly_and_a_checkpoint_without_it_is_refused():
+    """The controllers and SIREN's anchor through a checkpoint's trainer state (a JSON round
+    trip): the resumed methods give the coefficients the uninterrupted ones give."""
+    import json
+
+    from megatron_entropy.trainer.entropy_control import methods_state, restore_methods
+
+    a = _config(entropic=EntroPICSettings(enabled=True, target=0.3),
+                aer=AERSettings(enabled=True, initial=0.02, lr=0.01))
+    entropies = [0.9, 0.7, 0.5, 0.45, 0.2, 0.25]
+
+    def step(m, e):
+        h = torch.full((1, 3), e, dtype=torch.float64)
+        return m.step_inputs([h], [torch.ones(1, 3)], None)
+
+    straight = EntropyMethods(a)
+    want = [step(straight, e) for e in entropies]
+    first = EntropyMethods(a)
+    got = [step(first, e) for e in entropies[:3]]
+    saved = json.loads(json.dumps(methods_state(first)))
+    resumed = EntropyMethods(a)
+    restore_methods(resumed, saved)
+    got += [step(resumed, e) for e in entropies[3:]]
+    assert got == want
+    with pytest.raises(ConfigError, match="written without the entropy methods"):
+        restore_methods(EntropyMethods(a), {})
+    assert methods_state(EntropyMethods(_config())) == {}
