@@ -194,9 +194,9 @@ def plot_run(run_dir: Union[str, Path], out_dir: Optional[Union[str, Path]] = No
     # with the first-order prediction and with the policy-gradient form, per step.
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
     drawn = _plot_lines(ax1, records, ["lemma/corr", "lemma/pg_corr"], ["lemma/corr"])
-    ax1.set_title(f"{name}: correlation of the entropy change per token with the prediction")
-    drawn += _plot_lines(ax2, records, ["lemma/slope", "lemma/pg_slope"], ["lemma/slope"])
-    ax2.set_title("slope of the measured change on the prediction (1: the lemma exactly)")
+    ax1.set_title(f"{name}: per-token entropy change vs prediction, corr", fontsize=10)
+    drawn += _plot_lines(ax2, records, ["lemma/slope"], ["lemma/slope"])
+    ax2.set_title("slope of the change on -Cov(log pi, dz) (1: the lemma exactly)", fontsize=10)
     save(fig, "lemma.png", drawn)
 
     # Performance against entropy, with the fitted law R = -a exp(H) + b.
