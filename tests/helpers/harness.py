@@ -99,6 +99,14 @@ def train_cli(config: Path, *overrides: str, log: Path, **env: str) -> subproces
                             stderr=subprocess.STDOUT, start_new_session=True)
 
 
+def study_cli(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    """``megatron-entropy study ARGS`` as a user runs it from the checkout (one OpenMP thread a
+    process), its output captured."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "megatron_entropy.cli", "study", *args],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
 @contextmanager
 def hung_server() -> Iterator[str]:
     """The URL of a server that takes connections and never answers (a hung one)."""

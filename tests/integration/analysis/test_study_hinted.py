@@ -5,29 +5,22 @@ last dist checkpoint on the test split, whose numbers the report shows."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
+from harness import study_cli
 from helpers.metrics_table import undocumented_metrics
-
-REPO = Path(__file__).resolve().parents[3]
 
 
 @pytest.mark.slow
 def test_quick_study_trains_logs_modes_and_evaluates_each_run_on_the_test_split(tmp_path):
     out = tmp_path / "out"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     # The quick preset, shortened further: 2 arms, 3 steps of 8 prompts x 4 samples, 16
     # validation and 8 test problems (x 4 samples).
-    cmd = [sys.executable, "-m", "megatron_entropy.cli", "study", "examples/study_hinted.yaml",
-           "--quick", "--out", str(out), "--losses", "grpo,kl_cov", "trainer.steps=3",
-           "trainer.save_interval=3", "trainer.val_interval=3", "data.prompts_per_step=8",
-           "rollout.n_samples=4", "data.hinted.num_val=16", "data.hinted.num_test=8"]
-    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    done = study_cli("examples/study_hinted.yaml", "--quick", "--out", str(out), "--losses",
+                     "grpo,kl_cov", "trainer.steps=3", "trainer.save_interval=3",
+                     "trainer.val_interval=3", "data.prompts_per_step=8", "rollout.n_samples=4",
+                     "data.hinted.num_val=16", "data.hinted.num_test=8")
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     assert "[2/2] kl_cov-seed1: eval in" in done.stdout
     summary = json.loads((out / "summary.json").read_text())

@@ -7,30 +7,23 @@ table, and no tuning run is evaluated on the test split."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
+from harness import study_cli
 from helpers.metrics_table import undocumented_metrics
 
 from megatron_entropy.analysis.plots import read_metrics, series
-
-REPO = Path(__file__).resolve().parents[3]
 
 
 @pytest.mark.slow
 def test_methods_study_tunes_on_validation_then_runs_the_choice(tmp_path):
     out = tmp_path / "out"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "megatron_entropy.cli", "study", "examples/study_methods.yaml",
-           "--quick", "--out", str(out), "--losses", "grpo,siren", "study.tune=true",
-           "study.tuning_seed=7", "study.window=2", "study.eval_runs=false", "trainer.steps=3",
-           "trainer.save_interval=3", "trainer.val_interval=1", "data.prompts_per_step=4",
-           "rollout.n_samples=4", "data.hinted.num_val=8", "rollout.val_n_samples=4"]
-    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    done = study_cli("examples/study_methods.yaml", "--quick", "--out", str(out), "--losses",
+                     "grpo,siren", "study.tune=true", "study.tuning_seed=7", "study.window=2",
+                     "study.eval_runs=false", "trainer.steps=3", "trainer.save_interval=3",
+                     "trainer.val_interval=1", "data.prompts_per_step=4", "rollout.n_samples=4",
+                     "data.hinted.num_val=8", "rollout.val_n_samples=4")
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     tuning = summary["tuning"]["siren"]
