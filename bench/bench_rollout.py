@@ -125,7 +125,7 @@ def main() -> None:
             try:
                 if not args.sync_only:
                     row["vllm"] = timed_generate(vllm, prompts, sampling)
-                stats = DiskSync(vllm, 512 * 2**20, tmp / f"run-{name}" / "weight_sync",
+                stats = DiskSync(vllm, tmp / f"run-{name}" / "weight_sync",
                                  folder).push(new_weights, version=1)
                 row["vllm_sync_s"] = stats["weight_sync/seconds"]
                 row["vllm_sync_write_s"] = stats["weight_sync/write_seconds"]

@@ -142,7 +142,7 @@ def worker(hf_dir: Path, run_dir: Path, repeats: int) -> list[dict]:
         engine = VLLMEngine(cfg, str(hf_dir), str(run_dir))
     dist.barrier()
     counters = Counters()
-    per_stage = DiskSync(engine, 512 * 2**20, run_dir / "per_stage", hf_dir)
+    per_stage = DiskSync(engine, run_dir / "per_stage", hf_dir)
     previous: list = []
     rows = []
     version = 0

@@ -289,16 +289,14 @@ def policy_loss(settings: PolicyLossSettings, logp: Tensor, old_logp: Tensor, ad
                 mask: Tensor, *, normalizer: float | Tensor, entropy: Optional[Tensor] = None,
                 ref_logp: Optional[Tensor] = None, selection: Optional[TokenSelection] = None,
                 generator: Optional[torch.Generator] = None,
-                dp_group: Optional[dist.ProcessGroup] = None,
                 adjust: Optional[TokenAdjustments] = None) -> tuple[Tensor, dict[str, Tensor]]:
     """This micro-batch's loss (already divided by the step's ``normalizer``) and its metrics.
 
     logp (with grad), old_logp, advantages (broadcast over each row's tokens), mask (float 0/1),
     entropy, ref_logp: [B, S]. ``selection`` (global scope) comes from ``select_tokens_global``;
     None selects inside this micro-batch. ``generator`` drives Clip-Cov's draw (None: torch's
-    global RNG, as the paper's code); every TP rank must pass an identically seeded one.
-    ``dp_group`` is unused by the loss itself (all cross-rank work is in the normalizer and in
-    ``select_tokens_global``); it is accepted so callers can pass their layout uniformly.
+    global RNG, as the paper's code); every TP rank must pass an identically seeded one. All
+    cross-rank work is in the normalizer and in ``select_tokens_global``.
     ``adjust`` carries the token rules' and the rollout correction's per-token changes.
 
     An all-masked micro-batch gives a loss of exactly 0 that is still connected to ``logp`` (and

@@ -205,11 +205,6 @@ def delta_vs_cov(results: Sequence[RunResult]) -> dict:
             "corr_delta_minus_cov": correlation(delta, [-c for c in cov]), "n": len(cov)}
 
 
-def _members(results: Sequence[RunResult], role: str, value: Any = None) -> list[RunResult]:
-    return [r for r in results
-            if any(ro == role and (value is None or v == value) for ro, v in r.run.roles)]
-
-
 def _sweep_groups(results: Sequence[RunResult], base: str, key: str, part: str,
                   seeds: Sequence[int]) -> dict[float, list[RunResult]]:
     """The sweep's runs and its base arm's runs at the sweep seeds, by the key's value."""

@@ -60,11 +60,6 @@ def weight_version_of(completion: Completion) -> int:
     return version_number(completion.meta.get("weight_version"))
 
 
-def token_versions(completion: Completion) -> list[int]:
-    """The weight version that generated each response token."""
-    return [version_number(tag) for tag, n in version_runs(completion) for _ in range(n)]
-
-
 def stale_samples(kept: Sequence[Group], trained_version: int, max_staleness: int
                   ) -> tuple[frozenset[tuple[int, int]], dict[str, float]]:
     """(kept index, sample index) of the samples more than ``max_staleness`` versions older than

@@ -45,7 +45,6 @@ def build_weight_sync(rollout_cfg: RolloutConfig, engine: Optional[RolloutEngine
     if engine is not None and not isinstance(engine, cls.ENDPOINTS):
         raise TypeError(f"rollout.weight_sync.strategy={name}: {type(engine).__name__} lacks "
                         f"the endpoints of {cls.ENDPOINTS.__name__}")
-    bucket_bytes = w.bucket_mb * 1024**2
-    if cls is DiskSync:
-        return DiskSync(engine, bucket_bytes, w.dir or Path(run_dir) / "weight_sync", hf_dir)
-    return cls(engine, bucket_bytes)
+    if cls is DiskSync:  # each stage writes its own files: no buckets
+        return DiskSync(engine, w.dir or Path(run_dir) / "weight_sync", hf_dir)
+    return cls(engine, w.bucket_mb * 1024**2)

@@ -31,9 +31,8 @@ class WeightSync(abc.ABC):
     # The engine endpoints this strategy calls (a protocol of rollout/base.py).
     ENDPOINTS: ClassVar[type]
 
-    def __init__(self, engine, bucket_bytes: int):
+    def __init__(self, engine):
         self.engine = engine
-        self.bucket_bytes = bucket_bytes
 
     def sync(self, model, arch, version: int, relay_only: bool = False) -> dict[str, float]:
         """This rank's part of syncing ``model``; ``relay_only``: a rank that only takes part in
@@ -53,3 +52,12 @@ class WeightSync(abc.ABC):
             raise RuntimeError("weight sync: the first pipeline stage's leader has no rollout "
                                "engine to send the weights to")
         return self.engine
+
+
+class BucketSync(WeightSync):
+    """A strategy whose first stage's leader gets every stage's tensors, later stages' relayed
+    in buckets of at most ``bucket_bytes`` (stream.buckets_at_first_stage)."""
+
+    def __init__(self, engine, bucket_bytes: int):
+        super().__init__(engine)
+        self.bucket_bytes = bucket_bytes

@@ -9,11 +9,11 @@ from __future__ import annotations
 import time
 
 from megatron_entropy.rollout.base import TakesBroadcasts
-from megatron_entropy.weight_sync.base import WeightSync, with_last
+from megatron_entropy.weight_sync.base import BucketSync, with_last
 from megatron_entropy.weight_sync.stream import StageStream, buckets_at_first_stage
 
 
-class BroadcastSync(WeightSync):
+class BroadcastSync(BucketSync):
     ENDPOINTS = TakesBroadcasts
 
     def sync_stream(self, stream: StageStream, version: int) -> dict[str, float]:

@@ -30,9 +30,8 @@ from megatron_entropy.weight_sync.stream import StageStream
 class DiskSync(WeightSync):
     ENDPOINTS = ReloadsFolders
 
-    def __init__(self, engine, bucket_bytes: int, sync_root: Union[str, Path],
-                 hf_dir: Union[str, Path]):
-        super().__init__(engine, bucket_bytes)
+    def __init__(self, engine, sync_root: Union[str, Path], hf_dir: Union[str, Path]):
+        super().__init__(engine)
         self.sync_root = Path(sync_root)
         self.hf_dir = Path(hf_dir)
         self.arch = load_arch(hf_dir)

@@ -7,11 +7,11 @@ from __future__ import annotations
 import time
 
 from megatron_entropy.rollout.base import LoadsTensors
-from megatron_entropy.weight_sync.base import WeightSync
+from megatron_entropy.weight_sync.base import BucketSync
 from megatron_entropy.weight_sync.stream import StageStream, buckets_at_first_stage
 
 
-class InPlaceSync(WeightSync):
+class InPlaceSync(BucketSync):
     ENDPOINTS = LoadsTensors
 
     def sync_stream(self, stream: StageStream, version: int) -> dict[str, float]:

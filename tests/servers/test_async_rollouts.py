@@ -28,7 +28,7 @@ from megatron_entropy.rollout.server.partial import (finished_before_resume, joi
                                                      version_runs)
 from megatron_entropy.rollout.server.sglang import SGLangEngine
 from megatron_entropy.trainer.async_rollouts import (RolloutPrefetcher, RolloutProducerError,
-                                                     stale_samples, token_versions,
+                                                     stale_samples, version_number,
                                                      weight_version_of)
 from megatron_entropy.trainer.rollouts import Group, LocalStep
 from harness import kill_marked, metrics_rows
@@ -36,6 +36,11 @@ from serving_model import make_served_model, push_weights, reference
 from fake_sglang import fake_command, greedy_reference, make_cfg
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+def _token_versions(completion: Completion) -> list[int]:
+    """The weight version that generated each response token."""
+    return [version_number(tag) for tag, n in version_runs(completion) for _ in range(n)]
 
 
 def _completion(version) -> Completion:
@@ -151,12 +156,12 @@ def test_partial_rollouts_join_with_per_token_versions_and_count_as_their_oldest
     assert joined.logprobs == [-0.1 * t for t in (7, 8, 9, 10, 11)]
     assert joined.finish_reason == "length" and joined.meta["resumed"] == 2
     assert version_runs(joined) == [("initial", 2), ("1", 1), ("2", 2)]
-    assert token_versions(joined) == [0, 0, 1, 2, 2]
+    assert _token_versions(joined) == [0, 0, 1, 2, 2]
     # An abort that found the request still waiting left no token: no run of its own.
     assert version_runs(join_completions(_part([], "1"), _part([5], "2", reason="stop"))) \
         == [("2", 1)]
     whole = _part([3, 4], "2", reason="stop")
-    assert version_runs(whole) == [("2", 2)] and token_versions(whole) == [2, 2]
+    assert version_runs(whole) == [("2", 2)] and _token_versions(whole) == [2, 2]
     # Staleness counts the oldest token: trained weights v2 -> ages 2 and 0.
     dropped, metrics = stale_samples([Group(None, [joined], [1.0]), Group(None, [whole], [0.0])],
                                      trained_version=2, max_staleness=1)
@@ -227,7 +232,7 @@ def _check_aborted_and_resumed(eng, models, log: Path) -> None:
             if tokens:
                 ref, tol = reference(models[model], before, tokens)
                 assert max(abs(x - y) for x, y in zip(logprobs, ref)) <= tol, model
-        assert token_versions(c) == [0] * head + [1] * len(rest)
+        assert _token_versions(c) == [0] * head + [1] * len(rest)
         assert weight_version_of(c) == (0 if head else 1)
     assert partial >= 1
     # On the wire: an abort by rid for each request that ran at the push; each resumed

@@ -102,14 +102,6 @@ def start_process(argv: list[str], extra_env: dict[str, str], log_path: Optional
             log.close()
 
 
-def signal_group(proc: subprocess.Popen, sig: int) -> None:
-    """Send ``sig`` to the server's whole process group (nothing if it is gone)."""
-    try:
-        os.killpg(proc.pid, sig)
-    except ProcessLookupError:
-        pass
-
-
 def kill_process_group(proc: Optional[subprocess.Popen], grace_s: float = 10.0,
                        first: int = signal.SIGTERM) -> None:
     """Stop the server's whole process group (its workers outlive a killed leader): ``first``

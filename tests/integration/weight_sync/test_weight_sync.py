@@ -78,7 +78,7 @@ def _sync_at_pp2(hf_dir: Path, out: Path) -> dict:
     reference = [(n, t.clone()) for n, t in export_hf_weights(model, arch) if first]
 
     reader = FolderReader() if first else None
-    disk = DiskSync(reader, BUCKET, out / "sync", hf_dir)
+    disk = DiskSync(reader, out / "sync", hf_dir)
     disk_stats = disk.sync(model, arch, version=3)
     dist.barrier()
     files = sorted(p.name for p in (out / "sync" / "weights-v3").glob("*.safetensors"))

@@ -4,6 +4,7 @@ after the grace; and the blocking wait for its /health."""
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import os
 import re
@@ -19,8 +20,7 @@ import pytest
 
 from harness import free_port
 
-from megatron_entropy.rollout.server.process import (kill_process_group, signal_group,
-                                                     start_process, wait_healthy)
+from megatron_entropy.rollout.server.process import kill_process_group, start_process, wait_healthy
 
 # A leader and a worker of its own, both ignoring SIGTERM (as a hung server would).
 STUBBORN = (
@@ -29,6 +29,12 @@ STUBBORN = (
     "w = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
     "print('worker', w.pid, flush=True)\n"
     "time.sleep(60)\n")
+
+
+def _signal_group(proc, sig: int) -> None:
+    """``sig`` to the process's whole group (nothing if it is gone)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, sig)
 
 
 def _wait_for_line(log: Path, prefix: str, timeout: float = 30.0) -> str:
@@ -80,7 +86,7 @@ def test_kill_process_group_escalates_to_sigkill_for_a_group_that_ignores_sigter
     proc = start_process([sys.executable, "-c", STUBBORN], {}, log, "test", "test server")
     try:
         worker = int(_wait_for_line(log, "worker").split()[1])
-        signal_group(proc, signal.SIGTERM)
+        _signal_group(proc, signal.SIGTERM)
         time.sleep(0.3)
         assert proc.poll() is None and not _gone(worker)  # ignored
         started = time.monotonic()
@@ -88,7 +94,7 @@ def test_kill_process_group_escalates_to_sigkill_for_a_group_that_ignores_sigter
         assert time.monotonic() - started >= 1.0  # the grace was given first
         assert proc.returncode == -signal.SIGKILL and _gone(worker)
     finally:
-        signal_group(proc, signal.SIGKILL)
+        _signal_group(proc, signal.SIGKILL)
         proc.wait()
 
 
@@ -103,7 +109,7 @@ def test_kill_process_group_sends_the_callers_first_signal_and_stops_early(tmp_p
     started = time.monotonic()
     kill_process_group(proc, grace_s=30.0, first=signal.SIGINT)
     assert proc.returncode == 7 and time.monotonic() - started < 10
-    signal_group(proc, signal.SIGKILL)  # a group that is gone: nothing happens
+    _signal_group(proc, signal.SIGKILL)  # a group that is gone: nothing happens
     kill_process_group(None)
 
 
