@@ -122,10 +122,10 @@ def get_reward(name: str) -> Callable:
     return _REGISTRY[name]
 
 
-def _load_file(path: str) -> Any:
+def _load_file(path: str, key: str = KEY) -> Any:
     file = Path(path)
     if not file.is_file():
-        raise ConfigError(f"{KEY}: the file {path!r} does not exist{relative_note(path)}")
+        raise ConfigError(f"{key}: the file {path!r} does not exist{relative_note(path)}")
     # One module per file: a second resolution (a worker's, a validation's) finds it loaded.
     name = f"_reward_file_{abs(hash(str(file.resolve())))}"
     if name in sys.modules:
@@ -141,28 +141,33 @@ def _load_file(path: str) -> Any:
     return module
 
 
-def _import(spec: str) -> Callable:
+def import_object(spec: str, key: str = KEY, registered: str = "", noun: str = "function"
+                  ) -> Any:
+    """What ``package.module:attr`` or ``path/to/file.py:attr`` names (``attr`` may be dotted);
+    raises ConfigError naming ``key`` and what failed. ``registered`` says what the registered
+    names are (the spec is none of them), ``noun`` what ``attr`` should be, for the message."""
+    if registered == "" and key == KEY:
+        registered = f"a registered reward (registered: {', '.join(registered_rewards())})"
     where, _, attr = spec.partition(":")
     if not where or not attr:
-        raise ConfigError(f"{KEY}: {spec!r} is neither a registered reward (registered: "
-                          f"{', '.join(registered_rewards())}) nor 'package.module:function' or "
-                          "'path/to/file.py:function'")
+        raise ConfigError(f"{key}: {spec!r} is neither {registered} nor 'package.module:{noun}' or "
+                          f"'path/to/file.py:{noun}'")
     try:
-        module = _load_file(where) if where.endswith(".py") else importlib.import_module(where)
+        module = _load_file(where, key) if where.endswith(".py") else importlib.import_module(where)
     except ConfigError:
         raise
     except ModuleNotFoundError as e:
         if e.name is not None and (where == e.name or where.startswith(e.name + ".")):
-            raise ConfigError(f"{KEY}: {spec!r}: module not found ({e})") from None
-        raise ConfigError(f"{KEY}: {spec!r}: importing {where!r} failed "
+            raise ConfigError(f"{key}: {spec!r}: module not found ({e})") from None
+        raise ConfigError(f"{key}: {spec!r}: importing {where!r} failed "
                           f"({type(e).__name__}: {e})") from None
     except Exception as e:  # noqa: BLE001 - any error while importing the user's module
-        raise ConfigError(f"{KEY}: {spec!r}: importing {where!r} failed "
+        raise ConfigError(f"{key}: {spec!r}: importing {where!r} failed "
                           f"({type(e).__name__}: {e})") from None
     target: Any = module
     for part in attr.split("."):
         if not hasattr(target, part):
-            raise ConfigError(f"{KEY}: {spec!r}: {where!r} has no attribute {attr!r}")
+            raise ConfigError(f"{key}: {spec!r}: {where!r} has no attribute {attr!r}")
         target = getattr(target, part)
     return target
 
@@ -194,7 +199,7 @@ def resolve_reward(spec: str) -> RewardFunction:
     if spec in _REGISTRY:
         fn = _REGISTRY[spec]
     else:
-        fn = _import(spec)
+        fn = import_object(spec)
     if not callable(fn):
         raise ConfigError(f"{KEY}: {spec!r} is {_shown(fn)}, not a function")
     kind = getattr(fn, _MARK, RewardKind())

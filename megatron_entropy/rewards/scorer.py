@@ -14,17 +14,16 @@ so do too many failures or overruns in a row.
 from __future__ import annotations
 
 import logging
-import select
 import signal
 import threading
 import time
-from collections import deque
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 from megatron_entropy.config import ConfigError, RewardConfig
 from megatron_entropy.rewards.registry import KEY, RewardResultError, resolve_reward
-from megatron_entropy.rewards.workers import ChildExited, ChildUnavailable, LineProcess
+from megatron_entropy.rewards.workers import (ChildExited, ChildUnavailable, LineProcess,
+                                               run_requests)
 
 log = logging.getLogger(__name__)
 
@@ -166,51 +165,21 @@ class RewardScorer:
     def _in_pool(self, args: list[tuple[list[str], list[str], list[str]]]) -> list[_Outcome]:
         """Every call on the first free worker; each call's clock starts when it is sent."""
         self._start_workers()
-        outcomes: list[_Outcome] = [""] * len(args)
-        todo = deque(range(len(args)))
-        idle = list(self._workers)
-        busy: dict[LineProcess, tuple[int, float]] = {}  # worker -> (call, deadline)
-        invalid: Optional[str] = None
-        while todo or busy:
-            while todo and idle:
-                worker = idle.pop()
-                if not worker.running:  # killed after an overrun
-                    self._start_workers()
-                call = todo.popleft()
-                try:
-                    worker.send(args[call])
-                except OSError as e:  # it died since the check above
-                    worker.kill()
-                    outcomes[call] = f"the reward worker died ({type(e).__name__})"
-                    idle.append(worker)
-                    continue
-                busy[worker] = (call, time.monotonic() + self.config.timeout_s)
-            if not busy:
-                continue
-            wait = min(deadline for _, deadline in busy.values()) - time.monotonic()
-            ready, _, _ = select.select(list(busy), [], [], max(wait, 0.0))
-            for worker in ready:
-                call, _ = busy.pop(worker)
-                try:
-                    answer = worker.read(0.0)
-                except ChildExited as e:
-                    answer = {"error": f"the reward worker died ({e})"}
-                    worker.kill()
-                self._overruns = 0
-                if "invalid" in answer:
-                    invalid = invalid or answer["invalid"]
-                else:
-                    outcomes[call] = answer["rewards"] if "rewards" in answer else answer["error"]
-                idle.append(worker)
-            now = time.monotonic()
-            for worker, (call, deadline) in list(busy.items()):
-                if now >= deadline:
-                    del busy[worker]
-                    worker.kill()
-                    outcomes[call] = self._overran()
-                    idle.append(worker)
-        if invalid is not None:
-            raise self._bad_result(invalid)
+        invalid: list[str] = []
+
+        def answered(call: int, answer: dict) -> _Outcome:
+            self._overruns = 0
+            if "invalid" in answer:
+                invalid.append(answer["invalid"])
+                return ""
+            if "died" in answer:
+                return f"the reward worker died ({answer['died']})"
+            return answer["rewards"] if "rewards" in answer else answer["error"]
+
+        outcomes = run_requests(self._workers, args, self.config.timeout_s, self._start_workers,
+                                answered, lambda call: self._overran())
+        if invalid:
+            raise self._bad_result(invalid[0])
         return outcomes
 
     def _overran(self) -> str:

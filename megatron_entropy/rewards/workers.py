@@ -19,7 +19,9 @@ import signal
 import subprocess
 import sys
 import tempfile
-from typing import Any, Callable, Optional
+import time
+from collections import deque
+from typing import Any, Callable, Optional, Sequence
 
 from megatron_entropy.runtime.processes import die_with_parent
 
@@ -119,6 +121,55 @@ class LineProcess:
             for f in (self._proc.stdin, self._proc.stdout, self._stderr):
                 f.close()
             self._proc = self._stderr = None
+
+
+def run_requests(workers: Sequence[LineProcess], requests: Sequence[Any], timeout_s: float,
+                 restart: Callable[[], None], answered: Callable[[int, Any], Any],
+                 overran: Callable[[int], Any]) -> list[Any]:
+    """Each request on the first free worker, at most ``timeout_s`` from when it is sent: the
+    outcome of request i is ``answered(i, answer)``, where the answer is the worker's, or
+    ``{"died": why}`` when the worker died on it (the worker is killed), or ``overran(i)`` when
+    it ran past the timeout (its worker is killed: ``restart()`` starts the killed workers before
+    their next request). The callbacks run as calls end and may raise."""
+    outcomes: list[Any] = [None] * len(requests)
+    todo = deque(range(len(requests)))
+    idle = list(workers)
+    busy: dict[LineProcess, tuple[int, float]] = {}  # worker -> (request, deadline)
+    while todo or busy:
+        while todo and idle:
+            worker = idle.pop()
+            if not worker.running:  # killed after an overrun
+                restart()
+            i = todo.popleft()
+            try:
+                worker.send(requests[i])
+            except OSError as e:  # it died since the check above
+                worker.kill()
+                outcomes[i] = answered(i, {"died": type(e).__name__})
+                idle.append(worker)
+                continue
+            busy[worker] = (i, time.monotonic() + timeout_s)
+        if not busy:
+            continue
+        wait = min(deadline for _, deadline in busy.values()) - time.monotonic()
+        ready, _, _ = select.select(list(busy), [], [], max(wait, 0.0))
+        for worker in ready:
+            i, _ = busy.pop(worker)
+            try:
+                answer = worker.read(0.0)
+            except ChildExited as e:
+                answer = {"died": str(e)}
+                worker.kill()
+            outcomes[i] = answered(i, answer)
+            idle.append(worker)
+        now = time.monotonic()
+        for worker, (i, deadline) in list(busy.items()):
+            if now >= deadline:
+                del busy[worker]
+                worker.kill()
+                outcomes[i] = overran(i)
+                idle.append(worker)
+    return outcomes
 
 
 def _child_main() -> None:

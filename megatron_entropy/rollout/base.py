@@ -33,6 +33,14 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     seed: Optional[int] = None  # sample j of prompt i uses a seed derived from (seed, i, j)
+    # Prompt i's own token budget instead of max_new_tokens, where given (multi-turn rollouts:
+    # each trajectory's budget left).
+    max_new_tokens_per_prompt: Optional[tuple[int, ...]] = None
+
+    def budget(self, prompt_index: int) -> int:
+        """The most tokens a response to prompt ``prompt_index`` may have."""
+        each = self.max_new_tokens_per_prompt
+        return self.max_new_tokens if each is None else each[prompt_index]
 
 
 @dataclass
@@ -43,6 +51,9 @@ class Completion:
     over the full vocabulary, before top-p/top-k truncation: exactly what the actor recomputes, so
     that |actor - engine| measures train/rollout drift. (Greedy: temperature 1.) ``entropies[t]``
     is the entropy of that distribution at token t, from engines that report it (in-process).
+    ``loss_mask[t]`` is 1 where the policy generated token t and 0 where it was inserted (a
+    tool's result and the chat template's tokens around it, in a multi-turn rollout: its
+    log-prob and entropy there are 0 and mean nothing); None: every token generated.
     """
 
     token_ids: list[int]
@@ -52,6 +63,7 @@ class Completion:
     # Filled by engines that know it: which server answered, weight version used.
     meta: dict = field(default_factory=dict)
     entropies: Optional[list[float]] = None
+    loss_mask: Optional[list[int]] = None
 
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]

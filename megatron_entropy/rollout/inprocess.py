@@ -234,23 +234,25 @@ class InProcessEngine(RolloutEngine):
         return cache, logits[expand], mask[expand], next_pos, routes
 
     def _stop_reason(self, tokens: list[int], sp: SamplingParams, stop_ids: set[int],
-                     window: int) -> tuple[Optional[str], bool]:
-        """Why a sample that has just sampled ``tokens[-1]`` ends (None: it goes on), and
-        whether a stop string ended it (the last ``window`` tokens' text holds it)."""
+                     window: int, limit: int) -> tuple[Optional[str], bool]:
+        """Why a sample that has just sampled ``tokens[-1]`` ends (None: it goes on; ``limit``:
+        its token budget), and whether a stop string ended it (the last ``window`` tokens'
+        text holds it)."""
         if tokens[-1] in stop_ids:
             return "stop", False
         if sp.stop and any(stop in self.tokenizer.decode(tokens[-window:],
                                                          skip_special_tokens=True)
                            for stop in sp.stop):
             return "stop", True
-        if len(tokens) >= sp.max_new_tokens:
+        if len(tokens) >= limit:
             return "length", False
         return None, False
 
     @torch.no_grad()
     def _generate_batch(self, prompts: list[list[int]], rows: list[int], seeds: list[int],
-                        sp: SamplingParams) -> list[Completion]:
-        """Decode one sample per entry of ``rows`` (an index into the distinct ``prompts``)."""
+                        sp: SamplingParams, limits: list[int]) -> list[Completion]:
+        """Decode one sample per entry of ``rows`` (an index into the distinct ``prompts``), of
+        at most ``limits`` tokens each."""
         dev = self.device
         cache, logits, mask, next_pos, routes = self._prefill(prompts, rows)
         gens = [torch.Generator().manual_seed(s) for s in seeds]
@@ -275,7 +277,7 @@ class InProcessEngine(RolloutEngine):
                 logprobs[s].append(lp_list[row])
                 entropies[s].append(ent_list[row])
                 reasons[s], stopped_by_text[s] = self._stop_reason(tokens[s], sp, stop_ids,
-                                                                   stop_window)
+                                                                   stop_window, limits[s])
                 if reasons[s] is None:
                     keep.append(row)
             if self.routing is None:
@@ -318,9 +320,12 @@ class InProcessEngine(RolloutEngine):
 
     def generate(self, prompts: list[list[int]],
                  sampling: SamplingParams) -> list[list[Completion]]:
-        if sampling.n < 1 or sampling.max_new_tokens < 1:
+        if sampling.n < 1 or min((sampling.budget(i) for i in range(len(prompts))),
+                                 default=1) < 1:
             raise ValueError(f"need n >= 1 and max_new_tokens >= 1, got n={sampling.n}, "
-                             f"max_new_tokens={sampling.max_new_tokens}")
+                             f"max_new_tokens={sampling.max_new_tokens}"
+                             + (f" ({sampling.max_new_tokens_per_prompt} per prompt)"
+                                if sampling.max_new_tokens_per_prompt else ""))
         if sampling.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {sampling.temperature}")
         for i, p in enumerate(prompts):
@@ -355,7 +360,8 @@ class InProcessEngine(RolloutEngine):
             where = {i: r for r, i in enumerate(distinct)}
             done = self._generate_batch([list(prompts[i]) for i in distinct],
                                         [where[i] for i, _ in chunk],
-                                        [sample_seed(base_seed, i, j) for i, j in chunk], sampling)
+                                        [sample_seed(base_seed, i, j) for i, j in chunk], sampling,
+                                        [sampling.budget(i) for i, _ in chunk])
             for (i, j), c in zip(chunk, done):
                 results[i][j] = c
                 self._tokens += len(c.token_ids)

@@ -1,7 +1,7 @@
 """Every seed a run derives, in one place.
 
 From the config's seeds (``rollout.seed``, ``trainer.seed``, ``data.seed``, a synthetic task's
-``seed``) a run derives the seeds of each rollout step, refill round, validation, sample,
+``seed``) a run derives the seeds of each rollout step, refill round, validation, sample, tool turn,
 optimizer update, Clip-Cov draw, epoch order and task split. Each depends only on where it is
 used (step, epoch, mini-batch, micro-batch, prompt, sample), never on the order work happens in,
 so a resumed run and a run on another layout draw the same. Changing a formula changes every
@@ -36,6 +36,15 @@ def sample_seed(seed: int, prompt_index: int, sample_index: int) -> int:
     digest = hashlib.blake2b(f"{seed}:{prompt_index}:{sample_index}".encode(),
                              digest_size=8).digest()
     return int.from_bytes(digest, "little") % (2**31 - 1)
+
+
+def turn_seed(seed: Optional[int], round_index: int) -> Optional[int]:
+    """Sampling seed of round ``round_index`` (1, 2, ...) of a multi-turn rollout that began with
+    ``seed`` (its first round uses ``seed`` itself); None stays unseeded."""
+    if seed is None:
+        return None
+    digest = hashlib.blake2b(f"turn:{seed}:{round_index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % (2**62)
 
 
 def update_seed(trainer_seed: int, step: int, epoch: int, mini_batch: int) -> int:

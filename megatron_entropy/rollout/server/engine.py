@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import abc
 import atexit
+import dataclasses
 import json
 import logging
 import time
@@ -111,7 +112,10 @@ class ServerEngine(RolloutEngine):
         check_token_ids(prompts, self.vocab_size)
         self.pool.ensure_up()
         seed = sampling.seed
-        payloads = [self._payload(prompt, sampling,
+        each = [sampling if sampling.max_new_tokens_per_prompt is None else
+                dataclasses.replace(sampling, max_new_tokens=sampling.budget(i))
+                for i in range(len(prompts))]
+        payloads = [self._payload(prompt, each[i],
                                   None if seed is None else sample_seed(seed, i, j))
                     for i, prompt in enumerate(prompts) for j in range(sampling.n)]
         if targets is None and self.router is not None:

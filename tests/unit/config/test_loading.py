@@ -204,6 +204,7 @@ def test_derived_seeds_are_pinned():
     assert seeds.validation_seed(3, 5) == 47_518
     assert seeds.refill_round_seed(47_517, 2) == 1_473_029 and seeds.refill_round_seed(None, 1) == 1
     assert (seeds.sample_seed(5, 2, 3), seeds.sample_seed(0, 0, 0)) == (1_260_221_659, 655_369_107)
+    assert seeds.turn_seed(47_517, 1) == 1_381_650_439_996_278_659 and seeds.turn_seed(None, 2) is None
     assert seeds.update_seed(42, 7, 1, 2) == 4_280_191_554_000
     assert seeds.micro_batch_draw_seed(4_280_191_554_000, 3) == 4_267_350_979_338_003
     assert seeds.epoch_order_seed(4, 2) == 4_000_014
