@@ -25,6 +25,7 @@ from megatron_entropy.config.study import StudyConfig
 from megatron_entropy.runtime.dtypes import DTYPE_ALIASES, DtypeName
 from megatron_entropy.settings import SettingError, Settings
 from megatron_entropy.settings import setting as _f  # a field with bounds and help
+from megatron_entropy.tool_use.settings import ToolSettings
 
 
 @dataclass
@@ -174,8 +175,7 @@ class WeightCheckConfig(Settings):
 class RolloutConfig(Settings):
     # Keys that became part of a section: where they are now (load_config says so).
     MOVED_KEYS: ClassVar[dict[str, str]] = {
-        "weight_check_prompts": "weight_check.prompts",
-        "weight_check_tokens": "weight_check.tokens",
+        "weight_check_prompts": "weight_check.prompts", "weight_check_tokens": "weight_check.tokens",
         "weight_check_tolerance": "weight_check.tolerance"}
 
     engine: Literal["inprocess", "vllm", "sglang"] = _f(
@@ -217,6 +217,7 @@ class RolloutConfig(Settings):
                        "old weights (finish), or are aborted and resumed on the new weights "
                        "as partial rollouts, each token keeping its version and log-prob "
                        "(abort); a partial sample's staleness is its oldest token's")
+    tools: ToolSettings = _f(default_factory=ToolSettings)
 
 
 @dataclass

@@ -37,6 +37,8 @@ def validate(cfg: Config) -> None:
                           "needs its Model Runner V2, which needs Triton): use "
                           "rollout.routing_replay=recompute (R2) or rollout.engine=inprocess")
     _check_weight_sync(cfg)
+    if r.tools.enabled:
+        _check_tools(cfg)
     if cfg.algorithm.old_logprobs == "engine":
         _check_engine_old_logprobs(cfg)
     if cfg.rollout.engine != "inprocess":
@@ -64,6 +66,19 @@ def _check_weight_sync(cfg: Config) -> None:
         raise ConfigError(f"rollout.weight_sync.strategy={strategy} {what}, which "
                           f"rollout.engine={r.engine} does not take: use "
                           f"{' or '.join(allowed)} (or auto)")
+
+
+def _check_tools(cfg: Config) -> None:
+    """Multi-turn rollouts with tools: what they cannot do."""
+    r = cfg.rollout
+    if r.routing_replay == "rollout":
+        raise ConfigError("rollout.routing_replay=rollout replays the engine's routing of one "
+                          "generation, which a multi-turn response (rollout.tools.names) does "
+                          "not have: use rollout.routing_replay=recompute")
+    if r.tools.branching.enabled and r.tools.branching.initial_samples > r.n_samples:
+        raise ConfigError(f"rollout.tools.branching.initial_samples="
+                          f"{r.tools.branching.initial_samples} is more than rollout.n_samples="
+                          f"{r.n_samples}")
 
 
 def _check_engine_old_logprobs(cfg: Config) -> None:

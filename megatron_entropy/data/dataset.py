@@ -13,7 +13,7 @@ import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Literal, Sequence, Union
+from typing import Any, Iterator, Literal, Optional, Sequence, Union
 
 import pyarrow.parquet as pq
 from transformers import AutoTokenizer
@@ -187,9 +187,10 @@ def resolve_suffix(prompt_suffix: str) -> str:
 
 
 def render_prompt(prompt: Prompt, tokenizer: Any, apply_chat_template: bool = True,
-                  suffix: str = DEFAULT_PROMPT_SUFFIX) -> str:
+                  suffix: str = DEFAULT_PROMPT_SUFFIX, tools: Optional[list[dict]] = None) -> str:
     """The prompt text the policy sees: the question with ``suffix`` appended (to the last user
-    message of a conversation), in the tokenizer's chat template with the assistant turn opened."""
+    message of a conversation), in the tokenizer's chat template with the assistant turn opened
+    (and ``tools``, the tools the policy may call, listed as the template lists them)."""
     if isinstance(prompt, str):
         messages = [{"role": "user", "content": prompt}]
     else:
@@ -205,7 +206,8 @@ def render_prompt(prompt: Prompt, tokenizer: Any, apply_chat_template: bool = Tr
         if not getattr(tokenizer, "chat_template", None):
             raise DatasetError("data.apply_chat_template=true but the tokenizer has no chat "
                                "template; set data.apply_chat_template=false for plain text")
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                             **({"tools": tools} if tools else {}))
     if len(messages) != 1:
         raise DatasetError("a multi-message conversation needs data.apply_chat_template=true")
     return messages[0]["content"]
@@ -245,9 +247,11 @@ class PromptDataset(Sequence[PromptItem]):
     @classmethod
     def from_rows(cls, rows: Sequence[PromptRow], tokenizer: Any, *, max_prompt_tokens: int,
                   apply_chat_template: bool = True, prompt_suffix: str = "default",
-                  overlong: OverlongPolicy = "drop") -> "PromptDataset":
+                  overlong: OverlongPolicy = "drop", tools: Optional[list[dict]] = None
+                  ) -> "PromptDataset":
         suffix = resolve_suffix(prompt_suffix)
-        texts = [render_prompt(r.prompt, tokenizer, apply_chat_template, suffix) for r in rows]
+        texts = [render_prompt(r.prompt, tokenizer, apply_chat_template, suffix, tools)
+                 for r in rows]
         # A chat template writes its own special tokens (BOS included); plain text gets the
         # tokenizer's defaults.
         encoded = encode_texts(tokenizer, texts, add_special_tokens=not apply_chat_template)
@@ -279,10 +283,12 @@ def load_tokenizer(hf_dir: Union[str, Path]) -> Any:
 
 
 def load_prompt_dataset(data: DataConfig, tokenizer: Any, max_prompt_tokens: int,
-                        split: Literal["train", "val", "test"]) -> PromptDataset:
+                        split: Literal["train", "val", "test"],
+                        tools: Optional[list[dict]] = None) -> PromptDataset:
     """The train, validation or test prompts of a run. No ``data.train_files`` means the
     synthetic task ``data.task`` (train and validation; test: data.task hinted only); real
-    training files without ``data.val_files`` mean no validation set (an empty dataset)."""
+    training files without ``data.val_files`` mean no validation set (an empty dataset).
+    ``tools``: the tools the chat template lists in each prompt."""
     problem = data.split_problem(split)
     if problem:
         raise DatasetError(problem)
@@ -309,7 +315,7 @@ def load_prompt_dataset(data: DataConfig, tokenizer: Any, max_prompt_tokens: int
     return PromptDataset.from_rows(rows, tokenizer, max_prompt_tokens=max_prompt_tokens,
                                    apply_chat_template=data.apply_chat_template,
                                    prompt_suffix=data.prompt_suffix,
-                                   overlong=data.overlong_prompts)
+                                   overlong=data.overlong_prompts, tools=tools)
 
 
 def data_notes(train: PromptDataset, val: PromptDataset, prompts_per_step: int,

@@ -153,25 +153,28 @@ def evaluate(cfg: Config, checkpoint: Path, scratch: Path) -> dict[str, Any]:
     """The eval of ``checkpoint`` under ``cfg`` (its data, rollout, reward and eval sections)."""
     from megatron_entropy.data.dataset import load_prompt_dataset, load_tokenizer
     from megatron_entropy.rewards import RewardScorer
-    from megatron_entropy.rollout import SamplingParams, build_engine
+    from megatron_entropy.rollout import SamplingParams
+    from megatron_entropy.tool_use.engine import build_rollout_engine, prompt_tools
 
     e = cfg.eval
     model_dir, converted = model_folder(checkpoint, scratch)
     tokenizer = load_tokenizer(model_dir)
     data, split = eval_data(cfg)
-    items = list(load_prompt_dataset(data, tokenizer, cfg.rollout.max_prompt_tokens, split))
+    items = list(load_prompt_dataset(data, tokenizer, cfg.rollout.max_prompt_tokens, split,
+                                     prompt_tools(cfg.rollout, tokenizer)))
     if e.num_problems:
         items = items[:e.num_problems]
     if not items:
         raise FileNotFoundError(f"eval: no problems in the {e.split} split")
     max_new = e.max_new_tokens or cfg.rollout.max_new_tokens
-    engine = build_engine(cfg.rollout, model_dir, scratch)
+    engine = build_rollout_engine(cfg.rollout, model_dir, scratch)  # with tools: multi-turn
     scorer = RewardScorer(cfg.reward)
     try:
         prompts = [it.prompt_ids for it in items]
-        sampled = [[c.text for c in group] for group in engine.generate(prompts, SamplingParams(
+        completions = engine.generate(prompts, SamplingParams(
             n=e.n_samples, temperature=e.temperature, top_p=e.top_p, max_new_tokens=max_new,
-            seed=e.seed))]
+            seed=e.seed))
+        sampled = [[c.text for c in group] for group in completions]
         greedy = None
         if e.greedy:
             greedy = [group[0].text for group in engine.generate(prompts, SamplingParams(
@@ -188,7 +191,24 @@ def evaluate(cfg: Config, checkpoint: Path, scratch: Path) -> dict[str, Any]:
     modes = mode_summary(sources, sampled, [p["rewards"] for p in problems])
     if modes:
         result["modes"] = modes
+    tools = tool_summary(completions, [p["rewards"] for p in problems])
+    if tools:
+        result["tools"] = tools
     return result
+
+
+def tool_summary(completions: list, rewards: list[list[float]]) -> dict[str, Any]:
+    """With tools: the share of samples that called one, and the accuracy of those that did and
+    of those that did not (None without such samples)."""
+    pairs = [(c.meta["trajectory"].calls, r) for group, rs in zip(completions, rewards)
+             for c, r in zip(group, rs) if "trajectory" in c.meta]
+    if not pairs:
+        return {}
+    called = [r for calls, r in pairs if calls]
+    not_called = [r for calls, r in pairs if not calls]
+    accuracy = (lambda rs: sum(r > 0 for r in rs) / len(rs) if rs else None)  # noqa: E731
+    return {"call_frac": len(called) / len(pairs), "accuracy_with_calls": accuracy(called),
+            "accuracy_without_calls": accuracy(not_called)}
 
 
 def eval_data(cfg: Config) -> tuple[DataConfig, str]:

@@ -140,3 +140,20 @@ def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
 
+
+
+def means_over_group(sums: dict[str, tuple[float, float]], group) -> dict[str, float]:
+    """Each key's (sum, count) added up over the ranks of ``group`` (None, or one rank: this
+    one's), then divided: the mean over every rank's items; keys without items are left out.
+    Every rank of the group calls it and gets the same dict."""
+    parts: list = [dict(sums)]
+    if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+        parts = [None] * dist.get_world_size(group)
+        dist.all_gather_object(parts, dict(sums), group=group)
+    total: dict[str, list[float]] = {}
+    for part in parts:  # rank order: the same sums on every rank
+        for key, (value, count) in part.items():
+            t = total.setdefault(key, [0.0, 0.0])
+            t[0] += value
+            t[1] += count
+    return {key: value / count for key, (value, count) in sorted(total.items()) if count > 0}

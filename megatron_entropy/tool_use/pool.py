@@ -16,7 +16,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Optional
 
-from megatron_entropy.rewards.workers import ChildExited, ChildUnavailable, LineProcess, run_requests
+from megatron_entropy.rewards.workers import (ChildExited, ChildUnavailable, LineProcess,
+                                               run_requests)
 from megatron_entropy.tool_use.settings import BranchingSettings, SandboxSettings, ToolSettings
 from megatron_entropy.tool_use.tools import ToolError, ToolOutput, load_tools
 

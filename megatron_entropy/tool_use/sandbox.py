@@ -1,21 +1,24 @@
 """Python code run in a sandbox: its own processes with hard limits, a scratch folder, no network
 where the machine allows a network namespace, and nothing left running after the call.
 
-Each call starts ``python -I sandbox_entry.py`` (standard library only) in a new session with the
-code in a fresh scratch folder. Where Linux lets the entry create network and PID namespaces
-(as root, or through a user namespace), the code has no network (only a loopback that is down)
-and runs as PID 1 of its own PID namespace: when it ends or is killed, the kernel ends every
-process it started, even one that left the session. Resource limits: CPU seconds
-(``RLIMIT_CPU``), address space (``RLIMIT_AS``), the size of any file it writes, its output
-included (``RLIMIT_FSIZE``), processes (``RLIMIT_NPROC``: as root the code runs as ``nobody``,
-for whom the limit counts; otherwise on top of what the user runs already) and open files. At the
-timeout the whole process group is killed; after every call too (what the code left running,
-where no PID namespace holds it). What the code prints is its result: stdout, then the end of
-stderr (a traceback), cut to ``max_chars``.
+Each call starts ``python -I sandbox_entry.py`` (standard library only) in a session of its own
+with the code in a fresh scratch folder, which is removed afterwards. Where Linux lets the entry
+create network and PID namespaces (as root, or through a user namespace) the code has no network
+(a loopback that is down) and runs under a supervisor that is PID 1 of its own PID namespace:
+when the code ends or the call is killed, the kernel ends every process it started, even one
+that left its session. Limits: CPU seconds (``RLIMIT_CPU``), address space (``RLIMIT_AS``), the
+size of any file it writes, its output included (``RLIMIT_FSIZE``), open files, and processes:
+as root, a ``pids`` cgroup of its own where the machine lets one be made; otherwise
+``RLIMIT_NPROC`` on top of what the user runs already. As root the code runs as ``nobody`` when
+``nobody`` can run this Python (a Python under ``/root`` it cannot: the code then runs as root).
+At the timeout the whole process group is killed, and after every call too (what the code left
+running where no PID namespace holds it). The result is what the code printed: stdout, and on a
+failure the end of stderr (the traceback) and why it failed, cut to ``max_chars``.
 
-What it does not protect against: reading what the ``nobody`` user (or, unprivileged, the user
-itself) may read; CPU and memory pressure up to the limits while the code runs; without
-namespaces, network access and a process that leaves the session; kernel exploits.
+What it does not protect against: reading and writing what the user the code runs as may (the
+file system is not isolated: root's code may write anywhere); CPU and memory pressure up to the
+limits while it runs; without namespaces, the network and a process that leaves its session;
+kernel exploits. Run untrusted code on machines that give it an unprivileged user.
 """
 
 from __future__ import annotations
@@ -106,7 +109,8 @@ def _kill_group(pid: int) -> None:
 
 
 def _read(path: Path, chars: int, tail: bool = False) -> tuple[str, bool]:
-    """The first (or last) ``chars`` characters of a file the code wrote, and whether it held more."""
+    """The first (or last) ``chars`` characters of a file the code wrote, and whether it held
+    more."""
     try:
         with open(path, "rb") as f:
             if tail:

@@ -7,7 +7,7 @@ directly, otherwise inside a new user namespace) and forks a supervisor, PID 1 o
 namespace, which forks the process that runs the code. The code's process joins the process
 cgroup the entry made (root only: ``pids.max``), applies the resource limits, takes the user it
 runs as, moves into the scratch folder with an empty environment and runs the code. It may leave
-the session, but the supervisor stays in the entry's process group, which the timeout kills, and
+its session, but the supervisor stays in the entry's process group, which the timeout kills, and
 when the supervisor ends the kernel ends every process left in the namespace. The entry exits
 with the code's exit status (128 + N when signal N ended it); 90 when namespaces are required
 and unavailable, 91 for bad settings.
@@ -141,7 +141,7 @@ def status_code(status: int) -> int:
 
 
 def supervise(s: dict, cgroup: str) -> None:
-    """PID 1 of the namespace: runs the code in a child (which may leave the session, but
+    """PID 1 of the namespace: runs the code in a child (which may leave its session, but
     never this process's group, which the timeout kills) and reaps what is re-parented to it;
     its exit ends every process left in the namespace."""
     try:

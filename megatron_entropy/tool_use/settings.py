@@ -55,6 +55,9 @@ class ToolSettings(Settings):
                               "template's tool messages (Qwen2.5/Qwen3); plain = "
                               "<call>name: argument</call> answered by <result>...</result> "
                               "(models without a tool format)")
+    max_turns: int = _f(4, ge=1, help="turns the policy generates in one response, each after "
+                                      "the previous turn's tool results (a last turn's calls "
+                                      "are not run)")
     timeout_s: float = _f(10.0, gt=0, help="wall-clock limit of one tool call")
     max_calls: int = _f(8, ge=1, help="tool calls of one trajectory; later ones are answered "
                                       "with an error")
@@ -75,3 +78,6 @@ class ToolSettings(Settings):
         super().validate()
         if len(set(self.names)) != len(self.names):
             raise SettingError("names", f"{self.names} names a tool twice")
+        if self.names and self.max_turns < 2:
+            raise SettingError("max_turns", f"{self.max_turns} with tools: no turn would read a "
+                                            "tool's result; set it >= 2 (or no tools)")

@@ -470,9 +470,9 @@ class Actor:
         """After ``update``: the step's response tokens scored again with the updated weights
         (forward only, the recompute's path) against the recompute's entropies, on every rank:
         entropy/delta, cov/step and per source (``analysis.entropy_change`` for definitions)."""
-        after = [ent for _, ent in self.compute_logprobs(samples)]
-        return entropy_change_metrics([s.entropy for s in samples], after,
-                                      [s.old_logprobs for s in samples],
+        after = [s.generated(ent) for s, (_, ent) in zip(samples, self.compute_logprobs(samples))]
+        return entropy_change_metrics([s.generated(s.entropy) for s in samples], after,
+                                      [s.generated(s.old_logprobs) for s in samples],
                                       [s.advantage for s in samples], [s.source for s in samples],
                                       self.ps.get_data_parallel_group())
 

@@ -44,6 +44,10 @@ class Sample:
     # The engine's entropy of its sampling distribution at each response token, where it reports
     # one (the in-process engine); algorithm.old_logprobs=engine takes it as the step's entropy.
     engine_entropies: Optional[list[float]] = None
+    # Per response token: 1 where the policy generated it, 0 where it was inserted (a tool's
+    # result and the chat template's tokens around it: Completion.loss_mask); None: all
+    # generated. Inserted tokens are in no loss, token count, selection or statistic.
+    loss_mask: Optional[list[int]] = None
     # Per response token, filled by the actor's forward-only passes.
     old_logprobs: Optional[torch.Tensor] = None
     ref_logprobs: Optional[torch.Tensor] = None
@@ -60,6 +64,12 @@ class Sample:
     @property
     def length(self) -> int:
         return len(self.prompt_ids) + len(self.response_ids)
+
+    def generated(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` [R] of the response tokens cut to the ones the policy generated."""
+        if self.loss_mask is None:
+            return values
+        return values[torch.tensor(self.loss_mask, dtype=torch.bool, device=values.device)]
 
 
 def engine_token_stats(s: Sample) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,7 +96,7 @@ class MicroBatch:
     targets: torch.Tensor  # [N] the response tokens
     rows: torch.Tensor  # [N] sample b (of the B) of each response token
     cols: torch.Tensor  # [N] column r (token index within the response)
-    mask: torch.Tensor  # [B, R] float, 1 on response tokens
+    mask: torch.Tensor  # [B, R] float, 1 on response tokens the policy generated
     advantages: torch.Tensor  # [B, R] the sequence's advantage on each of its tokens
     sample_ids: list[int]  # index of each row in the sample list it was packed from
     index: int = 0  # position in its list of micro-batches
@@ -209,6 +219,9 @@ def _make_micro_batch(samples: list[Sample], rows: list[list[int]], pad_id: int,
         positions.append(row_positions + list(range(len(row_tokens), S)))
         segments.append(row_segments + [-1] * pad)
     mask = (torch.arange(R)[None, :] < torch.tensor(lengths)[:, None]).float()
+    if any(s.loss_mask is not None for s in rows_s):  # inserted tokens are no response tokens
+        mask = mask.index_put((torch.tensor(rr), torch.tensor(cc)), torch.tensor(
+            [float(m) for s in rows_s for m in (s.loss_mask or [1] * len(s.response_ids))]))
     attention_mask = None
     if any(len(row) > 1 for row in rows):
         # A query sees the keys before it (and itself) of the prompt and of its own response;

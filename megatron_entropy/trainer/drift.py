@@ -79,9 +79,9 @@ def drift_metrics(samples: Sequence[Any], group=None) -> dict[str, float]:
     filled) and the DP ``group``; every rank of the group calls it and gets the same dict."""
     per_source: dict[str, list[Tensor]] = defaultdict(list)
     for s in samples:
-        if s.response_ids:
+        if s.response_ids:  # the generated tokens: inserted ones have no engine log-prob
             engine = torch.tensor(s.engine_logprobs, dtype=torch.float64)
-            per_source[s.source].append((s.old_logprobs.double() - engine).abs())
+            per_source[s.source].append(s.generated((s.old_logprobs.double() - engine).abs()))
     names = sorted(per_source)
     if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
         gathered: list = [None] * dist.get_world_size(group)

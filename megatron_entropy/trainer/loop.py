@@ -34,7 +34,7 @@ from megatron_entropy.models.megatron_checkpoint import (CheckpointError, check_
                                                          load_model_weights, read_arch)
 from megatron_entropy.models.run_checkpoints import verify_checkpoint
 from megatron_entropy.rewards import RewardScorer
-from megatron_entropy.rollout import build_engine, engine_is_shared
+from megatron_entropy.rollout import engine_is_shared
 from megatron_entropy.runtime import init_distributed, set_seed, shutdown
 from megatron_entropy.runtime.roles import Roles
 from megatron_entropy.runtime import preemption
@@ -58,6 +58,8 @@ from megatron_entropy.trainer.step_metrics import (LOSS_METRIC_NAMES, device,
 from megatron_entropy.trainer.step_rollouts import Prompts, StepRollouts
 from megatron_entropy.trainer.weight_check import (check_engine_weights, check_rollout_weights,
                                                    probe_sampling, tolerances)
+from megatron_entropy.tool_use.engine import build_rollout_engine, prompt_tools
+from megatron_entropy.tool_use.metrics import turn_entropy_metrics
 from megatron_entropy.weight_sync import build_weight_sync
 
 
@@ -157,8 +159,9 @@ class Trainer:
                        f"PP={cfg.parallel.pipeline}, DP={ps.get_data_parallel_world_size()}"
                        f"{f', EP={ep}' if ep > 1 else ''}); loading the tokenizer and the prompts")
         self.tokenizer = load_tokenizer(self.hf_dir)
+        tools = prompt_tools(cfg.rollout, self.tokenizer)  # listed in each prompt
         train_data, val_data = (load_prompt_dataset(cfg.data, self.tokenizer,
-                                                    cfg.rollout.max_prompt_tokens, split)
+                                                    cfg.rollout.max_prompt_tokens, split, tools)
                                 for split in ("train", "val"))
         self.prompts = Prompts(train_data, val_data,
                                PromptSampler(len(train_data), cfg.data.shuffle, cfg.data.seed))
@@ -220,7 +223,7 @@ class Trainer:
         """The rollout engine (per DP leader in-process, or one set of servers for the job),
         the weight sync into it, the weight check's tolerances and the rollout side."""
         cfg = self.cfg
-        self.engine = build_engine(cfg.rollout, self.hf_dir, self.run_dir) \
+        self.engine = build_rollout_engine(cfg.rollout, self.hf_dir, self.run_dir) \
             if self.roles.talks_to_engine else None
         self.weight_sync = build_weight_sync(cfg.rollout, self.engine, self.hf_dir, self.run_dir)
         # The weight check's tolerances, from the dtype the engine says it computes log-probs
@@ -358,6 +361,10 @@ class Trainer:
         metrics = reduce_token_metrics(samples, dp_group)
         if "clip_ratio_high" in knobs:
             metrics["clip_schedule/clip_ratio_high"] = knobs["clip_ratio_high"]
+        if self.cfg.rollout.tools.enabled:
+            tools = self.cfg.rollout.tools
+            metrics.update(turn_entropy_metrics(samples, dp_group, tools.after_tool_tokens,
+                                                tools.max_turns))
         if self.cfg.algorithm.old_logprobs == "recompute":  # else nothing to compare with
             metrics.update(drift_metrics(samples, dp_group))
             metrics.update(self.check_rollout_weights(samples, dp_group, step))

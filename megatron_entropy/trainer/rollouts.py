@@ -32,6 +32,8 @@ from megatron_entropy.rollout.base import Completion, RolloutEngine, SamplingPar
 from megatron_entropy.rollout.server.partial import version_runs
 from megatron_entropy.runtime.roles import Roles
 from megatron_entropy.runtime.seeds import refill_round_seed
+from megatron_entropy.tool_use.engine import TrajectoryStats
+from megatron_entropy.tool_use.metrics import trajectory_metrics
 from megatron_entropy.trainer.batch import Sample
 
 
@@ -57,6 +59,8 @@ class GroupStats:
     baseline: Optional[float] = None
     # Each response's solution mode, for tasks whose responses have modes (data/task_metrics.py).
     modes: tuple[str, ...] = ()
+    # Each response's turns and tool calls, in multi-turn rollouts with tools (tool_use/).
+    trajectories: tuple[TrajectoryStats, ...] = ()
 
     @classmethod
     def of(cls, group: Group) -> "GroupStats":
@@ -64,7 +68,9 @@ class GroupStats:
         return cls(source, list(group.rewards), len(group.item.prompt_ids),
                    [len(c.token_ids) for c in group.completions],
                    [c.finish_reason == "length" for c in group.completions], group.baseline,
-                   response_modes(source, [c.text for c in group.completions]))
+                   response_modes(source, [c.text for c in group.completions]),
+                   tuple(c.meta["trajectory"] for c in group.completions
+                         if "trajectory" in c.meta))
 
 
 @dataclass
@@ -330,6 +336,7 @@ def groups_to_samples(step: StepGroups, estimator: str, norm_by_std: bool) -> li
         first.append(first[-1] + len(s.rewards))
     return [Sample(prompt_ids=list(g.item.prompt_ids), response_ids=list(c.token_ids),
                    engine_logprobs=list(c.logprobs), engine_entropies=c.entropies,
+                   loss_mask=c.loss_mask,
                    reward=r, group=gi, source=g.item.source,
                    advantage=adv[first[gi] + j], engine_routing=c.meta.get("routing"),
                    **served_by(c))
@@ -373,6 +380,8 @@ def rollout_metrics(groups: Sequence[GroupStats], prefix: str = "") -> dict[str,
     out[f"{prefix}response/length_max"] = float(max(lengths))
     out[f"{prefix}response/truncated_frac"] = sum(truncated) / len(truncated)
     out.update(mode_metrics(groups, prefix))
+    out.update(trajectory_metrics(
+        [(g.trajectories, g.rewards, g.response_tokens) for g in groups], prefix))
     return out
 
 

@@ -8,6 +8,8 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
+from megatron_entropy.runtime.distributed import means_over_group
+
 
 def device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
@@ -41,28 +43,21 @@ def every_engines_tokens(engine_metrics: dict[str, float]) -> dict[str, float]:
 
 
 def reduce_token_metrics(samples: list, group) -> dict[str, float]:
-    """Entropy (token mean, mean of per-sequence means, per source), summed over this DP
-    rank's samples and the DP group."""
+    """Entropy (token mean, mean of per-sequence means, per source) of the generated response
+    tokens, summed over this DP rank's samples and the DP group."""
     sums: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
     for s in samples:
-        n = len(s.response_ids)
+        ent = s.generated(s.entropy).double()
+        n = ent.numel()
         if n == 0:
             continue
-        ent = s.entropy.double()
         seq_mean = float(ent.mean())
         for key, value, count in (("entropy/token_mean", float(ent.sum()), n),
                                   ("entropy/seq_mean", seq_mean, 1),
                                   (f"entropy/{s.source}/seq_mean", seq_mean, 1)):
             sums[key][0] += value
             sums[key][1] += count
-    gathered: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, dict(sums), group=group)
-    total: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
-    for part in gathered:
-        for k, (v, c) in part.items():
-            total[k][0] += v
-            total[k][1] += c
-    return {k: v / c for k, (v, c) in total.items() if c > 0}
+    return means_over_group(sums, group)
 
 
 LOSS_METRIC_NAMES = {"cov_mean": "cov/mean", "cov_max": "cov/max",

@@ -161,7 +161,7 @@ def check_rollout_weights(samples: Sequence[Sample], group, limits: tuple[float,
                 and (version is None or s.weight_version == version)):
             where = "the in-process engine" if s.server is None else f"server {s.server}"
             engine = torch.tensor(s.engine_logprobs, dtype=torch.float64)
-            per_server[where].append((s.old_logprobs.double().cpu() - engine).abs())
+            per_server[where].append(s.generated((s.old_logprobs.double().cpu() - engine).abs()))
     names = sorted(per_server)
     if dist.is_initialized() and dist.get_world_size() > 1:
         gathered: list = [None] * dist.get_world_size()

@@ -19,7 +19,7 @@ MAX_FUNCTION_LINES = 80
 
 # Bottom to top (docs/architecture.md#layout): a package imports only those before it.
 LAYERS = ("settings", "runtime", "ops", "algorithms", "models", "config", "data", "rewards",
-          "rollout", "weight_sync", "trainer", "evaluation", "analysis", "launch", "cli",
+          "rollout", "weight_sync", "tool_use", "trainer", "evaluation", "analysis", "launch", "cli",
           "testing")
 
 PRODUCT_TEXT = ("megatron_entropy", "docs", "examples", "bench", "README.md")

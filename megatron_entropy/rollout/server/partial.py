@@ -58,18 +58,25 @@ def version_runs(c: Completion) -> list[tuple[Any, int]]:
             else [(c.meta.get("weight_version"), len(c.token_ids))])
 
 
+def merge_runs(runs: list[tuple[Any, int]]) -> list[tuple[Any, int]]:
+    """(version, tokens) runs with the empty ones left out and neighbours of one version
+    joined."""
+    out: list[tuple[Any, int]] = []
+    for version, n in runs:
+        if n == 0:
+            continue
+        if out and out[-1][0] == version:
+            out[-1] = (version, out[-1][1] + n)
+        else:
+            out.append((version, n))
+    return out
+
+
 def join_completions(head: Completion, tail: Completion) -> Completion:
     """A sample aborted after ``head`` and resumed as ``tail`` (prompt + head's tokens sent
     again): tokens, log-probs and text joined, each token keeping the version that generated
     it. ``meta["weight_version"]`` is the oldest (the prefix's): what staleness counts."""
-    runs: list[tuple[Any, int]] = []
-    for version, n in version_runs(head) + version_runs(tail):
-        if n == 0:
-            continue
-        if runs and runs[-1][0] == version:
-            runs[-1] = (version, runs[-1][1] + n)
-        else:
-            runs.append((version, n))
+    runs = merge_runs(version_runs(head) + version_runs(tail))
     meta = {**tail.meta, "weight_version": runs[0][0] if runs else tail.meta.get(
         "weight_version"), "version_runs": runs,
         "resumed": head.meta.get("resumed", 0) + 1}
