@@ -70,8 +70,9 @@ def save_tiny_hf_model(family: str, out_dir: Path, seed: int = 0, **overrides) -
     return out_dir
 
 
-def save_tokenizer(out_dir: Path, vocab_size: int = 512) -> None:
-    """A byte-level BPE trained on arithmetic text; <pad>, <s>, </s> are ids 0, 1, 2."""
+def save_tokenizer(out_dir: Path, vocab_size: int = 512, added: tuple[str, ...] = ()) -> None:
+    """A byte-level BPE trained on arithmetic text; <pad>, <s>, </s> are ids 0, 1, 2; ``added``
+    are whole tokens of their own (the last ids, within ``vocab_size``)."""
     rng = random.Random(0)
     corpus = [f"{rng.randint(0, 99)} + {rng.randint(0, 99)} = {rng.randint(0, 200)}. "
               f"The answer is \\boxed{{{rng.randint(0, 200)}}}" for _ in range(2000)]
@@ -79,8 +80,9 @@ def save_tokenizer(out_dir: Path, vocab_size: int = 512) -> None:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.train_from_iterator(corpus, trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=["<pad>", "<s>", "</s>"],
+        vocab_size=vocab_size - len(added), special_tokens=["<pad>", "<s>", "</s>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.add_tokens(list(added))
     transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
                                          pad_token="<pad>").save_pretrained(out_dir)
 
