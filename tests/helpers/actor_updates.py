@@ -23,15 +23,18 @@ def update_worker(loss: str, scope: str, selection_logprobs: str,
                    overlap: bool = False, kl_cov_ratio: float = 0.1,
                    loss_knobs: dict | None = None, algorithm_extra: dict | None = None,
                    layout: str = "padded", shared_prompts: bool = False, lr: float = 1e-2,
-                   entropy_lemma: bool = False):
+                   entropy_lemma: bool = False, tensor: int = 1, inserted: bool = False,
+                   inserted_shift: float = 0.0):
     """One RL step's updates (2 epochs x 2 mini-batches) of the tiny model on ``random_samples(0)`` (plus
     a sample with an empty response, last), with the token rules ``rules`` (TokenRuleSettings
     fields) and the rollout correction ``correction`` (RolloutCorrectionSettings fields; engine
     log-probs from ``drift_engine_logprobs``) and the step's ``loss_knobs`` (as the entropy
     controller passes them), ``algorithm_extra`` any other AlgorithmConfig fields, the
     micro-batch ``layout``, with ``shared_prompts`` the samples of a group sharing their prompt,
-    ``lr`` the learning rate and ``entropy_lemma`` the actor's lemma probe; returns the weights
-    after, the metrics (and this rank's recompute entropies), the weights before."""
+    ``lr`` the learning rate and ``entropy_lemma`` the actor's lemma probe, at TP ``tensor``,
+    with ``inserted`` tokens in the responses (``random_samples``) whose old and engine
+    log-probs are moved by ``inserted_shift`` after the recompute; returns the weights after,
+    the metrics (and this rank's recompute entropies), the weights before."""
     from megatron_entropy.algorithms.rollout_correction import RolloutCorrectionSettings
     from megatron_entropy.algorithms.token_rules import TokenRuleSettings
     from megatron_entropy.config import (AlgorithmConfig, ModelConfig, ParallelConfig,
@@ -42,11 +45,12 @@ def update_worker(loss: str, scope: str, selection_logprobs: str,
                                                       gather_params)
     from megatron_entropy.trainer.rollouts import dp_share
 
-    init_megatron()
+    init_megatron(tensor)
     arch = arch_from_hf_config(tiny_hf_config("qwen2"))
     chunks = build_trainable_model(
         arch, ModelConfig(dtype="fp32", transformer_impl="local", seq_length=64),
-        ParallelConfig(), distributed_optimizer=distributed_optimizer, overlap=overlap)
+        ParallelConfig(tensor=tensor), distributed_optimizer=distributed_optimizer,
+        overlap=overlap)
     initial = full_state_dict(chunks[0])
     # adam_eps = 1: updates proportional to the gradients. With a tiny eps Adam turns float noise
     # in near-zero gradients into full-size steps, and the comparison would test that noise.
@@ -66,13 +70,20 @@ def update_worker(loss: str, scope: str, selection_logprobs: str,
         **(algorithm_extra or {}))
     actor = Actor(arch, chunks, optimizer, scheduler, algorithm, trainer, temperature,
                   entropy_lemma=entropy_lemma)
-    samples = random_samples(0, shared_prompts=shared_prompts)
+    samples = random_samples(0, shared_prompts=shared_prompts, inserted=inserted)
     if empty_response:
         samples.append(replace(samples[0], response_ids=[], engine_logprobs=[]))
     mine = dp_share(samples)
     actor.recompute(mine)
     if correction:
         drift_engine_logprobs(mine)
+    for smp in mine:
+        if smp.loss_mask is not None and inserted_shift:
+            shift = inserted_shift * (1 - torch.tensor(smp.loss_mask, dtype=torch.float64))
+            smp.engine_logprobs = (torch.tensor(smp.engine_logprobs, dtype=torch.float64)
+                                   + shift).tolist()
+            if smp.old_logprobs is not None:  # None: the first update scores it itself
+                smp.old_logprobs = smp.old_logprobs + shift.to(smp.old_logprobs.dtype)
     metrics = actor.update(mine, step=1, loss_knobs=loss_knobs)
     # The largest |log-prob| the selection saw, the scale of its rounding.
     metrics["max_abs_logp"] = float(torch.cat([s.old_logprobs for s in mine]).abs().max())

@@ -22,11 +22,13 @@ def write_config(family: str, out_dir: Path, **overrides) -> Path:
 def random_samples(seed: int, groups: int = 4, per_group: int = 2,
                    prompt_len: tuple[int, int] = (4, 9), response_len: tuple[int, int] = (6, 12),
                    adv_scale: float = 2.0, source: Callable[[int], str] = lambda group: "s",
-                   vocab_size: int = 1000, shared_prompts: bool = False) -> list:
+                   vocab_size: int = 1000, shared_prompts: bool = False,
+                   inserted: bool = False) -> list:
     """Rollout samples for actor tests: random token ids in [3, vocab_size), lengths drawn from
     [low, high), a random advantage each; the first sample of a group has reward 1. With
     ``shared_prompts`` the samples of a group share its first sample's prompt (as the samples of
-    one prompt do)."""
+    one prompt do). With ``inserted`` a response of 6 tokens or more has tokens 2 to 4 (at
+    most) inserted, as a tool's result is (``loss_mask`` 0 there), between generated ones."""
     import torch
 
     from megatron_entropy.trainer.batch import Sample
@@ -47,6 +49,11 @@ def random_samples(seed: int, groups: int = 4, per_group: int = 2,
                               engine_logprobs=[0.0] * len(resp), reward=1.0 if j == 0 else 0.0,
                               group=group, source=source(group),
                               advantage=float(torch.randn(1, generator=g)) * adv_scale))
+    if inserted:
+        for smp in out:
+            n = len(smp.response_ids)
+            if n >= 6:
+                smp.loss_mask = [0 if 2 <= t < 2 + min(3, n - 4) else 1 for t in range(n)]
     return out
 
 
