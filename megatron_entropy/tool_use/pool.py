@@ -18,6 +18,7 @@ from typing import Any, Callable, Optional
 
 from megatron_entropy.rewards.workers import (ChildExited, ChildUnavailable, LineProcess,
                                                run_requests)
+from megatron_entropy.tool_use.sandbox import remove_stale_cgroups
 from megatron_entropy.tool_use.settings import BranchingSettings, SandboxSettings, ToolSettings
 from megatron_entropy.tool_use.tools import ToolError, ToolOutput, load_tools
 
@@ -153,3 +154,4 @@ class ToolPool:
         for worker in self._workers:
             worker.kill()
         self._workers = []
+        remove_stale_cgroups()

@@ -36,7 +36,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from megatron_entropy.tool_use.sandbox_entry import cgroup_path, remove_cgroup
+import psutil
+
+from megatron_entropy.tool_use.sandbox_entry import (CGROUP_PREFIX, CGROUP_ROOTS, cgroup_path,
+                                                     remove_cgroup)
 from megatron_entropy.tool_use.settings import SandboxSettings
 
 ENTRY = Path(__file__).resolve().parent / "sandbox_entry.py"
@@ -101,6 +104,25 @@ def _tasks_of(uid: int) -> int:
     return total
 
 
+def remove_stale_cgroups() -> None:
+    """The empty cgroups of sandboxes whose entry is gone (a worker killed with its call, a
+    busy machine slow to let go of the last task)."""
+    if os.geteuid() != 0:
+        return
+    for root in CGROUP_ROOTS:
+        try:
+            names = os.listdir(root)
+        except OSError:
+            continue
+        for name in names:
+            pid = name.removeprefix(CGROUP_PREFIX)
+            if name.startswith(CGROUP_PREFIX) and pid.isdigit() and not psutil.pid_exists(int(pid)):
+                try:
+                    os.rmdir(os.path.join(root, name))
+                except OSError:
+                    pass
+
+
 def _kill_group(pid: int) -> None:
     try:
         os.killpg(pid, signal.SIGKILL)
@@ -144,6 +166,7 @@ def run_python(code: str, settings: SandboxSettings, timeout_s: float, max_chars
     """Run ``code`` in the sandbox (module docstring), at most ``timeout_s`` seconds of wall
     time."""
     started = time.monotonic()
+    remove_stale_cgroups()
     scratch = Path(tempfile.mkdtemp(prefix="me-tool-", dir=scratch_root))
     try:
         (scratch / "main.py").write_text(code, encoding="utf-8")
@@ -155,7 +178,7 @@ def run_python(code: str, settings: SandboxSettings, timeout_s: float, max_chars
                "stdout": str(scratch / ".stdout"), "stderr": str(scratch / ".stderr"),
                "cpu_seconds": max(1, int(settings.cpu_seconds)), "memory_mb": settings.memory_mb,
                "file_mb": settings.file_mb, "processes": settings.processes,
-               "uid": uid, "user_processes": 0 if os.geteuid() == 0 and uid is None else
+               "uid": uid, "parent": os.getpid(), "user_processes": 0 if os.geteuid() == 0 and uid is None else
                _tasks_of(os.getuid() if uid is None else uid), "isolation": settings.isolation}
         entry_err = scratch / ".entry"
         with open(entry_err, "wb") as err:
@@ -171,9 +194,9 @@ def run_python(code: str, settings: SandboxSettings, timeout_s: float, max_chars
             status, detail = "timeout", f"timed out after {timeout_s:g} s"
         finally:
             _kill_group(proc.pid)  # whatever it left running in its group
-            for path in cgroup_path(proc.pid):  # the killed entry's, if it made one
+            for path in cgroup_path(proc.pid):  # the entry's, if it could not remove it
                 if os.path.isdir(path):
-                    remove_cgroup(path)
+                    remove_cgroup(path, patience_s=10.0)
         if status == "ok" and code_ != 0:
             status, detail = "error", _failure(code_, settings)
             if (scratch / ".stdout").stat().st_size >= settings.file_mb << 20:

@@ -45,10 +45,13 @@ def enter_namespaces() -> str:
     return f"unshare: {os.strerror(errno)}"
 
 
+CGROUP_PREFIX = "megatron-entropy-tool-"
+
+
 def cgroup_path(entry_pid: int) -> list[str]:
     """The cgroup folders a root entry of pid ``entry_pid`` may make (tool_use/sandbox.py
     removes the one left by an entry it killed)."""
-    return [os.path.join(root, f"megatron-entropy-tool-{entry_pid}") for root in CGROUP_ROOTS]
+    return [os.path.join(root, f"{CGROUP_PREFIX}{entry_pid}") for root in CGROUP_ROOTS]
 
 
 def make_cgroup(processes: int) -> str:
@@ -74,8 +77,8 @@ def make_cgroup(processes: int) -> str:
     return ""
 
 
-def remove_cgroup(path: str) -> None:
-    for _ in range(50):  # the kernel takes a moment to let go of the exited tasks
+def remove_cgroup(path: str, patience_s: float = 0.5) -> None:
+    for _ in range(int(patience_s / 0.01)):  # the kernel takes a moment to let go of the tasks
         try:
             os.rmdir(path)
             return
@@ -169,6 +172,10 @@ def main() -> None:
     try:
         s = json.loads(sys.argv[1])
     except (IndexError, ValueError):
+        sys.exit(BAD_SETTINGS)
+    # The process that started it killed (a tool worker at its timeout): this one too.
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, 9, 0, 0, 0)
+    if os.getppid() != s["parent"]:
         sys.exit(BAD_SETTINGS)
     why = enter_namespaces() if s["isolation"] != "off" else "off"
     if why and s["isolation"] == "required":

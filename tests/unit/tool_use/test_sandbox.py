@@ -16,7 +16,7 @@ from megatron_entropy.tool_use.pool import ToolCall, ToolPool
 from megatron_entropy.tool_use.sandbox import ENTRY, probe_isolation, run_python
 from megatron_entropy.tool_use.settings import SandboxSettings, ToolSettings
 
-TIMEOUT = 2.0
+TIMEOUT = 4.0  # room for a busy machine's Python start-up
 FORK_BOMB = """
 import os, time
 n = 0
@@ -130,3 +130,22 @@ def test_a_timeout_kills_the_code_and_everything_it_started(tmp_path):
     result = run_python(code, settings, 1.0, 200, scratch_root=str(tmp_path))
     assert result.status == "timeout" and time.monotonic() - started < 5
     assert not _leftovers() and not list(Path(tmp_path).iterdir())  # scratch folder removed
+
+
+def test_a_killed_tool_worker_takes_its_sandbox_with_it():
+    pool = ToolPool(ToolSettings(names=["python"], timeout_s=60.0, workers=1))
+    try:
+        pool._start()
+        (worker,) = pool._workers
+        worker.send({"name": "python", "arguments": {"code": "import time\ntime.sleep(600)"}})
+        deadline = time.monotonic() + 30
+        while not _leftovers() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _leftovers()  # the call runs
+        worker.kill()  # as the pool does when a call overruns its worker's time
+        deadline = time.monotonic() + 10
+        while _leftovers() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _leftovers()
+    finally:
+        pool.close()
