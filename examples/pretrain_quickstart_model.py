@@ -89,14 +89,18 @@ def encode_examples(problems, tokenizer) -> list[tuple[list[int], list[int]]]:
 
 
 def make_batch(examples, pad_id: int):
-    """Right-padded tokens and labels; only response tokens are trained on."""
-    width = max(len(p) + len(r) for p, r in examples)
+    """Right-padded tokens and labels; only response tokens are trained on (of an example
+    (prompt, response, keep), the response tokens that ``keep`` marks: not what a tool inserted)."""
+    width = max(len(e[0]) + len(e[1]) for e in examples)
     ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
     labels = torch.full((len(examples), width), -100, dtype=torch.long)
-    for i, (p, r) in enumerate(examples):
+    for i, (p, r, *keep) in enumerate(examples):
         seq = p + r
         ids[i, :len(seq)] = torch.tensor(seq)
-        labels[i, len(p):len(seq)] = torch.tensor(r)
+        target = torch.tensor(r)
+        if keep:
+            target = torch.where(torch.tensor(keep[0], dtype=torch.bool), target, -100)
+        labels[i, len(p):len(seq)] = target
     return ids, labels
 
 

@@ -14,6 +14,10 @@ one of two modes:
   sums task, megatron_entropy/data/sums.py). Longer and, for a small model, right less often at
   first; with practice it can be right nearly always.
 
+- ``tool``: ``<call>calculator: 13+7+18</call>``, answered by the calculator
+  (``rollout.tools``, ``<result>38</result>``), then ``\\boxed{38}``: right whenever the call is
+  well formed (examples/tool_study.yaml).
+
 The first token of the response chooses the mode. A policy that starts with the direct mode
 paying more (``guess_right`` above the worked mode's accuracy) collapses onto it under a
 reward-greedy update, and then never samples the mode whose ceiling is higher: the mechanism by
@@ -33,7 +37,7 @@ from megatron_entropy.data.sums import (check_sizes, draw_distinct, make_problem
                                         worked_solution)
 from megatron_entropy.runtime.seeds import task_split_seeds
 
-MODES = ("direct", "worked", "other")
+MODES = ("direct", "worked", "tool", "other")
 Split = Literal["train", "val", "test"]
 GuessError = Literal["ten", "random"]
 _DIRECT = re.compile(r"\s*\\boxed\{-?\d+\}\s*")
@@ -78,7 +82,10 @@ def hinted_worked_solution(problem: HintedProblem, rng: random.Random) -> str:
 
 def solution_mode(text: str) -> str:
     """Which mode a response is in: ``direct`` (nothing but a boxed number), ``worked`` (it
-    starts with a line that adds numbers), or ``other``."""
+    starts with a line that adds numbers), ``tool`` (it starts with a tool call), or
+    ``other``."""
+    if text.lstrip().startswith(("<call>", "<tool_call>")):
+        return "tool"
     if _DIRECT.fullmatch(text):
         return "direct"
     if _LINE.match(text.lstrip()):

@@ -45,6 +45,10 @@ class BranchingSettings(Settings):
 
 @dataclass
 class ToolSettings(Settings):
+    """Multi-turn rollouts with tools (docs/multi_turn.md): with tools named, a response may
+    call them and go on after their results, up to max_turns turns in rollout.max_new_tokens
+    tokens (generated and inserted); the inserted tokens are out of the loss."""
+
     names: list[str] = _f(default_factory=list, help=(
         "tools the policy may call: calculator, python (code in a sandbox), "
         "package.module:attr or path/to/file.py:attr (a Tool, a Tool class or a function); "

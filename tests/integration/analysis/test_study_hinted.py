@@ -30,8 +30,8 @@ def test_quick_study_trains_logs_modes_and_evaluates_each_run_on_the_test_split(
         train = [r for r in rows if "modes/direct_frac" in r]
         assert len(train) == 3 and "val/modes/direct_frac" in rows[0]
         for r in train:
-            assert r["modes/direct_frac"] + r["modes/worked_frac"] + r["modes/other_frac"] == \
-                pytest.approx(1.0)
+            assert r["modes/direct_frac"] + r["modes/worked_frac"] + r["modes/tool_frac"] \
+                + r["modes/other_frac"] == pytest.approx(1.0)
         assert not undocumented_metrics({k for r in rows for k in r})
         result = json.loads((run / "eval.json").read_text())
         assert result["converted_from"] and result["split"] == "test" and result["ks"] == [1, 2, 4]

@@ -64,15 +64,16 @@ def test_each_mode_is_scored_and_detected():
     rng = random.Random(0)
     right, wrong = HintedProblem((13, 7, 18), 38), HintedProblem((13, 7, 18), 48)
     responses = [direct_solution(right), direct_solution(wrong), hinted_worked_solution(wrong, rng),
-                 "13+7=20\n20+18=\\boxed{39}", "The answer is \\boxed{38}", ""]
+                 "13+7=20\n20+18=\\boxed{39}", "The answer is \\boxed{38}", "",
+                 "<call>calculator: 13+7+18</call><result>38</result>\\boxed{38}"]
     assert [solution_mode(t) for t in responses] == ["direct", "direct", "worked", "worked",
-                                                     "other", "other"]
+                                                     "other", "other", "tool"]
     rewards = math_rewards(responses, ["38"] * len(responses))
-    assert rewards == [1.0, 0.0, 1.0, 0.0, 1.0, 0.0]
+    assert rewards == [1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 1.0]
     lines = responses[2].split("\n")
     assert len(lines) == 2 and lines[-1].endswith("=\\boxed{38}")
     assert mode_accuracy(responses, rewards) == {"direct": (2, 0.5), "worked": (2, 0.5),
-                                                 "other": (2, 0.5)}
+                                                 "tool": (1, 1.0), "other": (2, 0.5)}
     assert response_modes("hinted_3terms", responses[:3]) == ("direct", "direct", "worked")
     assert response_modes("sums_3terms", responses[:3]) == ()
 
