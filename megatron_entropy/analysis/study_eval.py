@@ -15,7 +15,7 @@ MIN_GAIN = 0.05  # a Cov arm's test pass@1 must beat the baseline's by 5 points
 
 def run_test_numbers(run_dir: Path) -> Optional[dict[str, float]]:
     """A run's eval result flattened: pass@1_greedy, pass@k, avg@k, maj@k (all problems) and
-    ``modes/<mode>_frac``; None when it has none."""
+    ``modes/<mode>_frac`` (and with tools ``tools/call_frac``); None when it has none."""
     path = run_dir / RUN_EVAL_FILE
     if not path.is_file():
         return None
@@ -24,6 +24,8 @@ def run_test_numbers(run_dir: Path) -> Optional[dict[str, float]]:
     out["k_max"] = float(result["ks"][-1])
     for mode, v in result.get("modes", {}).items():
         out[f"modes/{mode}_frac"] = v["share"]
+    if "tools" in result:  # with tools: the share of samples that called one
+        out["tools/call_frac"] = result["tools"]["call_frac"]
     return out
 
 
@@ -77,7 +79,7 @@ def render_test_section(arms: dict) -> list[str]:
     first = next(iter(tested.values()))
     k = int(first["k_max"]["mean"])
     cols = [c for c in ("pass@1_greedy", "pass@1", f"pass@{k}", f"maj@{k}",
-                        "modes/direct_frac", "modes/worked_frac") if c in first]
+                        "modes/direct_frac", "modes/worked_frac", "tools/call_frac") if c in first]
     lines = ["", "## Test split (`megatron-entropy eval` of each run's last checkpoint)", "",
              "| arm | seeds | " + " | ".join(cols) + " |", "|" + " --- |" * (len(cols) + 2)]
     for name, test in tested.items():

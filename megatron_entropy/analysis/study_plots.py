@@ -13,7 +13,8 @@ from matplotlib.figure import Figure
 
 from megatron_entropy.analysis.plots import series
 from megatron_entropy.analysis.study import StudyPlan
-from megatron_entropy.analysis.study_report import (COV, DELTA, DIRECT_SHARE, ENTROPY, VAL,
+from megatron_entropy.analysis.study_report import (AFTER_TOOL, COV, DELTA, DIRECT_SHARE,
+                                                    ENTROPY, TOOL_ACC, TOOL_SHARE, VAL,
                                                     WORKED_ACC, RunResult, delta_vs_cov)
 
 
@@ -66,7 +67,14 @@ ARM_BANDS = (
      "share of the direct mode among the sampled responses; band: min-max over seeds", False),
     (WORKED_ACC, "worked_accuracy", "accuracy of worked answers",
      "accuracy of the worked mode's sampled responses (while it is sampled); band: "
-     "min-max over seeds", False))
+     "min-max over seeds", False),
+    (TOOL_SHARE, "tool_share", "share of tool calls",
+     "share of sampled responses that call the tool; band: min-max over seeds", False),
+    (TOOL_ACC, "tool_accuracy", "accuracy of tool answers",
+     "accuracy of the sampled responses that call the tool; band: min-max over seeds", False),
+    (AFTER_TOOL, "entropy_after_tool", "entropy (nats / token)",
+     "entropy of the first generated tokens after each tool result; band: min-max over seeds",
+     False))
 
 
 def plot_study(plan: StudyPlan, results: Sequence[RunResult], summary: dict, out: Path

@@ -45,6 +45,9 @@ VAL = "val/acc/mean"
 TRAIN_ACC = "acc/mean"
 DIRECT_SHARE = "modes/direct_frac"  # tasks with solution modes (data/hinted.py)
 WORKED_ACC = "modes/worked_acc"
+TOOL_SHARE = "modes/tool_frac"  # tasks with a tool mode (examples/tool_study.yaml)
+TOOL_ACC = "modes/tool_acc"
+AFTER_TOOL = "entropy/after_tool"
 REWARD = "reward/mean"
 LENGTH = "response/length_mean"
 DELTA = "entropy/delta"
@@ -485,6 +488,9 @@ FIGURE_TITLES = {
     "val_accuracy": "Validation accuracy against step per loss",
     "mode_share": "Share of the direct mode against step per loss",
     "worked_accuracy": "Accuracy of the worked mode against step per loss",
+    "tool_share": "Share of responses that call the tool against step per loss",
+    "tool_accuracy": "Accuracy of the responses that call the tool against step per loss",
+    "entropy_after_tool": "Entropy of the first tokens after a tool result against step",
     "pass_at_k": "Test pass@k at the end per loss",
     "entropy_law": "Performance against entropy with the fitted law (Figs. 1, 2)",
     "early_prediction": "Early prediction: the law fitted on the first steps predicts the rest "
