@@ -65,18 +65,16 @@ def start_report(out_dir: Path, problems, tokenizer, n: int, max_new_tokens: int
     }
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "hinted_model")
+def hinted_arguments(ap: argparse.ArgumentParser, out: Path) -> None:
+    """The options this script shares with examples/pretrain_tool_model.py: the model, the
+    training and when it stops (``out``: the default folder)."""
+    ap.add_argument("--out", type=Path, default=out)
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--ffn", type=int, default=256)
     ap.add_argument("--layers", type=int, default=3)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--vocab", type=int, default=400)
-    task = HintedConfig()
-    ap.add_argument("--direct-prob", type=float, default=0.5,
-                    help="share of training problems answered in the direct mode")
     ap.add_argument("--num-train", type=int, default=50_000)
     ap.add_argument("--batch-size", type=int, default=48)
     ap.add_argument("--lr", type=float, default=3e-3)
@@ -91,12 +89,20 @@ def main() -> None:
                          "this and the direct mode copies the guess --target-copy of the time")
     ap.add_argument("--target-copy", type=float, default=0.8)
     ap.add_argument("--report-samples", type=int, default=4, help="samples per problem at the end")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=1234)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    hinted_arguments(ap, Path(__file__).parent / "hinted_model")
+    task = HintedConfig()
+    ap.add_argument("--direct-prob", type=float, default=0.5,
+                    help="share of training problems answered in the direct mode")
     ap.add_argument("--measure", type=Path, default=None, metavar="MODEL_DIR",
                     help="train nothing: print the T=1 report of this HF model folder")
     ap.add_argument("--guess-error", choices=["ten", "random"], default=task.guess_error,
                     help="how a wrong guess is off (data.hinted.guess_error)")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--seed", type=int, default=1234)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     started = time.time()

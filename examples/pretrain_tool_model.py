@@ -36,6 +36,7 @@ from megatron_entropy.rewards import math_rewards
 from megatron_entropy.rollout.base import SamplingParams
 from megatron_entropy.tool_use.engine import build_rollout_engine
 from megatron_entropy.tool_use.tools import Calculator, ToolError
+from pretrain_hinted_model import hinted_arguments
 from pretrain_quickstart_model import (build_model, build_tokenizer, make_portable, save,
                                        train_on_examples)
 
@@ -108,31 +109,12 @@ def report(texts: list[str], rewards: list[float], problems, n: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "tool_model")
-    ap.add_argument("--hidden", type=int, default=64)
-    ap.add_argument("--ffn", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=3)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--kv-heads", type=int, default=2)
-    ap.add_argument("--vocab", type=int, default=400)
+    hinted_arguments(ap, Path(__file__).parent / "tool_model")
     ap.add_argument("--direct-prob", type=float, default=0.46)
     ap.add_argument("--tool-prob", type=float, default=0.06,
                     help="share of training responses that call the calculator")
     ap.add_argument("--bad-call-prob", type=float, default=0.5,
                     help="share of those calls that are malformed")
-    ap.add_argument("--num-train", type=int, default=50_000)
-    ap.add_argument("--batch-size", type=int, default=48)
-    ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--warmup", type=int, default=100)
-    ap.add_argument("--max-steps", type=int, default=3000)
-    ap.add_argument("--eval-every", type=int, default=100)
-    ap.add_argument("--eval-problems", type=int, default=256)
-    ap.add_argument("--held-out", type=int, default=1024)
-    ap.add_argument("--target-worked", type=float, default=0.45)
-    ap.add_argument("--target-copy", type=float, default=0.8)
-    ap.add_argument("--report-samples", type=int, default=4)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--seed", type=int, default=1234)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     started = time.time()

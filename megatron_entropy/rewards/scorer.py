@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 from megatron_entropy.config import ConfigError, RewardConfig
 from megatron_entropy.rewards.registry import KEY, RewardResultError, resolve_reward
 from megatron_entropy.rewards.workers import (ChildExited, ChildUnavailable, LineProcess,
-                                               run_requests)
+                                               run_requests, start_stopped)
 
 log = logging.getLogger(__name__)
 
@@ -151,16 +151,12 @@ class RewardScorer:
             self._workers = [LineProcess("megatron_entropy.rewards.scorer:worker_handler",
                                          self.reward.worker_spec)
                              for _ in range(self.config.workers)]
-        stopped = [w for w in self._workers if not w.running]
-        for worker in stopped:
-            worker.launch()
-        for worker in stopped:
-            try:
-                worker.wait_ready()
-            except (ChildUnavailable, ChildExited) as e:
-                self.close()
-                raise ConfigError(f"{KEY}={self.config.function!r}: a reward worker did not "
-                                  f"start: {e}") from None
+        try:
+            start_stopped(self._workers)
+        except (ChildUnavailable, ChildExited) as e:
+            self.close()
+            raise ConfigError(f"{KEY}={self.config.function!r}: a reward worker did not "
+                              f"start: {e}") from None
 
     def _in_pool(self, args: list[tuple[list[str], list[str], list[str]]]) -> list[_Outcome]:
         """Every call on the first free worker; each call's clock starts when it is sent."""

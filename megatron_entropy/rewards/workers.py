@@ -123,6 +123,16 @@ class LineProcess:
             self._proc = self._stderr = None
 
 
+def start_stopped(workers: Sequence[LineProcess]) -> None:
+    """Launch every worker of ``workers`` that is not running (killed after an overrun, or never
+    started), then wait until each is ready (raises ChildUnavailable or ChildExited)."""
+    stopped = [w for w in workers if not w.running]
+    for worker in stopped:
+        worker.launch()
+    for worker in stopped:
+        worker.wait_ready()
+
+
 def run_requests(workers: Sequence[LineProcess], requests: Sequence[Any], timeout_s: float,
                  restart: Callable[[], None], answered: Callable[[int, Any], Any],
                  overran: Callable[[int], Any]) -> list[Any]:

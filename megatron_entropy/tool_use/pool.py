@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable, Optional
 
 from megatron_entropy.rewards.workers import (ChildExited, ChildUnavailable, LineProcess,
-                                               run_requests)
+                                               run_requests, start_stopped)
 from megatron_entropy.tool_use.sandbox import remove_stale_cgroups
 from megatron_entropy.tool_use.settings import BranchingSettings, SandboxSettings, ToolSettings
 from megatron_entropy.tool_use.tools import ToolError, ToolOutput, load_tools
@@ -109,15 +109,11 @@ class ToolPool:
         if not self._workers:
             self._workers = [LineProcess("megatron_entropy.tool_use.pool:worker_handler",
                                          self._json) for _ in range(self.settings.workers)]
-        stopped = [w for w in self._workers if not w.running]
-        for worker in stopped:
-            worker.launch()
-        for worker in stopped:
-            try:
-                worker.wait_ready()
-            except (ChildUnavailable, ChildExited) as e:
-                self.close()
-                raise RuntimeError(f"a tool worker did not start: {e}") from None
+        try:
+            start_stopped(self._workers)
+        except (ChildUnavailable, ChildExited) as e:
+            self.close()
+            raise RuntimeError(f"a tool worker did not start: {e}") from None
 
     def run(self, calls: list[ToolCall]) -> list[ToolResult]:
         """Each call's result, in order; calls with an ``error`` are answered with it."""
