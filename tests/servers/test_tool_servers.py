@@ -103,8 +103,10 @@ def test_vllm_runs_a_three_turn_trajectory_and_trains_on_it(model, prompts, refe
     rows = metrics_rows(tmp_path / "vllm_tools")
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
+        # Sampled at T = 1: now and then a call goes wrong (the scripted model is sure, not
+        # certain); most responses run the script's three turns and two calls.
         assert r["tools/turns_mean"] > 2.5 and r["tools/calls_mean"] > 1.5
-        assert r["tools/errors"] == 0 and r["tools/token_frac"] > 0
+        assert r["tools/errors"] <= 4 and r["tools/token_frac"] > 0
         # The generated tokens only: bf16 serving against the fp32 actor.
         assert r["rollout/logprob_drift"] < 2e-2 and r["weight_sync/seconds"] > 0
         assert r["weight_check/rollout_drift_mean"] < 2e-2
