@@ -123,3 +123,7 @@ def hf_dir() -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+if __name__ == "__main__":
+    print(hf_dir())
