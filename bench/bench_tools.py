@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from megatron_entropy.tool_use.pool import ToolCall, ToolPool
-from megatron_entropy.tool_use.settings import ToolSettings
+from megatron_entropy.config.tools import ToolSettings
 
 
 def calls_per_second(tool: str, workers: int, calls: int) -> float:

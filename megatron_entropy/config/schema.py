@@ -25,7 +25,7 @@ from megatron_entropy.config.study import StudyConfig
 from megatron_entropy.runtime.dtypes import DTYPE_ALIASES, DtypeName
 from megatron_entropy.settings import SettingError, Settings
 from megatron_entropy.settings import setting as _f  # a field with bounds and help
-from megatron_entropy.tool_use.settings import ToolSettings
+from megatron_entropy.config.tools import ToolSettings
 
 
 @dataclass

@@ -2,4 +2,5 @@
 rollout engine in the tool-calling loop), the tools themselves (tools.py: the API, the registry,
 the calculator and the sandboxed Python tool of sandbox.py), the worker processes that run them
 (pool.py), how calls and results are written (formats.py), entropy-aware branching
-(branching.py) and the per-turn metrics (metrics.py)."""
+(branching.py) and the per-turn metrics (metrics.py). Its settings are the config tree's
+``rollout.tools`` (config/tools.py)."""

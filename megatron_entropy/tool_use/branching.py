@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from megatron_entropy.tool_use.settings import BranchingSettings
+from megatron_entropy.config.tools import BranchingSettings
 
 
 class Branching:

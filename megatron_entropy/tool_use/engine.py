@@ -39,7 +39,7 @@ from megatron_entropy.runtime.seeds import turn_seed
 from megatron_entropy.tool_use.branching import Branching
 from megatron_entropy.tool_use.formats import ToolFormat, make_format
 from megatron_entropy.tool_use.pool import ToolCall, ToolPool, ToolResult
-from megatron_entropy.tool_use.settings import ToolSettings
+from megatron_entropy.config.tools import ToolSettings
 from megatron_entropy.tool_use.sandbox import probe_isolation
 from megatron_entropy.tool_use.tools import PythonTool, load_tools
 

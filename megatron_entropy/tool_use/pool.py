@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional
 from megatron_entropy.rewards.workers import (ChildExited, ChildUnavailable, LineProcess,
                                                run_requests, start_stopped)
 from megatron_entropy.tool_use.sandbox import remove_stale_cgroups
-from megatron_entropy.tool_use.settings import BranchingSettings, SandboxSettings, ToolSettings
+from megatron_entropy.config.tools import BranchingSettings, SandboxSettings, ToolSettings
 from megatron_entropy.tool_use.tools import ToolError, ToolOutput, load_tools
 
 # Past the timeout, what a worker gets to answer on its own before it is killed.

@@ -40,7 +40,7 @@ import psutil
 
 from megatron_entropy.tool_use.sandbox_entry import (CGROUP_PREFIX, CGROUP_ROOTS, cgroup_path,
                                                      remove_cgroup)
-from megatron_entropy.tool_use.settings import SandboxSettings
+from megatron_entropy.config.tools import SandboxSettings
 
 ENTRY = Path(__file__).resolve().parent / "sandbox_entry.py"
 NOBODY = 65534

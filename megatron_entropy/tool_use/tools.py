@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional, Union
 from megatron_entropy.config import ConfigError
 from megatron_entropy.rewards.registry import import_object
 from megatron_entropy.tool_use.sandbox import run_python
-from megatron_entropy.tool_use.settings import ToolSettings
+from megatron_entropy.config.tools import ToolSettings
 
 KEY = "rollout.tools.names"
 

@@ -14,7 +14,7 @@ import pytest
 
 from megatron_entropy.tool_use.pool import ToolCall, ToolPool
 from megatron_entropy.tool_use.sandbox import ENTRY, probe_isolation, run_python
-from megatron_entropy.tool_use.settings import SandboxSettings, ToolSettings
+from megatron_entropy.config.tools import SandboxSettings, ToolSettings
 
 TIMEOUT = 4.0  # room for a busy machine's Python start-up
 FORK_BOMB = """

@@ -13,7 +13,7 @@ from megatron_entropy.config import ConfigError, load_config
 from megatron_entropy.testing.toy_models import save_tokenizer
 from megatron_entropy.tool_use.formats import ChatTemplateFormat, PlainFormat, make_format
 from megatron_entropy.tool_use.pool import ToolCall, ToolPool, call_tool
-from megatron_entropy.tool_use.settings import ToolSettings
+from megatron_entropy.config.tools import ToolSettings
 from megatron_entropy.tool_use.tools import (Calculator, FunctionTool, PythonTool, ToolError,
                                              load_tools)
 

@@ -1,6 +1,9 @@
-"""The ``rollout.tools`` config section: which tools the policy may call, how calls are written,
-their limits, the code sandbox's and adaptive branching's settings. Torch-free (the config tree
-composes it)."""
+"""The ``rollout.tools`` section of the config tree: which tools the policy may call, how calls
+are written, their limits, the code sandbox's and adaptive branching's settings (the multi-turn
+loop, megatron_entropy/tool_use, takes it as it is).
+
+Torch-free, as the whole config tree is.
+"""
 
 from __future__ import annotations
 
