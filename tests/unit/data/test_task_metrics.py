@@ -27,13 +27,15 @@ def test_training_and_eval_report_the_same_modes():
     sources = sorted(TEXTS)
     train = mode_metrics([GroupStats.of(_group(s)) for s in sources], prefix="val/")
     evaluated = mode_summary(sources, [TEXTS[s] for s in sources], [REWARDS[s] for s in sources])
-    # 6 hinted responses: direct 3 (1 right), worked 2 (2 right), other 1 (0 right).
+    # 6 hinted responses: direct 3 (1 right), worked 2 (2 right), no tool call, other 1 (0 right).
     assert evaluated == {
         "direct": {"share": pytest.approx(3 / 6), "accuracy": pytest.approx(1 / 3)},
         "worked": {"share": pytest.approx(2 / 6), "accuracy": 1.0},
+        "tool": {"share": 0.0, "accuracy": None},
         "other": {"share": pytest.approx(1 / 6), "accuracy": 0.0}}
     assert train == {f"val/modes/{m}_{k}": v[name] for m, v in evaluated.items()
-                     for k, name in (("frac", "share"), ("acc", "accuracy"))}
+                     for k, name in (("frac", "share"), ("acc", "accuracy"))
+                     if v[name] is not None}  # no accuracy of a mode no response is in
 
 
 def test_a_task_without_modes_gets_nothing():
@@ -46,4 +48,4 @@ def test_a_task_without_modes_gets_nothing():
 
 def test_a_mode_no_response_is_in_has_a_share_but_no_accuracy():
     assert mode_shares(["direct", "direct"], [1.0, 0.0]) == {
-        "direct": (1.0, 0.5), "worked": (0.0, None), "other": (0.0, None)}
+        "direct": (1.0, 0.5), "worked": (0.0, None), "tool": (0.0, None), "other": (0.0, None)}
