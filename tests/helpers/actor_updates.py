@@ -202,7 +202,7 @@ def layout_worker(tp: int, pp: int, weights: dict, args: tuple, extra: dict | No
     model_setup.build_trainable_model = build_in_layout
     global init_megatron
     base = init_megatron
-    init_megatron = lambda: base(tensor=tp, pipeline=pp)  # noqa: E731
+    init_megatron = lambda tensor=1: base(tensor=tp, pipeline=pp)  # noqa: E731
     out = update_worker(*args, **(extra or {}))
     assert (ps.get_tensor_model_parallel_world_size(),
             ps.get_pipeline_model_parallel_world_size()) == (tp, pp)
