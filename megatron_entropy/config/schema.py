@@ -23,6 +23,7 @@ from megatron_entropy.algorithms.settings import (AdvantageName, PolicyLossSetti
 from megatron_entropy.config.evaluation import EvalConfig
 from megatron_entropy.config.study import StudyConfig
 from megatron_entropy.runtime.dtypes import DTYPE_ALIASES, DtypeName
+from megatron_entropy.models.lora_settings import LoraSettings
 from megatron_entropy.settings import SettingError, Settings
 from megatron_entropy.settings import setting as _f  # a field with bounds and help
 from megatron_entropy.config.tools import ToolSettings
@@ -31,9 +32,8 @@ from megatron_entropy.config.tools import ToolSettings
 @dataclass
 class ModelConfig(Settings):
     hf_path: str = _f("", help="HF folder: config.json, tokenizer files and (optionally) weights")
-    megatron_ckpt: Optional[str] = _f(
-        None, help="dist checkpoint from tools/convert_hf_to_mcore.py; if null, weights are "
-                   "read from hf_path")
+    megatron_ckpt: Optional[str] = _f(None, help="dist checkpoint from tools/convert_hf_to_"
+                                                 "mcore.py; if null, weights are read from hf_path")
     dtype: DtypeName = _f("bf16", aliases=DTYPE_ALIASES,
                           help="the trained model's weights and compute (bf16/fp16 keep fp32 "
                                "main weights)")
@@ -49,6 +49,7 @@ class ModelConfig(Settings):
                          "router_aux_loss_coef, 0 = none")
     moe_z_loss_coeff: float = _f(0.0, ge=0, help="mixture of experts: weight of the router's "
                                                  "z-loss (0 = none)")
+    lora: LoraSettings = _f(default_factory=LoraSettings)
 
 
 @dataclass

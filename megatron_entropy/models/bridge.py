@@ -35,6 +35,7 @@ import torch.distributed as dist
 from megatron_entropy.models.arch import ModelArch, load_arch
 from megatron_entropy.models.hf_io import (TensorSpec, hf_weight_files, open_hf_slices,
                                            save_hf_weights)
+from megatron_entropy.models.lora import is_adapter_param, merged_weight
 from megatron_entropy.models.sharding import (ep_gather_experts, expert_offset,
                                               is_expert_param, layer_offset, tp_gather,
                                               to_global_name, unwrap_model)
@@ -332,6 +333,8 @@ def load_hf_weights(model, hf_dir: Union[str, Path], arch: ModelArch) -> None:
     tp_rank = ps.get_tensor_model_parallel_rank()
     tp_size = ps.get_tensor_model_parallel_world_size()
     for name, param in module.named_parameters():
+        if is_adapter_param(name):  # LoRA adapters start from their own initialisation
+            continue
         wm = weight_map(to_global_name(name, offset, experts), arch)
         dim = param.partition_dim if getattr(param, "tensor_model_parallel", False) else None
         with open_hf_slices(files, wm.hf) as sources:
@@ -388,7 +391,7 @@ def export_hf_weights(model, arch: ModelArch
             full = None
             if stage == pp_rank:
                 name, param = params[gname]
-                full = tp_gather(name, param.detach(), param)
+                full = tp_gather(name, merged_weight(module, name, param), param)
             if stage != 0 and tp_rank == 0:
                 # The owning stage hands the tensor to the first stage's TP rank 0.
                 if pp_rank == stage:
@@ -410,12 +413,15 @@ def _hf_items(gname: str, full: Optional[torch.Tensor], arch: ModelArch, leader:
 
 def _stage_params(module, arch: ModelArch) -> dict[str, tuple[str, torch.nn.Parameter]]:
     """This stage's parameters, global name -> (local name, parameter), in global order; a tied
-    output layer (the last stage's copy of the embedding) left out: it is exported once."""
+    output layer (the last stage's copy of the embedding) left out: it is exported once, and
+    LoRA adapters too: the export merges them into their layers' weights."""
     offset, experts = layer_offset(module), expert_offset(module)
     order = {name: i for i, name in enumerate(megatron_param_names(arch))}
     params = {}
     for name, param in module.named_parameters():
         gname = to_global_name(name, offset, experts)
+        if is_adapter_param(name):
+            continue
         if not (gname == "output_layer.weight" and arch.tie_word_embeddings):
             params[gname] = (name, param)
     # Stages hold consecutive layers, so sorting each stage's parameters gives the global order.
@@ -457,14 +463,15 @@ def export_stage_hf_weights(model, arch: ModelArch
                 # A layer's first expert: every EP rank's experts of the layer, at once.
                 layer = gname.split(".mlp.")[0]
                 gathered = ep_gather_experts(
-                    [(g, tp_gather(n, p.detach(), p)) for g, (n, p) in params.items()
+                    [(g, tp_gather(n, merged_weight(module, n, p), p))
+                     for g, (n, p) in params.items()
                      if is_expert_param(g) and g.split(".mlp.")[0] == layer],
                     arch.num_experts // ep)
             if gname in gathered:
                 full = gathered.pop(gname)
             else:
                 name, param = params[gname]
-                full = tp_gather(name, param.detach(), param)
+                full = tp_gather(name, merged_weight(module, name, param), param)
             yield from _hf_items(gname, full, arch, leader)
             del full
 

@@ -10,6 +10,7 @@ Layout facts handled here:
   concatenation of the shards but ``[gate_0..gate_n; up_0..up_n]``;
 - ``linear_qkv`` shards hold whole query groups, so plain concatenation is right;
 - QK-norm weights are replicated across TP;
+- a LoRA adapter's A and B (models/lora.py) carry the same attributes; fc1's B is [gate; up];
 - mixture of experts: with expert parallelism (EP) each EP rank holds ``num_experts / EP``
   consecutive experts as ``mlp.experts.local_experts.{j}``; the global name counts experts over
   all EP ranks (``local_experts.{global_e}``). An expert's fc1 is a SwiGLU [gate; up] like a dense
@@ -96,7 +97,8 @@ def ep_gather_experts(local: list[tuple[str, torch.Tensor]], experts_per_rank: i
 
 
 def is_glu_fc1(name: str) -> bool:
-    return name.endswith("linear_fc1.weight") or name.endswith("linear_fc1.bias")
+    """SwiGLU's fc1 weight or bias, or its LoRA adapter's B (models/lora.py): [gate; up] rows."""
+    return name.endswith(("linear_fc1.weight", "linear_fc1.bias", "linear_fc1_lora.b"))
 
 
 def tp_shard(name: str, full: torch.Tensor, param: torch.nn.Parameter, tp_rank: int,

@@ -19,6 +19,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron_entropy.config import ModelConfig, ParallelConfig, TrainerConfig
 from megatron_entropy.models.arch import ModelArch
 from megatron_entropy.models.builder import DTYPES, MoeOptions, build_gpt_model
+from megatron_entropy.models.lora import add_adapters
 
 
 def _finalize_without_rescale(model, num_tokens=None, *args, **kwargs):
@@ -28,7 +29,7 @@ def _finalize_without_rescale(model, num_tokens=None, *args, **kwargs):
 
 def build_trainable_model(arch: ModelArch, model_cfg: ModelConfig, parallel: ParallelConfig,
                           distributed_optimizer: bool = False, overlap: bool = False,
-                          routing_replay: bool = False) -> list:
+                          routing_replay: bool = False, seed: int = 0) -> list:
     """GPTModel in Megatron's DDP (one chunk: no virtual pipeline), ready for the schedules, as
     the ``model`` and ``parallel`` sections say (dtype, layer spec, seq_length, recompute; TP, PP,
     sequence parallel). ``distributed_optimizer`` lays the grad buffer out for Megatron's
@@ -37,13 +38,20 @@ def build_trainable_model(arch: ModelArch, model_cfg: ModelConfig, parallel: Par
     backward, and (distributed optimizer) the param all-gather after an update during the next
     forward; `gather_params` completes it before anything reads the weights directly.
     A mixture-of-experts model takes ``parallel.expert`` and the ``model.moe_*`` router losses;
-    ``routing_replay`` builds Megatron's router replay into it (rollout.routing_replay)."""
+    ``routing_replay`` builds Megatron's router replay into it (rollout.routing_replay).
+    With ``model.lora`` the base is frozen and only its adapters (drawn from ``seed``) are in
+    DDP and the optimizer; they sit on the local spec's layers ('auto' picks it)."""
+    lora = model_cfg.lora
+    impl = "local" if lora.enabled and model_cfg.transformer_impl == "auto" \
+        else model_cfg.transformer_impl
     model = build_gpt_model(arch, parallel.tensor, parallel.pipeline, model_cfg.dtype,
-                            model_cfg.transformer_impl, model_cfg.seq_length,
+                            impl, model_cfg.seq_length,
                             parallel.sequence_parallel, model_cfg.recompute_activations,
                             expert=parallel.expert, moe=MoeOptions(
                                 model_cfg.moe_aux_loss_coeff, model_cfg.moe_z_loss_coeff,
                                 routing_replay=routing_replay))
+    if lora.enabled:
+        add_adapters(model, lora, seed)
     config = model.config
     config.calculate_per_token_loss = True
     config.finalize_model_grads_func = _finalize_without_rescale

@@ -1,0 +1,54 @@
+"""``model.lora``: low-rank adapters on the policy's parallel linear layers (models/lora.py).
+Torch-free: the config tree loads it without torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from megatron_entropy.settings import SettingError, Settings
+from megatron_entropy.settings import setting as _f
+
+# The Megatron linear layers an adapter can sit on, and the Hugging Face modules each stands for
+# (a mixture-of-experts model's linear_fc1/linear_fc2 are its experts', one adapter per expert).
+TARGETS: dict[str, tuple[str, ...]] = {
+    "linear_qkv": ("q_proj", "k_proj", "v_proj"),
+    "linear_proj": ("o_proj",),
+    "linear_fc1": ("gate_proj", "up_proj"),
+    "linear_fc2": ("down_proj",),
+}
+
+
+@dataclass
+class LoraSettings(Settings):
+    """LoRA: the base weights frozen, W x + (alpha / rank) B A x trained in their place."""
+
+    rank: int = _f(0, ge=0, help="rank of every adapter; 0 = no adapters (every weight trained)")
+    alpha: float = _f(32.0, gt=0, help="the adapters' output is scaled by alpha / rank")
+    dropout: float = _f(0.0, ge=0, lt=1, help="dropout on an adapter's input while training")
+    targets: list[str] = _f(default_factory=lambda: list(TARGETS), help=(
+        "the Megatron linear layers that get adapters: linear_qkv (attention q, k, v), "
+        "linear_proj (attention output), linear_fc1 (MLP gate and up), linear_fc2 (MLP down); "
+        "a mixture-of-experts model's linear_fc1/linear_fc2 are its experts', each expert its "
+        "own adapter"))
+    sync: Literal["merged", "adapters"] = _f(
+        "merged", help="what a weight sync sends the engine: the base weights with the adapters "
+                       "merged in (every engine), or the adapters alone (vLLM servers: "
+                       "rollout.engine=vllm)")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    def validate(self) -> None:
+        super().validate()
+        unknown = [t for t in self.targets if t not in TARGETS]
+        if unknown:
+            raise SettingError("targets", f"{unknown} are not layers an adapter sits on; choose "
+                                          f"from {list(TARGETS)}")
+        if self.rank and not self.targets:
+            raise SettingError("targets", "is empty: name at least one layer, or set rank 0")
