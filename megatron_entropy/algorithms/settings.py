@@ -68,7 +68,8 @@ class PolicyLossSettings(Settings):
                          "rollout.max_new_tokens; the other modes ignore it")
     entropy_coef: float = setting(0.0, ge=0, help="weight of the entropy bonus (subtracted from "
                                                   "the loss); 0 = none")
-    kl_coef: float = setting(0.0, ge=0, help="> 0 loads a frozen reference model")
+    kl_coef: float = setting(0.0, ge=0, help="> 0 loads a frozen reference model (with "
+                                             "model.lora: the policy, adapters off)")
     kl_type: KlType = setting("k3", help="estimator of the KL to the reference: k1, |k1| or k3 "
                                          "(low variance)")
 

@@ -247,3 +247,49 @@ def load_checkpoint_state(model, state: dict) -> None:
     if missing or unexpected:
         raise KeyError(f"the checkpoint's adapters do not match the model's: missing "
                        f"{missing[:3]}, unexpected {unexpected[:3]}")
+
+
+@torch.no_grad()
+def base_fingerprint(model) -> dict[str, list[float]]:
+    """Every frozen base parameter's (sum, sum of squares) in float64, by global name, over its
+    whole tensor: the same numbers, up to float64 rounding, at every TP/PP/EP layout, and
+    different ones for any other weights. A collective over the whole job (every rank's shards
+    are gathered as objects: two numbers per tensor)."""
+    from megatron.core import parallel_state as ps
+
+    module = unwrap_model(model)
+    offset, experts = layer_offset(module), expert_offset(module)
+    tied = getattr(module, "share_embeddings_and_output_weights", False)
+    mine = {}
+    for name, param in module.named_parameters():
+        gname = to_global_name(name, offset, experts)
+        if is_adapter_param(name) or (tied and gname == "output_layer.weight"):
+            continue  # a tied output layer is the embedding's copy on the last stage
+        shard = 0
+        if getattr(param, "tensor_model_parallel", False):
+            shard = (ps.get_expert_tensor_parallel_rank() if ".local_experts." in name
+                     else ps.get_tensor_model_parallel_rank())
+        v = param.detach().double()
+        mine[(gname, shard)] = (float(v.sum()), float((v * v).sum()))
+    everyone: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(everyone, mine)
+    shards = {key: sums for part in everyone for key, sums in part.items()}
+    out: dict[str, list[float]] = {}
+    for (gname, _), (total, squares) in sorted(shards.items()):
+        acc = out.setdefault(gname, [0.0, 0.0])
+        acc[0] += total
+        acc[1] += squares
+    return out
+
+
+def fingerprint_difference(saved: dict, now: dict, rtol: float = 1e-9) -> Optional[str]:
+    """What differs between two ``base_fingerprint``s beyond float64 rounding (a sum of n
+    values is off by ~sqrt(n) 1e-16 of sqrt(sum of squares)), or None."""
+    if saved.keys() != now.keys():
+        other = sorted(saved.keys() ^ now.keys())
+        return f"other tensors ({len(other)} differ, e.g. {other[:2]})"
+    for name, (total, squares) in saved.items():
+        t, q = now[name]
+        if abs(q - squares) > rtol * squares or abs(t - total) > rtol * squares ** 0.5:
+            return f"tensor {name} differs (sum of squares {squares:.9g} saved, {q:.9g} now)"
+    return None

@@ -48,6 +48,7 @@ from megatron_entropy.algorithms.settings import PolicyLossSettings
 from megatron_entropy.config import AlgorithmConfig, ConfigError, TrainerConfig
 from megatron_entropy.models.arch import ModelArch
 from megatron_entropy.models.attention import takes_explicit_masks
+from megatron_entropy.models.lora import adapters_disabled
 from megatron_entropy.models.output_head import (hidden_states_instead_of_logits,
                                                  output_layer_weight)
 from megatron_entropy.models.positions import token_positions
@@ -227,7 +228,9 @@ class Actor:
         scope = None
         if record_routing and self.routing is not None:
             scope = lambda mb: self.routing.record(mb, samples)  # noqa: E731
-        stats = self._forward_only([self.ref_model] if reference else self.model, mbs, scope)
+        # A LoRA policy's reference is itself with its adapters off (no-op on another model).
+        with adapters_disabled(self.ref_model) if reference else contextlib.nullcontext():
+            stats = self._forward_only([self.ref_model] if reference else self.model, mbs, scope)
         by_sample = self._by_sample(mbs, stats, samples)
         return [(by_sample[i]["logp"], by_sample[i]["entropy"]) if i in by_sample else None
                 for i in range(len(samples))]

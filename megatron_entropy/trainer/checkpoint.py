@@ -1,4 +1,5 @@
 """Training checkpoints: model + optimizer (Megatron dist_checkpointing) + trainer state, atomic.
+A LoRA run's hold its adapters and their optimizer only (models/lora.py, trainer/lora_run.py).
 
 Layout of ``<run_dir>/checkpoints/``::
 
@@ -41,6 +42,7 @@ from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, S
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
+from megatron_entropy.models.lora import checkpoint_state_dict, load_checkpoint_state
 from megatron_entropy.models.megatron_checkpoint import (CheckpointError, check_checkpoint_files,
                                                          read_latest, write_checkpoint_metadata)
 from megatron_entropy.models.run_checkpoints import (TRAINER_STATE, checkpoints_folder,
@@ -196,7 +198,7 @@ class CheckpointManager:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         _barrier()
-        model_sd = unwrap_model(model_chunks).sharded_state_dict()
+        model_sd = checkpoint_state_dict(model_chunks)  # a LoRA model's: its adapters
         sharded = {"model": model_sd}
         # Before the first update there is no optimizer state to keep: a fresh one equals it.
         with_optimizer = _has_optimizer_state(optimizer)
@@ -235,7 +237,7 @@ class CheckpointManager:
         path = Path(path)
         state = verify_checkpoint(path)
         model = unwrap_model(model_chunks)
-        model_sd = model.sharded_state_dict()
+        model_sd = checkpoint_state_dict(model)
         sharded: dict[str, Any] = {"model": model_sd}
         load_optimizer = load_optimizer and state.get("optimizer_state", True)
         # A checkpoint from before the format was recorded is in this run's format.
@@ -259,7 +261,7 @@ class CheckpointManager:
                     del sharded["optimizer"]
                     sharded[_RECHAINED] = rechained
         loaded = dist_checkpointing.load(sharded, str(path))
-        model.load_state_dict(loaded["model"])
+        load_checkpoint_state(model, loaded["model"])
         if converting:
             if model_weights is not None:
                 merge(loaded["optimizer"], dist_checkpointing.load(model_weights, str(path)))

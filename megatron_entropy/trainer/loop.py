@@ -46,6 +46,7 @@ from megatron_entropy.trainer.entropy_control import (build_controller, controll
                                                       loss_knobs, methods_state,
                                                       restore_controller, restore_methods,
                                                       update_controller)
+from megatron_entropy.trainer.lora_run import STATE_KEY, base_identity, check_resume
 from megatron_entropy.trainer.metrics import MetricsLogger, PhaseTimer
 from megatron_entropy.trainer.model_setup import (build_optimizer, build_trainable_model,
                                                   gather_params)
@@ -184,9 +185,10 @@ class Trainer:
         self.model = build_trainable_model(
             self.arch, m, cfg.parallel, sharded_optimizer,
             overlap=cfg.trainer.uses_overlap(on_gpu=dist.get_backend() == "nccl"),
-            routing_replay=replay != "none")
-        if resume_from is None:
+            routing_replay=replay != "none", seed=cfg.trainer.seed)
+        if resume_from is None or m.lora.enabled:  # a LoRA checkpoint holds the adapters only
             self._load_initial_weights(self.model[0])
+        self.base_identity = base_identity(self.model, m, self.hf_dir)
         optimizer, scheduler = build_optimizer(self.model, cfg.trainer, m.dtype,
                                                sharded_optimizer)
         # seq-mean-token-sum-norm's constant defaults to the longest response the rollout allows.
@@ -199,6 +201,7 @@ class Trainer:
         self.drift = DriftTrend()
         self.state = RunState(rollout_seed=cfg.rollout.seed)
         if resume_from is not None:
+            check_resume(verify_checkpoint(resume_from), self.base_identity, resume_from)
             saved = self.ckpt.load(resume_from, self.model, optimizer)
             scheduler.load_state_dict(saved["scheduler"])
             self.state = RunState(step=saved["step"], rollout_seed=saved["rollout_seed"])
@@ -212,6 +215,8 @@ class Trainer:
         cfg, m = self.cfg, self.cfg.model
         if cfg.algorithm.kl_coef <= 0:
             return None
+        if m.lora.enabled:  # the base itself: the Actor turns the adapters off for it
+            return self.model[0]
         ref_model = build_gpt_model(self.arch, cfg.parallel.tensor, cfg.parallel.pipeline,
                                     m.dtype, m.transformer_impl, m.seq_length,
                                     cfg.parallel.sequence_parallel, expert=cfg.parallel.expert)
@@ -446,7 +451,8 @@ class Trainer:
                         "rollout_seed": self.state.rollout_seed,
                         "scheduler": self.actor.scheduler.state_dict(),
                         **controller_state(self.controller), **self.drift.state(),
-                        **methods_state(self.actor.methods)},
+                        **methods_state(self.actor.methods),
+                        **({STATE_KEY: self.base_identity} if self.base_identity else {})},
                        self.arch, self.hf_dir)
         self.saved_step = step
 
