@@ -13,7 +13,11 @@ mcore-to-hf writes safetensors (sharded with model.safetensors.index.json past -
 config.json and the tokenizer files, with the padded vocab rows removed; the folder loads in
 transformers and serves in vLLM/SGLang. --ckpt may be a trainer's checkpoints/ folder (its
 ``latest`` is used). Config and tokenizer come from the checkpoint's hf/ unless --hf-config-from
-names the source HF folder.
+names the source HF folder. A LoRA run's checkpoint (adapters only) is merged into its base (the
+one the run recorded, or --base), which is checked against the run's fingerprint of it.
+
+mcore-to-peft writes a LoRA run's adapters as a PEFT adapter folder (adapter_config.json,
+adapter_model.safetensors) that ``peft`` loads onto the HF base and vLLM serves as a LoRA.
 
 Both read one tensor (one layer) at a time and write as they read: peak memory is about one
 layer, not the model. Conversion is CPU work: the GPUs are hidden, the model is described on the
@@ -23,9 +27,11 @@ meta device only.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 from pathlib import Path
+from typing import Optional
 
 from megatron_entropy.runtime.dtypes import DTYPES
 from megatron_entropy.runtime.harmless import silence_harmless_warnings
@@ -36,7 +42,8 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "m
 HF_TO_MCORE = "convert a Hugging Face model folder (safetensors) into a Megatron-Core dist " \
               "checkpoint"
 MCORE_TO_HF = "convert a Megatron-Core dist checkpoint (converted or saved by the trainer) to " \
-              "Hugging Face"
+              "Hugging Face (a LoRA run's: merged into its base)"
+MCORE_TO_PEFT = "export a LoRA run's adapters as a PEFT adapter folder"
 
 
 def parse_size(text: str) -> int:
@@ -69,15 +76,27 @@ def add_mcore_to_hf_args(p: argparse.ArgumentParser) -> None:
                    help="output dtype (default: the checkpoint's weight dtype)")
     p.add_argument("--max-shard-size", type=parse_size, default=parse_size("5GB"),
                    help="largest safetensors file (default 5GB)")
+    p.add_argument("--base", type=Path, default=None,
+                   help="a LoRA checkpoint's base model (HF folder or dist checkpoint; default: "
+                        "the one the run recorded)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
+def add_mcore_to_peft_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ckpt", required=True, type=Path,
+                   help="a LoRA run's checkpoint folder, or its checkpoints/ folder")
+    p.add_argument("--out", required=True, type=Path, help="adapter folder to create")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+
+
 def add_convert_args(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="convert_command", required=True,
-                           metavar="{hf-to-mcore,mcore-to-hf}")
+                           metavar="{hf-to-mcore,mcore-to-hf,mcore-to-peft}")
     add_hf_to_mcore_args(sub.add_parser("hf-to-mcore", help=HF_TO_MCORE, description=HF_TO_MCORE))
     add_mcore_to_hf_args(sub.add_parser("mcore-to-hf", help=MCORE_TO_HF, description=MCORE_TO_HF))
+    add_mcore_to_peft_args(sub.add_parser("mcore-to-peft", help=MCORE_TO_PEFT,
+                                          description=MCORE_TO_PEFT))
 
 
 def run_convert(args: argparse.Namespace) -> int:
@@ -95,11 +114,43 @@ def run_convert(args: argparse.Namespace) -> int:
                                              tensor=args.tp, pipeline=args.pp,
                                              overwrite=args.overwrite, progress=not args.quiet),
             lambda stats: _summary(stats, args.out))
+    if args.convert_command == "mcore-to-peft" or _lora_identity(args.ckpt) is not None:
+        return run_conversion(lambda: _export_lora(args), lambda stats: _summary(stats, args.out))
     return run_conversion(
         lambda: convert_checkpoint_to_hf(args.ckpt, args.out, hf_config_from=args.hf_config_from,
                                          dtype=args.dtype, max_shard_bytes=args.max_shard_size,
                                          overwrite=args.overwrite, progress=not args.quiet),
         lambda stats: _summary(stats, args.out))
+
+
+def _lora_identity(ckpt: Path) -> Optional[dict]:
+    """The LoRA identity a trainer checkpoint records (trainer/lora_run.py), or None."""
+    from megatron_entropy.models.megatron_checkpoint import resolve_checkpoint_dir
+    from megatron_entropy.trainer.checkpoint import TRAINER_STATE
+    from megatron_entropy.trainer.lora_run import STATE_KEY
+
+    try:
+        state = resolve_checkpoint_dir(ckpt) / TRAINER_STATE
+    except ValueError:
+        return None  # not a checkpoint: the conversion says so
+    return json.loads(state.read_text()).get(STATE_KEY) if state.is_file() else None
+
+
+def _export_lora(args: argparse.Namespace) -> dict[str, float]:
+    from megatron_entropy.models.lora_export import export_merged, export_peft
+    from megatron_entropy.models.megatron_checkpoint import (CheckpointError, HF_SUBDIR,
+                                                             read_arch, resolve_checkpoint_dir)
+
+    ckpt = resolve_checkpoint_dir(args.ckpt)
+    identity = _lora_identity(ckpt)
+    if identity is None:
+        raise CheckpointError(f"--ckpt {args.ckpt}: not a LoRA run's checkpoint (it holds every "
+                              "weight: use mcore-to-hf)")
+    arch = read_arch(ckpt)
+    if args.convert_command == "mcore-to-peft":
+        return export_peft(ckpt, args.out, identity, arch, args.overwrite)
+    return export_merged(ckpt, args.out, identity, arch, args.hf_config_from or ckpt / HF_SUBDIR,
+                         args.base, args.dtype, args.max_shard_size, args.overwrite)
 
 
 def _summary(stats: dict[str, float], out: str) -> str:
@@ -110,4 +161,5 @@ def _summary(stats: dict[str, float], out: str) -> str:
             f"GiB) to {out}")
 
 CONVERT = ("checkpoint conversion: hf-to-mcore (HF folder -> Megatron dist checkpoint), "
-           "mcore-to-hf (back to HF)", add_convert_args, run_convert)
+           "mcore-to-hf (back to HF), mcore-to-peft (a LoRA run's adapters)", add_convert_args,
+           run_convert)

@@ -79,7 +79,7 @@ def single_process_megatron() -> Iterator[None]:
             dist.destroy_process_group()
 
 
-def _prepare_output(out_dir: Path, overwrite: bool) -> Path:
+def prepare_output(out_dir: Path, overwrite: bool) -> Path:
     """A fresh temporary sibling of ``out_dir``; refuses a non-empty ``out_dir``."""
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         if not overwrite:
@@ -88,7 +88,7 @@ def _prepare_output(out_dir: Path, overwrite: bool) -> Path:
     return temp_sibling(out_dir)
 
 
-def _replace(tmp: Path, out_dir: Path) -> None:
+def replace_output(tmp: Path, out_dir: Path) -> None:
     if out_dir.is_dir():
         shutil.rmtree(out_dir)
     elif out_dir.exists():
@@ -112,7 +112,7 @@ def _config_dtype(cfg: dict) -> Optional[str]:
     return name_of_long(cfg.get("dtype") or cfg.get("torch_dtype"))
 
 
-def _cast_checked(t: torch.Tensor, dtype: torch.dtype, what: str) -> torch.Tensor:
+def cast_checked(t: torch.Tensor, dtype: torch.dtype, what: str) -> torch.Tensor:
     out = t.to(dtype)
     if out.dtype != t.dtype and out.is_floating_point() and not torch.isfinite(out).all() \
             and torch.isfinite(t).all():
@@ -164,7 +164,7 @@ class _LazySavePlanner(DefaultSavePlanner):
         return self._resolve(write_item)
 
 
-def _global_name(key: str, offset: tuple[int, ...], prepended: int) -> str:
+def stacked_global_name(key: str, offset: tuple[int, ...], prepended: int) -> str:
     """``decoder.layers.mlp.linear_fc1.weight`` at layer offset 3 -> ``decoder.layers.3.mlp...``;
     ``decoder.layers.mlp.experts.experts.linear_fc1.weight`` at (3, 5) ->
     ``decoder.layers.3.mlp.experts.local_experts.5.linear_fc1.weight``."""
@@ -262,7 +262,7 @@ def convert_hf_to_checkpoint(hf_dir: Union[str, Path], out_dir: Union[str, Path]
     start = time.perf_counter()
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     arch, dtype, files = _checked_source(hf_dir, dtype, tensor, pipeline)
-    tmp = _prepare_output(out_dir, overwrite)
+    tmp = prepare_output(out_dir, overwrite)
     try:
         with single_process_megatron():
             # The model Megatron would save, described without memory: its sharded state dict
@@ -284,14 +284,14 @@ def convert_hf_to_checkpoint(hf_dir: Union[str, Path], out_dir: Union[str, Path]
                     return buf
                 sh = tensors[(item.index.fqn, item.index.offset)]
                 try:
-                    name = _global_name(sh.key, sh.global_offset, sh.prepend_axis_num)
+                    name = stacked_global_name(sh.key, sh.global_offset, sh.prepend_axis_num)
                     if name not in cache:
                         # One Megatron tensor at a time (linear_fc1 is written as two chunks).
                         cache.clear()
                         wm = weight_map(name, arch)
                         with open_hf_slices(files, wm.hf) as sources:
                             full = hf_to_megatron(wm, sources, arch)
-                        cache[name] = _cast_checked(full, sh.dtype, " + ".join(wm.hf))
+                        cache[name] = cast_checked(full, sh.dtype, " + ".join(wm.hf))
                     chunk = cache[name]
                     for dim, (off, size) in enumerate(zip(sh.global_offset[sh.prepend_axis_num:],
                                                           sh.local_shape)):
@@ -314,7 +314,7 @@ def convert_hf_to_checkpoint(hf_dir: Union[str, Path], out_dir: Union[str, Path]
                 bar.close()
             save_config(CheckpointingConfig("torch_dist", 1), str(tmp))
         write_checkpoint_metadata(tmp, arch, hf_dir)
-        _replace(tmp, out_dir)
+        replace_output(tmp, out_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return {"tensors": float(len(tensors)), "bytes": float(written[0]),
@@ -382,10 +382,10 @@ def iter_checkpoint_tensors(ckpt_dir: Union[str, Path], arch: ModelArch
         experts = [k for k in stacked if _EXPERTS in k]
         for key in stacked:
             if key not in experts:
-                yield _global_name(key, (layer,), 1), loaded.pop(key)[0]
+                yield stacked_global_name(key, (layer,), 1), loaded.pop(key)[0]
         for e in range(arch.num_experts if experts else 0):
             for key in experts:
-                yield _global_name(key, (layer, e), 2), loaded[key][0, e]
+                yield stacked_global_name(key, (layer, e), 2), loaded[key][0, e]
     for key in last:
         yield key, load({key: whole(key)})[key]
 
@@ -430,7 +430,7 @@ def convert_checkpoint_to_hf(ckpt_dir: Union[str, Path], out_dir: Union[str, Pat
         for name, full in iter_checkpoint_tensors(ckpt_dir, arch):
             for hf_name, t in megatron_to_hf(weight_map(name, arch), full, arch):
                 bar.update(1)
-                yield hf_name, _cast_checked(t, torch_dtype, hf_name)
+                yield hf_name, cast_checked(t, torch_dtype, hf_name)
 
     with single_process_megatron(), _progress(len(specs), f"mcore -> HF {out_dir.name}",
                                                progress) as bar:

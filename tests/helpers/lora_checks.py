@@ -133,3 +133,36 @@ def step_worker(hf_dir: Path, tensor: int, pipeline: int, expert: int, mbs: list
                                  if is_adapter_param(n)),
             "stats": stats}
 
+
+
+def lora_terms(arch, seq: int, rank: int = RANK, log_softmax: bool = False) -> int:
+    """Terms along one logit's path with adapters on every linear (tolerance.transformer_terms):
+    each adapter sums its input (hidden, or the FFN before fc2) into A x and its rank into B h."""
+    from tolerance import transformer_terms
+
+    ffn = arch.moe_ffn_hidden_size if arch.is_moe else arch.ffn_hidden_size
+    per_layer = 3 * arch.hidden_size + ffn + 4 * rank
+    return transformer_terms(arch, seq, log_softmax) + arch.num_layers * per_layer
+
+
+def save_lora_checkpoint_worker(hf_dir: Path, adapters: dict, run_dir: Path, tensor: int,
+                                tokens: torch.Tensor):
+    """Inside a rank: the LoRA policy at TP=``tensor`` with ``adapters``, saved as a training
+    checkpoint (with the run's base identity, as the trainer saves it); its full-vocab logits
+    on ``tokens`` (the trainer's forward)."""
+    from bridge_checks import forward_logits
+
+    from megatron_entropy.config import ModelConfig, TrainerConfig
+    from megatron_entropy.models.lora_settings import LoraSettings
+    from megatron_entropy.trainer.checkpoint import CheckpointManager
+    from megatron_entropy.trainer.lora_run import STATE_KEY, base_identity
+    from megatron_entropy.trainer.model_setup import build_optimizer
+
+    chunks, arch = lora_model(hf_dir, tensor, adapters=adapters)
+    logits = forward_logits(chunks[0], tokens)
+    optimizer, _ = build_optimizer(chunks, TrainerConfig(steps=1))
+    identity = base_identity(chunks, ModelConfig(hf_path=str(hf_dir), dtype="fp32",
+                                                 lora=LoraSettings(rank=RANK)), str(hf_dir))
+    CheckpointManager(run_dir).save(1, chunks, optimizer, {"step": 1, STATE_KEY: identity}, arch,
+                                    str(hf_dir))
+    return logits
