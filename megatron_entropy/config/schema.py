@@ -121,7 +121,7 @@ class ServerConfig(Settings):
 
 
 # The weight-sync strategies (weight_sync/), by the names the classes are registered under.
-WeightSyncStrategy = Literal["in_place", "disk", "broadcast"]
+WeightSyncStrategy = Literal["in_place", "disk", "broadcast", "adapters"]
 
 
 @dataclass
@@ -131,8 +131,11 @@ class WeightSyncConfig(Settings):
     strategy: Literal["auto", WeightSyncStrategy] = _f(
         "auto", help="in_place: copied into the in-process engine's model; disk: an HF folder "
                      "that every server reloads (vLLM, SGLang); broadcast: buckets broadcast to "
-                     "the servers' ranks over a process group (SGLang); auto: in_place for "
-                     "rollout.engine=inprocess, else disk")
+                     "the servers' ranks over a process group (SGLang); adapters: a LoRA "
+                     "policy's adapters alone, a PEFT folder the servers load on their base "
+                     "(vLLM, model.lora); auto: in_place for rollout.engine=inprocess, else "
+                     "disk (each of them sends a LoRA policy's weights with its adapters "
+                     "merged in)")
     bucket_mb: int = _f(512, ge=1, help=(
         "tensors a pipeline stage streams at a time (broadcast buckets, and what later stages "
         "relay to the in-process engine); a bigger tensor goes alone"))

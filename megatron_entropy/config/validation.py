@@ -50,7 +50,8 @@ def validate(cfg: Config) -> None:
 
 
 # The weight-sync strategies each engine has the endpoints for (rollout/base.py).
-SYNCED_BY = {"inprocess": ("in_place",), "vllm": ("disk",), "sglang": ("disk", "broadcast")}
+SYNCED_BY = {"inprocess": ("in_place",), "vllm": ("disk", "adapters"),
+             "sglang": ("disk", "broadcast")}
 
 
 def _check_weight_sync(cfg: Config) -> None:
@@ -62,10 +63,16 @@ def _check_weight_sync(cfg: Config) -> None:
     if strategy not in allowed:
         what = {"in_place": "copies tensors into the in-process engine's model",
                 "disk": "has servers reload an HF folder",
-                "broadcast": "broadcasts to the servers' ranks (SGLang's endpoints)"}[strategy]
+                "broadcast": "broadcasts to the servers' ranks (SGLang's endpoints)",
+                "adapters": "has servers load a LoRA adapter folder"}[strategy]
         raise ConfigError(f"rollout.weight_sync.strategy={strategy} {what}, which "
                           f"rollout.engine={r.engine} does not take: use "
                           f"{' or '.join(allowed)} (or auto)")
+    if strategy == "adapters" and not (cfg.model.lora.enabled and cfg.model.hf_path):
+        raise ConfigError("rollout.weight_sync.strategy=adapters sends a LoRA policy's adapters "
+                          "alone to servers that serve the base from model.hf_path: set "
+                          "model.lora.rank and model.hf_path (an HF folder with the weights), "
+                          "or another strategy")
 
 
 def _check_tools(cfg: Config) -> None:

@@ -268,6 +268,8 @@ def server_command(cfg: Config, host: str, port: int) -> tuple[list[str], dict[s
     from megatron_entropy.rollout.server.process import parse_extra_env
 
     s = dataclasses.replace(cfg.rollout.server, host=host)
+    if cfg.rollout.weight_sync.strategy == "adapters":  # vLLM: the adapters load at every sync
+        s = vllm.lora_serving(s, cfg.model.lora.rank)
     tp = cfg.cluster.server_gpus
     env = parse_extra_env(s.extra_env)
     if cfg.rollout.engine == "vllm":

@@ -1,6 +1,6 @@
-"""A LoRA checkpoint out of Megatron: as a PEFT adapter folder, or merged into its base as an HF
-folder (``megatron-entropy convert mcore-to-peft | mcore-to-hf``), and the PEFT-named tensors
-of the adapters that a weight sync sends an engine that serves LoRA.
+"""A LoRA policy's adapters out of Megatron: a checkpoint's as a PEFT adapter folder, or merged
+into its base as an HF folder (``megatron-entropy convert mcore-to-peft | mcore-to-hf``), and a
+live model's as the PEFT-named tensors that a weight sync sends an engine serving LoRA.
 
 PEFT's names and shapes, from ours (models/lora.py: A [r, in], B [out, r], output scaled by
 alpha / r as PEFT scales it): a Megatron linear that stands for several HF ones (linear_qkv: q,
@@ -27,11 +27,15 @@ from megatron_entropy.models.builder import DTYPES
 from megatron_entropy.models.conversion import (cast_checked, iter_checkpoint_tensors,
                                                 peak_rss_bytes, prepare_output, replace_output,
                                                 single_process_megatron, stacked_global_name)
-from megatron_entropy.models.hf_io import hf_weight_files, open_hf_slices, save_hf_weights
-from megatron_entropy.models.lora import SUFFIX, fingerprint_difference, is_adapter_param
+from megatron_entropy.models.hf_io import (TensorSpec, hf_weight_files, open_hf_slices,
+                                           save_hf_weights)
+from megatron_entropy.models.lora import (SUFFIX, LoraAdapter, fingerprint_difference,
+                                          is_adapter_param)
 from megatron_entropy.models.lora_settings import TARGETS
 from megatron_entropy.models.megatron_checkpoint import (CheckpointError, check_checkpoint_files,
                                                          resolve_checkpoint_dir)
+from megatron_entropy.models.sharding import (expert_offset, layer_offset, to_global_name,
+                                              tp_gather, unwrap_model)
 
 PEFT_PREFIX = "base_model.model."
 PEFT_CONFIG = "adapter_config.json"
@@ -82,7 +86,8 @@ def checkpoint_adapters(ckpt_dir: Union[str, Path]) -> dict[str, torch.Tensor]:
         for k in keys}
     loaded = dist_checkpointing.load(request, str(ckpt_dir), validate_access_integrity=False)
     out = {}
-    for key, stacked in loaded.items():
+    for key in keys:  # the load adds the checkpoint's common state beside them
+        stacked = loaded[key]
         if _EXPERTS in key:  # [layers, experts, ...]
             for layer in range(stacked.shape[0]):
                 for e in range(stacked.shape[1]):
@@ -102,12 +107,22 @@ def _whole_adapters(adapters: dict[str, torch.Tensor]
             yield module, adapters[name], adapters[f"{module}.b"]
 
 
+def write_peft_adapter(folder: Path, tensors: dict[str, torch.Tensor], config: dict) -> int:
+    """A PEFT adapter folder: ``adapter_model.safetensors`` of ``tensors`` (PEFT names) and
+    ``adapter_config.json``; returns the bytes of the tensors."""
+    from safetensors.torch import save_file
+
+    # A is shared by the HF modules of one Megatron linear: a copy each (safetensors).
+    save_file({k: v.detach().cpu().clone() for k, v in tensors.items()},
+              str(folder / PEFT_WEIGHTS), metadata={"format": "pt"})
+    (folder / PEFT_CONFIG).write_text(json.dumps(config, indent=2))
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
 def export_peft(ckpt_dir: Union[str, Path], out_dir: Union[str, Path], identity: dict,
                 arch: ModelArch, overwrite: bool = False) -> dict[str, float]:
     """Write a LoRA checkpoint's adapters as a PEFT adapter folder (adapter_config.json,
     adapter_model.safetensors) for the base ``identity`` names (trainer/lora_run.py)."""
-    from safetensors.torch import save_file
-
     start = time.perf_counter()
     out_dir = Path(out_dir)
     tmp = prepare_output(out_dir, overwrite)
@@ -116,18 +131,48 @@ def export_peft(ckpt_dir: Union[str, Path], out_dir: Union[str, Path], identity:
             adapters = checkpoint_adapters(ckpt_dir)
         tensors = dict(t for module, a, b in _whole_adapters(adapters)
                        for t in peft_tensors(module, a, b, arch))
-        # A is shared by the HF modules of one Megatron linear: a copy each (safetensors).
-        save_file({k: v.clone() for k, v in tensors.items()}, str(tmp / PEFT_WEIGHTS),
-                  metadata={"format": "pt"})
-        (tmp / PEFT_CONFIG).write_text(json.dumps(peft_config(
-            identity["rank"], identity["alpha"], identity["targets"], identity["base"]),
-            indent=2))
+        nbytes = write_peft_adapter(tmp, tensors, peft_config(
+            identity["rank"], identity["alpha"], identity["targets"], identity["base"]))
         replace_output(tmp, out_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return {"tensors": float(len(tensors)),
-            "bytes": float(sum(t.numel() * t.element_size() for t in tensors.values())),
+    return {"tensors": float(len(tensors)), "bytes": float(nbytes),
             "seconds": time.perf_counter() - start, "peak_rss_bytes": float(peak_rss_bytes())}
+
+
+def export_stage_adapters(model, arch: ModelArch
+                          ) -> tuple[list[TensorSpec],
+                                     Iterator[tuple[str, Optional[torch.Tensor]]]]:
+    """This pipeline stage's adapters as PEFT-named whole tensors: (their specs, the stream of
+    them), as ``bridge.export_stage_hf_weights`` gives the stage's weights (collective over
+    the stage's TP group: each tensor is TP-gathered; None on the other TP ranks)."""
+    from megatron.core import parallel_state as ps
+
+    module = unwrap_model(model)
+    offset, experts = layer_offset(module), expert_offset(module)
+    held = [(to_global_name(name, offset, experts), m) for name, m in module.named_modules()
+            if isinstance(m, LoraAdapter)]
+    tp = ps.get_tensor_model_parallel_world_size()
+
+    def meta(p: torch.Tensor) -> torch.Tensor:
+        shape = list(p.shape)
+        if getattr(p, "tensor_model_parallel", False):
+            shape[p.partition_dim] *= tp
+        return torch.empty(shape, dtype=p.dtype, device="meta")
+
+    specs = [(n, tuple(t.shape), t.dtype) for gname, m in held
+             for n, t in peft_tensors(gname, meta(m.a), meta(m.b), arch)]
+    leader = ps.get_tensor_model_parallel_rank() == 0
+
+    @torch.no_grad()
+    def stream() -> Iterator[tuple[str, Optional[torch.Tensor]]]:
+        for gname, m in held:
+            a = tp_gather(f"{gname}.a", m.a.detach(), m.a)
+            b = tp_gather(f"{gname}.b", m.b.detach(), m.b)
+            for name, t in peft_tensors(gname, a, b, arch):
+                yield name, t if leader else None
+
+    return specs, stream()
 
 
 def base_tensors(base: Union[str, Path], arch: ModelArch

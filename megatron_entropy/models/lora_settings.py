@@ -4,8 +4,6 @@ Torch-free: the config tree loads it without torch."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
-
 from megatron_entropy.settings import SettingError, Settings
 from megatron_entropy.settings import setting as _f
 
@@ -31,10 +29,6 @@ class LoraSettings(Settings):
         "linear_proj (attention output), linear_fc1 (MLP gate and up), linear_fc2 (MLP down); "
         "a mixture-of-experts model's linear_fc1/linear_fc2 are its experts', each expert its "
         "own adapter"))
-    sync: Literal["merged", "adapters"] = _f(
-        "merged", help="what a weight sync sends the engine: the base weights with the adapters "
-                       "merged in (every engine), or the adapters alone (vLLM servers: "
-                       "rollout.engine=vllm)")
 
     @property
     def enabled(self) -> bool:

@@ -4,8 +4,9 @@ and SGLang servers (server/)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Union
+from typing import Optional, Union
 
+from megatron_entropy.models.lora_settings import LoraSettings
 from megatron_entropy.rollout.base import Completion, RolloutEngine, SamplingParams
 
 __all__ = ["Completion", "RolloutEngine", "SamplingParams", "build_engine", "engine_is_shared"]
@@ -17,9 +18,10 @@ def engine_is_shared(engine_name: str) -> bool:
     return engine_name != "inprocess"
 
 
-def build_engine(rollout_cfg, hf_dir: Union[str, Path], run_dir: Union[str, Path]
-                 ) -> RolloutEngine:
-    """The engine ``rollout.engine`` names, serving the model in ``hf_dir``."""
+def build_engine(rollout_cfg, hf_dir: Union[str, Path], run_dir: Union[str, Path],
+                 lora: Optional[LoraSettings] = None) -> RolloutEngine:
+    """The engine ``rollout.engine`` names, serving the model in ``hf_dir``; vLLM servers serve
+    LoRA adapters of ``lora``'s rank too when the weight sync sends the adapters alone."""
     # Only the chosen engine's module loads: transformers for one, aiohttp for the others.
     if rollout_cfg.engine == "inprocess":
         import torch
@@ -31,9 +33,12 @@ def build_engine(rollout_cfg, hf_dir: Union[str, Path], run_dir: Union[str, Path
         return InProcessEngine(hf_dir, dtype=rollout_cfg.dtype, batch_size=rollout_cfg.batch_size,
                                device=device)
     if rollout_cfg.engine == "vllm":
-        from megatron_entropy.rollout.server.vllm import VLLMEngine
+        from megatron_entropy.rollout.server.vllm import VLLMEngine, lora_serving
 
-        return VLLMEngine(rollout_cfg.server, str(hf_dir), str(run_dir))
+        server = rollout_cfg.server
+        if rollout_cfg.weight_sync.strategy == "adapters":
+            server = lora_serving(server, lora.rank)
+        return VLLMEngine(server, str(hf_dir), str(run_dir))
     if rollout_cfg.engine == "sglang":
         from megatron_entropy.rollout.server.sglang import SGLangEngine
 

@@ -4,7 +4,8 @@ Every engine (in-process transformers, vLLM server, SGLang server) implements ``
 The trainer talks to it only from data-parallel leader ranks. New weights come through the
 trainer's weight-sync strategies (megatron_entropy/weight_sync), each of which calls the
 endpoints its protocol here declares: ``LoadsTensors`` (in place: the in-process engine),
-``ReloadsFolders`` (disk: vLLM and SGLang servers), ``TakesBroadcasts`` (broadcast: SGLang).
+``ReloadsFolders`` (disk: vLLM and SGLang servers), ``TakesBroadcasts`` (broadcast: SGLang),
+``LoadsAdapters`` (adapters: a LoRA policy's, vLLM servers).
 Rollouts generated ahead of the trainer (trainer/async_rollouts.py) need ``GeneratesAhead``
 (the server engines).
 """
@@ -126,6 +127,15 @@ class ReloadsFolders(Protocol):
     serves weight version ``version``; raises if one did not."""
 
     def reload_from_folder(self, folder: Path, version: int) -> None: ...
+
+
+@runtime_checkable
+class LoadsAdapters(Protocol):
+    """The adapters strategy's endpoint: every server loads the PEFT LoRA adapter folder
+    ``folder`` on its base, serves it from now on as weight version ``version``; raises if
+    one did not."""
+
+    def load_adapter(self, folder: Path, version: int) -> None: ...
 
 
 @runtime_checkable

@@ -32,6 +32,7 @@ from typing import Any, Optional, Union
 
 from megatron_entropy.config import ConfigError
 from megatron_entropy.data.dataset import load_tokenizer
+from megatron_entropy.models.lora_settings import LoraSettings
 from megatron_entropy.rollout import build_engine
 from megatron_entropy.rollout.base import Completion, RolloutEngine, SamplingParams
 from megatron_entropy.rollout.server.partial import eos_token_ids, merge_runs, version_runs
@@ -292,11 +293,12 @@ class MultiTurnEngine(RolloutEngine):
         self.inner.shutdown()
 
 
-def build_rollout_engine(rollout_cfg, hf_dir: Union[str, Path], run_dir: Union[str, Path]
-                         ) -> RolloutEngine:
-    """The engine ``rollout.engine`` names (rollout.build_engine), in the tool-calling loop when
+def build_rollout_engine(rollout_cfg, hf_dir: Union[str, Path], run_dir: Union[str, Path],
+                         lora: Optional[LoraSettings] = None) -> RolloutEngine:
+    """The engine ``rollout.engine`` names (rollout.build_engine, serving the adapters of
+    ``lora`` where the weight sync sends them alone), in the tool-calling loop when
     ``rollout.tools.names`` lists tools."""
-    engine = build_engine(rollout_cfg, hf_dir, run_dir)
+    engine = build_engine(rollout_cfg, hf_dir, run_dir, lora)
     settings = rollout_cfg.tools
     if not settings.enabled:
         return engine

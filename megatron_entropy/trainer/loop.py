@@ -227,10 +227,11 @@ class Trainer:
     def _build_rollouts(self) -> None:
         """The rollout engine (per DP leader in-process, or one set of servers for the job),
         the weight sync into it, the weight check's tolerances and the rollout side."""
-        cfg = self.cfg
-        self.engine = build_rollout_engine(cfg.rollout, self.hf_dir, self.run_dir) \
+        cfg, lora = self.cfg, self.cfg.model.lora
+        self.engine = build_rollout_engine(cfg.rollout, self.hf_dir, self.run_dir, lora) \
             if self.roles.talks_to_engine else None
-        self.weight_sync = build_weight_sync(cfg.rollout, self.engine, self.hf_dir, self.run_dir)
+        self.weight_sync = build_weight_sync(cfg.rollout, self.engine, self.hf_dir, self.run_dir,
+                                             lora)
         # The weight check's tolerances, from the dtype the engine says it computes log-probs
         # in (ranks without an engine learn it from those with one).
         dtypes: list = [None] * dist.get_world_size()

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Optional, Sequence
+from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -55,10 +55,12 @@ class StageStream:
             pass
 
 
-def model_stage_stream(model, arch, relay_only: bool = False) -> StageStream:
-    """This rank's stage of a built Megatron model (parallel state initialised); a
-    ``relay_only`` rank walks the stream for its collectives and leads nothing."""
-    specs, tensors = export_stage_hf_weights(model, arch)
+def model_stage_stream(model, arch, relay_only: bool = False,
+                       export: Callable = export_stage_hf_weights) -> StageStream:
+    """This rank's stage of a built Megatron model (parallel state initialised): the tensors
+    ``export`` gives (its HF weights; a LoRA policy's PEFT adapters); a ``relay_only`` rank
+    walks the stream for its collectives and leads nothing."""
+    specs, tensors = export(model, arch)
     group = ps.get_pipeline_model_parallel_group()
     return StageStream(stage=ps.get_pipeline_model_parallel_rank(),
                        stages=ps.get_pipeline_model_parallel_world_size(), specs=specs,

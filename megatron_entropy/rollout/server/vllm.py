@@ -15,6 +15,13 @@ requests in flight: ``ServerPool.drained``). A failed reload is reported as itse
 that then fails too is a note on it). A completion answered with finish reason ``abort`` is
 issued again, never returned.
 
+A LoRA policy that syncs its adapters alone (``rollout.weight_sync.strategy=adapters``,
+weight_sync/adapters.py) runs servers with vLLM's LoRA serving on (``lora_serving``: the flags and
+``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``; servers started by hand need the same). Each sync loads
+the PEFT folder with ``/v1/load_lora_adapter`` (in place, under one name, ``LORA_NAME``), and
+from the first one on every request asks for that adapter; a server restarted later loads the
+newest folder at its start (``--lora-modules``).
+
 Abort and resume (``rollout.inflight_at_sync: abort``): each request carries our
 ``request_id``; a weight push aborts ours with ``/abort_requests {request_ids}`` (vLLM 0.32,
 dev mode; other clients' requests run on), and vLLM answers each with finish reason ``abort``
@@ -24,6 +31,7 @@ tokens and ``max_tokens`` what is left.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from pathlib import Path
@@ -44,6 +52,9 @@ from megatron_entropy.runtime.dtypes import long_name
 log = logging.getLogger(__name__)
 
 SERVED_NAME = "policy"  # constant across restarts from new weight folders
+LORA_NAME = "policy-lora"  # the policy's adapters, loaded in place at every sync
+# The ranks vLLM's LoRA serving is built for (its --max-lora-rank takes one of these).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 FINISH_REASONS = ("stop", "length", "abort")
 # A sitecustomize that asks Linux for AMX permission in every process of a CPU server (its
 # docstring says why).
@@ -73,6 +84,19 @@ def server_argv(c: ServerConfig, model_dir: str, port: int,
     return compose_argv(c, argv, "--max-model-len", model_dir, port, weight_version)
 
 
+def lora_serving(c: ServerConfig, rank: int) -> ServerConfig:
+    """The server settings with vLLM's LoRA serving on, for adapters of ``rank``, loaded and
+    replaced while it serves."""
+    fits = next((r for r in VLLM_LORA_RANKS if r >= rank), None)
+    if fits is None:
+        raise ServerError(f"model.lora.rank={rank}: vLLM serves LoRA adapters up to rank "
+                          f"{VLLM_LORA_RANKS[-1]}; use rollout.weight_sync.strategy=disk")
+    return dataclasses.replace(
+        c, extra_args=[*c.extra_args, "--enable-lora", "--max-lora-rank", str(fits),
+                       "--max-loras", "1"],
+        extra_env=[*c.extra_env, "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1"])
+
+
 class VLLMEngine(ServerEngine):
     """vLLM servers: ``/v1/completions`` per sample, weights from disk."""
 
@@ -81,6 +105,8 @@ class VLLMEngine(ServerEngine):
     _server_argv = staticmethod(server_argv)
 
     def __init__(self, server_cfg: ServerConfig, hf_dir: str, run_dir: str):
+        # The newest adapter folder (strategy adapters), before the servers start.
+        self.adapter_dir: Optional[str] = None
         super().__init__(server_cfg, hf_dir, run_dir,
                          env=server_env(parse_extra_env(server_cfg.extra_env)))
         self.model_name = self._served_name()
@@ -93,6 +119,12 @@ class VLLMEngine(ServerEngine):
                                        {"request_ids": [f"cmpl-{rid}-0" for rid in rids]})],
             resume=self._resume)
         self._warned_renormalised = False
+
+    def _command(self, port: int, model_dir: str) -> list[str]:
+        """A (re)started server also loads the newest adapters, if there are any."""
+        argv = super()._command(port, model_dir)
+        return argv + ["--lora-modules", f"{LORA_NAME}={self.adapter_dir}"] \
+            if self.adapter_dir else argv
 
     def _served_name(self) -> str:
         names = {i: r["data"][0]["id"] for i, r in
@@ -170,7 +202,22 @@ class VLLMEngine(ServerEngine):
         """Every server takes the HF weights in ``folder`` as version ``version``; raises if one
         does not."""
         # A dead launched server restarts from the new folder and so needs no reload.
-        self.pool.model_dir, self.pool.launch_version = str(folder), str(version)
+        self.pool.model_dir = str(folder)
+        self._update_servers(version, "/collective_rpc", {
+            "method": "reload_weights", "kwargs": {"weights_path": str(folder)}}, dict)
+
+    def load_adapter(self, folder: Path, version: int) -> None:
+        """Every server takes the PEFT adapter folder ``folder`` (on its base) as version
+        ``version``, and every request asks for it from now on; raises if one does not."""
+        self.adapter_dir = str(folder)  # what a restarted server loads
+        self._update_servers(version, "/v1/load_lora_adapter", {
+            "lora_name": LORA_NAME, "lora_path": str(folder), "load_inplace": True}, str)
+        self.model_name = LORA_NAME
+
+    def _update_servers(self, version: int, path: str, payload: dict, answer: type) -> None:
+        """Call ``path`` on every server that does not hold ``version`` yet, paused, and mark
+        them as holding it; an answer that is not of type ``answer`` raises."""
+        self.pool.launch_version = str(version)
         self.pool.ensure_up()
         # Our own requests in flight (a rollout in another thread) finish on the old weights.
         with self.pool.drained():
@@ -179,15 +226,13 @@ class VLLMEngine(ServerEngine):
             stale = [s for s in targets if s.weight_version != str(version)]
             # mode=wait: in-flight requests (other clients' too) finish first, none is aborted.
             with self.pool.paused(("/pause?mode=wait", None), ("/resume", None), stale):
-                results = self.pool.call_all("/collective_rpc", {
-                    "method": "reload_weights", "kwargs": {"weights_path": str(folder)}},
-                    targets=stale)
+                results = self.pool.call_all(path, payload, targets=stale)
                 self.pool.call_all("/reset_prefix_cache", targets=stale)
             # A server that died under the reload is dead now, left out (pool.call_all).
             up = [s for s in targets if s.state == "up"]
             for server in stale:
-                if server in up and not isinstance(results.get(server.index), dict):
-                    raise ServerError(f"{server.describe()}: reload_weights answered "
+                if server in up and not isinstance(results.get(server.index), answer):
+                    raise ServerError(f"{server.describe()}: {path} answered "
                                       f"{results.get(server.index)!r}")
             for server in up:
                 server.weight_version = str(version)

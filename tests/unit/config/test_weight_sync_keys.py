@@ -57,7 +57,7 @@ def test_an_old_key_beside_its_new_one_is_refused():
 @pytest.mark.parametrize("engine, strategy, why", [
     ("vllm", "broadcast", "rollout.weight_sync.strategy=broadcast broadcasts to the servers' "
                           "ranks (SGLang's endpoints), which rollout.engine=vllm does not take: "
-                          "use disk (or auto)"),
+                          "use disk or adapters (or auto)"),
     ("inprocess", "disk", "rollout.weight_sync.strategy=disk has servers reload an HF folder, "
                           "which rollout.engine=inprocess does not take: use in_place (or auto)"),
     ("sglang", "in_place", "rollout.weight_sync.strategy=in_place copies tensors into the "

@@ -1,0 +1,75 @@
+"""Adapters: a LoRA policy's adapters alone, to an engine that serves LoRA on its base
+(``rollout.weight_sync.strategy=adapters``; vLLM). The base never changes, so only the adapters move:
+megabytes where a merged sync moves the whole model.
+
+Each stage streams its own adapters (TP-gathered, as PEFT names them: models/lora_export.py) to
+the first stage's leader a bucket at a time (stream.buckets_at_first_stage); it writes them as
+a PEFT adapter folder ``adapters-v{N}`` (complete or absent: written beside it and renamed) and
+has the engine load it in place of the previous version, whose folder is then removed.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Union
+
+from megatron_entropy.models.arch import UnsupportedModelError, load_arch
+from megatron_entropy.models.lora_export import (export_stage_adapters, peft_config,
+                                                 write_peft_adapter)
+from megatron_entropy.models.lora_settings import LoraSettings
+from megatron_entropy.rollout.base import LoadsAdapters
+from megatron_entropy.weight_sync.base import BucketSync
+from megatron_entropy.weight_sync.stream import (StageStream, buckets_at_first_stage,
+                                                 model_stage_stream)
+
+
+class AdapterSync(BucketSync):
+    ENDPOINTS = LoadsAdapters
+
+    def __init__(self, engine, bucket_bytes: int, sync_root: Union[str, Path],
+                 hf_dir: Union[str, Path], lora: LoraSettings):
+        super().__init__(engine, bucket_bytes)
+        if load_arch(hf_dir).is_moe and {"linear_fc1", "linear_fc2"} & set(lora.targets):
+            raise UnsupportedModelError(
+                "rollout.weight_sync.strategy=adapters: a mixture-of-experts model's expert "
+                "adapters have no PEFT form that vLLM loads; use rollout.weight_sync.strategy="
+                "disk (the adapters merged into the weights)")
+        self.sync_root = Path(sync_root)
+        self.config = peft_config(lora.rank, lora.alpha, lora.targets,
+                                  str(Path(hf_dir).resolve()))
+        self.previous: Path | None = None
+
+    def sync(self, model, arch, version: int, relay_only: bool = False) -> dict[str, float]:
+        return self.sync_stream(model_stage_stream(model, arch, relay_only,
+                                                   export=export_stage_adapters), version)
+
+    def sync_stream(self, stream: StageStream, version: int) -> dict[str, float]:
+        engine = self._engine_here(stream)
+        relayed = buckets_at_first_stage(stream, self.bucket_bytes)
+        if not stream.first:
+            for _ in relayed:
+                pass
+            return {}
+        start = time.monotonic()
+        tensors = {name: t for _, bucket in relayed for name, t in bucket}
+        folder = self.sync_root / f"adapters-v{version}"
+        partial = self.sync_root / f".adapters-v{version}.partial"
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+        try:
+            nbytes = write_peft_adapter(partial, tensors, self.config)
+            shutil.rmtree(folder, ignore_errors=True)
+            os.replace(partial, folder)
+        finally:
+            shutil.rmtree(partial, ignore_errors=True)
+        write_seconds = time.monotonic() - start
+        engine.load_adapter(folder, version)
+        if self.previous is not None and self.previous != folder:
+            shutil.rmtree(self.previous, ignore_errors=True)
+        self.previous = folder
+        return {"weight_sync/seconds": time.monotonic() - start,
+                "weight_sync/write_seconds": write_seconds, "weight_sync/bytes": float(nbytes),
+                "weight_sync/tensors": float(len(tensors))}

@@ -1,0 +1,73 @@
+"""``model.lora``'s settings and the checks around a LoRA run: bad keys named, the adapter
+sync only where the engine serves adapters, vLLM's LoRA ranks, and what a resume refuses."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from megatron_entropy.config import ConfigError, load_config
+from megatron_entropy.models.lora import fingerprint_difference
+from megatron_entropy.models.megatron_checkpoint import CheckpointError
+from megatron_entropy.trainer.lora_run import check_resume
+
+
+def test_bad_lora_keys_are_named():
+    with pytest.raises(ConfigError, match=r"model\.lora\.targets: \['linear_qkvz'\] are not"):
+        load_config(overrides=["model.lora.rank=8", "model.lora.targets=[linear_qkvz]"])
+    with pytest.raises(ConfigError, match=r"model\.lora\.rank: -1 is out of range"):
+        load_config(overrides=["model.lora.rank=-1"])
+    with pytest.raises(ConfigError, match=r"strategy=adapters has servers load a LoRA adapter "
+                                          r"folder, which rollout\.engine=inprocess does not"):
+        load_config(overrides=["model.lora.rank=8", "rollout.weight_sync.strategy=adapters"])
+    with pytest.raises(ConfigError, match=r"strategy=adapters sends .*set model\.lora\.rank"):
+        load_config(overrides=["rollout.engine=vllm", "rollout.server.launch=1",
+                               "model.hf_path=m", "rollout.weight_sync.strategy=adapters"])
+    cfg = load_config(overrides=["model.lora.rank=8", "model.lora.alpha=16"])
+    assert cfg.model.lora.enabled and cfg.model.lora.scale == 2.0
+    assert not load_config().model.lora.enabled  # every weight trained by default
+
+
+def test_vllm_lora_serving_takes_the_next_rank_it_is_built_for():
+    from megatron_entropy.config import ServerConfig
+    from megatron_entropy.rollout.server.errors import ServerError
+    from megatron_entropy.rollout.server.vllm import lora_serving
+
+    cfg = lora_serving(ServerConfig(extra_args=["--enforce-eager"]), 4)
+    assert cfg.extra_args == ["--enforce-eager", "--enable-lora", "--max-lora-rank", "8",
+                              "--max-loras", "1"]
+    assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1" in cfg.extra_env
+    with pytest.raises(ServerError, match="model.lora.rank=600"):
+        lora_serving(ServerConfig(), 600)
+
+
+def _identity(**changes) -> dict:
+    identity = {"rank": 8, "alpha": 16.0, "targets": ["linear_qkv"], "base_key": "model.hf_path",
+                "base": "/models/a", "dtype": "bf16",
+                "fingerprint": {"decoder.layers.0.mlp.linear_fc1.weight": [1.5, 1.0e4]}}
+    return {**identity, **changes}
+
+
+def test_resume_refuses_what_the_checkpoint_cannot_resume():
+    path = Path("run/checkpoints/step_00000002")
+    check_resume({"lora": _identity()}, _identity(), path)
+    check_resume({}, None, path)  # no adapters either side
+    with pytest.raises(CheckpointError, match=r"set model\.lora\.rank=8 to resume it"):
+        check_resume({"lora": _identity()}, None, path)
+    with pytest.raises(CheckpointError, match=r"model\.lora\.rank=8: .* holds every weight"):
+        check_resume({}, _identity(), path)
+    with pytest.raises(CheckpointError, match=r"model\.lora\.rank=4, but .* rank 8"):
+        check_resume({"lora": _identity()}, _identity(rank=4), path)
+    other = _identity(fingerprint={"decoder.layers.0.mlp.linear_fc1.weight": [1.5, 1.001e4]})
+    with pytest.raises(CheckpointError, match=r"model\.hf_path: the base model .* is not the one"
+                                              r".*linear_fc1\.weight differs"):
+        check_resume({"lora": _identity()}, other, path)
+
+
+def test_fingerprints_differ_beyond_float64_rounding_only():
+    saved = {"w": [0.25, 400.0]}
+    assert fingerprint_difference(saved, {"w": [0.25 + 1e-12, 400.0 * (1 + 1e-13)]}) is None
+    assert "w differs" in fingerprint_difference(saved, {"w": [0.25, 400.0 * (1 + 1e-7)]})
+    assert "w differs" in fingerprint_difference(saved, {"w": [0.26, 400.0]})
+    assert "other tensors" in fingerprint_difference(saved, {"v": [0.25, 400.0]})
