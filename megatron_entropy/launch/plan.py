@@ -16,6 +16,10 @@ The estimate follows what the trainer builds (models/builder.py, trainer/model_s
 - the LM head: one chunk of fp32 logits (fused log-prob) or the micro-batch's logits (chunked);
 - in-process rollout: a full model copy in ``rollout.dtype`` and its KV cache on each DP leader;
 - a server GPU: weights / server_gpus, the rest of 90% of the GPU is KV cache (vLLM/SGLang default);
+- LoRA (``model.lora``): the base weights frozen in ``model.dtype``; the grad buffer, main
+  weights and Adam moments of the adapters only (column-parallel layers keep A whole and split
+  B over TP, row-parallel ones split A and keep B whole); no reference copy (the reference is
+  the policy with its adapters off);
 - mixture of experts: each GPU holds its EP rank's experts (num_experts / EP, TP-split) and the
   router; the distributed optimizer shards the experts' state over DP / EP; the weights, grads
   and optimizer state are printed with their dense and expert parts; a token's activations count
@@ -36,6 +40,7 @@ from typing import Optional
 from megatron_entropy.config import Config, ConfigError, load_config
 from megatron_entropy.models.arch import ModelArch, UnsupportedModelError, arch_from_hf_config, \
     load_arch
+from megatron_entropy.models.lora_settings import LoraSettings
 from megatron_entropy.runtime import ParallelLayoutError
 from megatron_entropy.runtime.dtypes import DTYPES
 from megatron_entropy.launch.slurm import JobLayout, NotEnoughNodesError, job_layout
@@ -152,6 +157,25 @@ def stage_params(a: ModelArch, tensor: int, pipeline: int, expert: int = 1) -> i
     if pipeline == 1:
         return layers + emb + a.hidden_size + (0 if a.tie_word_embeddings else emb)
     return layers + a.hidden_size + emb  # the last stage; the first has the same minus a norm
+
+
+def stage_adapter_params(a: ModelArch, lora: LoraSettings, tensor: int, pipeline: int,
+                         expert: int = 1) -> tuple[int, int]:
+    """LoRA adapters on one GPU of a stage: (dense, experts'), sharded as models/lora.py does:
+    a column-parallel layer's A whole and its B split over TP, a row-parallel one's A split
+    and its B whole; each local expert its own adapters."""
+    r, h = lora.rank, a.hidden_size
+    q, kv = a.num_attention_heads * a.head_dim, a.num_query_groups * a.head_dim
+    ffn = a.moe_ffn_hidden_size if a.is_moe else a.ffn_hidden_size
+    size = {"linear_qkv": r * h + r * (q + 2 * kv) // tensor,  # column: A [r, in], B [out/tp, r]
+            "linear_proj": r * q // tensor + r * h,  # row: A [r, in/tp], B [out, r]
+            "linear_fc1": r * h + r * 2 * ffn // tensor, "linear_fc2": r * ffn // tensor + r * h}
+    layers = a.num_layers // pipeline
+    attn = sum(size[t] for t in lora.targets if t in ("linear_qkv", "linear_proj"))
+    mlp = sum(size[t] for t in lora.targets if t in ("linear_fc1", "linear_fc2"))
+    if a.is_moe:
+        return layers * attn, layers * a.num_experts // expert * mlp
+    return layers * (attn + mlp), 0
 
 
 def kv_bytes_per_token(a: ModelArch, dtype_bytes: int, tensor: int = 1) -> float:
@@ -282,8 +306,18 @@ def _plan_trainer_state(plan: Plan, cfg: Config) -> None:
                 (f"experts ({arch.num_experts // p.expert} of {arch.num_experts} a layer)",
                  expert)]
 
-    add(f"weights ({cfg.model.dtype})", (n - experts) * w, experts * w)
-    add("grad buffer (fp32)", (n - experts) * 4, experts * 4)
+    # What is trained: every weight, or (model.lora) the adapters over a frozen base.
+    lora = cfg.model.lora
+    dense_trained, expert_trained = (
+        stage_adapter_params(arch, lora, p.tensor, p.pipeline, p.expert) if lora.enabled
+        else (n - experts, experts))
+    add(f"weights ({cfg.model.dtype}{', frozen' if lora.enabled else ''})", (n - experts) * w,
+        experts * w)
+    if lora.enabled:
+        add(f"LoRA adapters (rank {lora.rank}, {cfg.model.dtype})", dense_trained * w,
+            expert_trained * w)
+        plan.problems += lora_problems(cfg, arch)
+    add("grad buffer (fp32)", dense_trained * 4, expert_trained * 4)
     # The distributed optimizer keeps each DP rank's 1/DP of the main weights and moments; an
     # expert's over the DP ranks that hold the same experts (DP / EP).
     sharded = t.uses_distributed_optimizer(plan.data_parallel)
@@ -291,12 +325,13 @@ def _plan_trainer_state(plan: Plan, cfg: Config) -> None:
     dp_shard = f", 1/{plan.data_parallel} by the distributed optimizer" if sharded else ""
     if sharded and experts:
         dp_shard += f" (experts 1/{expert_dp})"
-    dense_opt, expert_opt = ((-(-(n - experts) // plan.data_parallel), -(-experts // expert_dp))
-                             if sharded else (n - experts, experts))
+    dense_opt, expert_opt = ((-(-dense_trained // plan.data_parallel),
+                              -(-expert_trained // expert_dp))
+                             if sharded else (dense_trained, expert_trained))
     if w < 4:
         add(f"fp32 main weights{dp_shard}", dense_opt * 4, expert_opt * 4)
     add(f"Adam moments (fp32{dp_shard})", dense_opt * 8, expert_opt * 8)
-    if cfg.algorithm.kl_coef > 0:
+    if cfg.algorithm.kl_coef > 0 and not lora.enabled:
         plan.trainer.append((f"reference model ({cfg.model.dtype})", n * w))
 
 
@@ -378,6 +413,19 @@ def _plan_servers(plan: Plan, cfg: Config, seq: int) -> None:
             "generation leaves the trainer idle most of each step): raise "
             f"cluster.server_nodes (e.g. {plan.nodes // 2}, the recipes' 1:1 split) or run on "
             "fewer nodes")
+
+
+def lora_problems(cfg: Config, arch: ModelArch) -> list[str]:
+    """What the adapters cannot sit on (models/lora.py refuses it when the model is built)."""
+    p, out = cfg.parallel, []
+    if cfg.model.transformer_impl == "transformer_engine" or p.sequence_parallel:
+        out.append("model.lora: adapters sit on the local layer spec's linear layers, without "
+                   "sequence parallelism: set model.transformer_impl=local (or auto) and "
+                   "parallel.sequence_parallel=false")
+    if arch.is_moe and p.tensor > 1 and {"linear_fc1", "linear_fc2"} & set(cfg.model.lora.targets):
+        out.append("model.lora: expert adapters with parallel.tensor > 1 are not supported: "
+                   "split the experts with parallel.expert")
+    return out
 
 
 def format_plan(plan: Plan) -> str:

@@ -17,7 +17,7 @@ from megatron_entropy.cli import main
 from megatron_entropy.config import load_config
 from megatron_entropy.models.arch import arch_from_hf_config
 from megatron_entropy.launch.plan import (KNOWN_MODELS, kv_bytes_per_token, make_plan,
-                                          stage_params, total_params)
+                                          stage_adapter_params, stage_params, total_params)
 
 REPO = Path(__file__).resolve().parents[3]
 RECIPES = sorted((REPO / "examples").glob("qwen2.5-*.yaml"))
@@ -34,10 +34,11 @@ def documented_nodes(recipe: Path) -> str:
 
 
 def test_all_recipes_are_there():
-    """The paper's six, and Qwen2.5-7B-Instruct with the code tool."""
+    """The paper's six, Qwen2.5-7B-Instruct with the code tool and Qwen2.5-32B with LoRA."""
     assert [p.name for p in RECIPES] == sorted(
         [f"qwen2.5-{size}-{loss}.yaml" for size in ("7b", "32b")
-         for loss in ("grpo", "clip_cov", "kl_cov")] + ["qwen2.5-7b-instruct-tools-kl_cov.yaml"])
+         for loss in ("grpo", "clip_cov", "kl_cov")]
+        + ["qwen2.5-7b-instruct-tools-kl_cov.yaml", "qwen2.5-32b-kl_cov-lora.yaml"])
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
@@ -296,3 +297,76 @@ def test_qwen3_moe_recipe_fits_and_the_built_in_models_have_their_published_size
     assert code == 0 and "235.09B params (22.19B active" in out, out
     code, out = run_plan(capsys, str(recipe), "--nodes", "8", "parallel.expert=3")
     assert code == 1 and "parallel.expert=3 does not divide the model's 128 experts" in out
+
+
+def test_the_lora_recipe_needs_one_trainer_node_where_full_fine_tuning_needs_two(capsys):
+    """The 32B KL-Cov recipe with rank-32 adapters fits its trainer on one node of 8 GPUs; the
+    same recipe without adapters does not fit there in any TP x PP layout of one node, and
+    needs two nodes."""
+    lora = REPO / "examples" / "qwen2.5-32b-kl_cov-lora.yaml"
+    full = str(REPO / "examples" / "qwen2.5-32b-kl_cov.yaml")
+    assert documented_nodes(lora) == "5"
+    code, out = run_plan(capsys, str(lora), "--nodes", "5")
+    assert code == 0 and "trainer: 1 node(s), 8 GPUs = TP 4 x PP 1 x DP 2" in out, out
+    assert "weights (bf16, frozen)" in out and "LoRA adapters (rank 32, bf16)" in out
+    for tp, pp in ((8, 1), (4, 2), (2, 4)):
+        code, out = run_plan(capsys, full, "--nodes", "5", f"parallel.tensor={tp}",
+                             f"parallel.pipeline={pp}")
+        assert code == 1 and "refused: the trainer needs" in out, out
+    code, out = run_plan(capsys, full, "--nodes", "6", "parallel.tensor=8",
+                         "parallel.pipeline=2")
+    assert code == 0, out
+
+
+def _lora_allocated(arch, tensor, pipeline, expert=1):
+    """The adapters' parameters, grad buffers and Adam moments (bytes) on this rank of a LoRA
+    policy (rank 4, every target) built as the trainer builds it."""
+    init_megatron(tensor, pipeline, expert=expert)
+    from megatron_entropy.config import ModelConfig, ParallelConfig, TrainerConfig
+    from megatron_entropy.models.lora_settings import LoraSettings
+    from megatron_entropy.trainer.model_setup import build_optimizer, build_trainable_model
+
+    chunks = build_trainable_model(arch, ModelConfig(dtype="fp32", seq_length=64,
+                                                     lora=LoraSettings(rank=4)),
+                                   ParallelConfig(tensor=tensor, pipeline=pipeline,
+                                                  expert=expert))
+    optimizer, _ = build_optimizer(chunks, TrainerConfig(), dtype="fp32")
+    model = chunks[0]
+    trained = [p for p in model.parameters() if p.requires_grad]
+    for p in trained:
+        p.main_grad.normal_()
+    optimizer.step()
+    experts = sum(p.numel() for n, p in model.named_parameters()
+                  if p.requires_grad and ".local_experts." in n)
+    buffers = list(model.buffers) + list(getattr(model, "expert_parallel_buffers", []))
+    return (sum(p.numel() for p in trained) - experts, experts,
+            sum(b.grad_data.numel() * b.grad_data.element_size() for b in buffers),
+            sum(t.numel() * t.element_size()
+                for opt in getattr(optimizer, "chained_optimizers", [optimizer])
+                for state in opt.optimizer.state.values() for t in state.values()
+                if torch.is_tensor(t) and t.dim() > 0))
+
+
+@pytest.mark.parametrize("family,tensor,pipeline,expert", [("qwen2", 2, 2, 1),
+                                                           ("qwen3", 2, 1, 1),
+                                                           ("qwen3_moe", 1, 1, 2)])
+def test_lora_state_equals_megatrons(family, tensor, pipeline, expert, tmp_path):
+    """What plan counts for a LoRA policy is what the trainer allocates on its fullest rank:
+    the adapters (dense and experts'), their fp32 grad buffer and Adam's moments."""
+    hf = tiny_hf_config(family)
+    arch = arch_from_hf_config(hf)
+    world = tensor * pipeline * expert
+    dense, experts, grads, adam = max(run_distributed(_lora_allocated, world, arch, tensor,
+                                                      pipeline, expert, timeout=200))
+    cfg_dir = write_config(family, tmp_path / "m")
+    cfg = load_config(overrides=[f"model.hf_path={cfg_dir}", "model.dtype=fp32",
+                                 "model.lora.rank=4", f"parallel.tensor={tensor}",
+                                 f"parallel.pipeline={pipeline}", f"parallel.expert={expert}",
+                                 f"cluster.gpus_per_node={world}",
+                                 "trainer.distributed_optimizer=false"])
+    lora = cfg.model.lora
+    assert stage_adapter_params(arch, lora, tensor, pipeline, expert) == (dense, experts)
+    items = dict(make_plan(cfg, arch, nodes=1).trainer)
+    assert items["LoRA adapters (rank 4, fp32)"] == (dense + experts) * 4
+    assert items["grad buffer (fp32)"] == grads
+    assert items["Adam moments (fp32)"] == adam
