@@ -10,7 +10,6 @@ has the engine load it in place of the previous version, whose folder is then re
 
 from __future__ import annotations
 
-import os
 import shutil
 import time
 from pathlib import Path
@@ -21,9 +20,8 @@ from megatron_entropy.models.lora_export import (export_stage_adapters, peft_con
                                                  write_peft_adapter)
 from megatron_entropy.models.lora_settings import LoraSettings
 from megatron_entropy.rollout.base import LoadsAdapters
-from megatron_entropy.weight_sync.base import BucketSync
-from megatron_entropy.weight_sync.stream import (StageStream, buckets_at_first_stage,
-                                                 model_stage_stream)
+from megatron_entropy.weight_sync.base import BucketSync, VersionFolders
+from megatron_entropy.weight_sync.stream import StageStream, model_stage_stream
 
 
 class AdapterSync(BucketSync):
@@ -37,39 +35,26 @@ class AdapterSync(BucketSync):
                 "rollout.weight_sync.strategy=adapters: a mixture-of-experts model's expert "
                 "adapters have no PEFT form that vLLM loads; use rollout.weight_sync.strategy="
                 "disk (the adapters merged into the weights)")
-        self.sync_root = Path(sync_root)
+        self.folders = VersionFolders(sync_root, "adapters")
         self.config = peft_config(lora.rank, lora.alpha, lora.targets,
                                   str(Path(hf_dir).resolve()))
-        self.previous: Path | None = None
 
     def sync(self, model, arch, version: int, relay_only: bool = False) -> dict[str, float]:
         return self.sync_stream(model_stage_stream(model, arch, relay_only,
                                                    export=export_stage_adapters), version)
 
     def sync_stream(self, stream: StageStream, version: int) -> dict[str, float]:
-        engine = self._engine_here(stream)
-        relayed = buckets_at_first_stage(stream, self.bucket_bytes)
-        if not stream.first:
-            for _ in relayed:
-                pass
+        relayed = self._relayed_to_first(stream)
+        if relayed is None:
             return {}
         start = time.monotonic()
+        folder, partial = self.folders.fresh(version)
         tensors = {name: t for _, bucket in relayed for name, t in bucket}
-        folder = self.sync_root / f"adapters-v{version}"
-        partial = self.sync_root / f".adapters-v{version}.partial"
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
         try:
             nbytes = write_peft_adapter(partial, tensors, self.config)
-            shutil.rmtree(folder, ignore_errors=True)
-            os.replace(partial, folder)
-        finally:
+        except BaseException:
             shutil.rmtree(partial, ignore_errors=True)
-        write_seconds = time.monotonic() - start
-        engine.load_adapter(folder, version)
-        if self.previous is not None and self.previous != folder:
-            shutil.rmtree(self.previous, ignore_errors=True)
-        self.previous = folder
-        return {"weight_sync/seconds": time.monotonic() - start,
-                "weight_sync/write_seconds": write_seconds, "weight_sync/bytes": float(nbytes),
-                "weight_sync/tensors": float(len(tensors))}
+            raise
+        return {**self.folders.deliver(partial, folder, version,
+                                       self._engine_here(stream).load_adapter, start),
+                "weight_sync/bytes": float(nbytes), "weight_sync/tensors": float(len(tensors))}

@@ -10,7 +10,7 @@ import time
 
 from megatron_entropy.rollout.base import TakesBroadcasts
 from megatron_entropy.weight_sync.base import BucketSync, with_last
-from megatron_entropy.weight_sync.stream import StageStream, buckets_at_first_stage
+from megatron_entropy.weight_sync.stream import StageStream
 
 
 class BroadcastSync(BucketSync):
@@ -18,10 +18,8 @@ class BroadcastSync(BucketSync):
 
     def sync_stream(self, stream: StageStream, version: int) -> dict[str, float]:
         engine = self._engine_here(stream)
-        relayed = buckets_at_first_stage(stream, self.bucket_bytes)
-        if not stream.first:
-            for _ in relayed:
-                pass
+        relayed = self._relayed_to_first(stream)
+        if relayed is None:
             return {}
         start = time.monotonic()
         sent = 0

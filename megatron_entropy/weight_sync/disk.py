@@ -11,7 +11,6 @@ folder is removed once the engine holds the new one.
 
 from __future__ import annotations
 
-import os
 import shutil
 import time
 from pathlib import Path
@@ -23,7 +22,7 @@ from megatron_entropy.models.arch import load_arch
 from megatron_entropy.models.bridge import check_hf_checkpoint
 from megatron_entropy.models.hf_io import copy_hf_metadata, write_weight_files, write_weight_index
 from megatron_entropy.rollout.base import ReloadsFolders
-from megatron_entropy.weight_sync.base import WeightSync
+from megatron_entropy.weight_sync.base import VersionFolders, WeightSync
 from megatron_entropy.weight_sync.stream import StageStream
 
 
@@ -32,10 +31,9 @@ class DiskSync(WeightSync):
 
     def __init__(self, engine, sync_root: Union[str, Path], hf_dir: Union[str, Path]):
         super().__init__(engine)
-        self.sync_root = Path(sync_root)
+        self.folders = VersionFolders(sync_root, "weights")
         self.hf_dir = Path(hf_dir)
         self.arch = load_arch(hf_dir)
-        self.previous: Path | None = None
 
     def sync_stream(self, stream: StageStream, version: int) -> dict[str, float]:
         engine = self._engine_here(stream)
@@ -43,11 +41,8 @@ class DiskSync(WeightSync):
             stream.drain()
             return {}
         start = time.monotonic()
-        folder = self.sync_root / f"weights-v{version}"
-        partial = self.sync_root / f".weights-v{version}.partial"
-        if stream.first:  # what a killed writer of this version left
-            shutil.rmtree(partial, ignore_errors=True)
-            partial.mkdir(parents=True)
+        # The first stage empties the partial folder that every stage writes into.
+        folder, partial = (self.folders.fresh if stream.first else self.folders.paths)(version)
         if stream.group is not None and stream.stages > 1:
             dist.barrier(group=stream.group)
         written: tuple = ({}, 0, None)
@@ -76,18 +71,11 @@ class DiskSync(WeightSync):
                                 partial)
             write_weight_index(partial, weight_map, total)
             copy_hf_metadata(self.hf_dir, partial)
-            if folder.exists():
-                shutil.rmtree(folder)
-            os.replace(partial, folder)
-        finally:
+        except BaseException:
             shutil.rmtree(partial, ignore_errors=True)
-        write_seconds = time.monotonic() - start
-        engine.reload_from_folder(folder, version)
-        if self.previous is not None and self.previous != folder:
-            shutil.rmtree(self.previous, ignore_errors=True)
-        self.previous = folder
-        return {"weight_sync/seconds": time.monotonic() - start,
-                "weight_sync/write_seconds": write_seconds, "weight_sync/bytes": float(total)}
+            raise
+        return {**self.folders.deliver(partial, folder, version, engine.reload_from_folder, start),
+                "weight_sync/bytes": float(total)}
 
     def _write_stage(self, stream: StageStream, partial: Path) -> tuple[dict[str, str], int]:
         """This stage's files; a tied model's ``lm_head.weight`` (HF's state dict lists it, the

@@ -8,7 +8,7 @@ import time
 
 from megatron_entropy.rollout.base import LoadsTensors
 from megatron_entropy.weight_sync.base import BucketSync
-from megatron_entropy.weight_sync.stream import StageStream, buckets_at_first_stage
+from megatron_entropy.weight_sync.stream import StageStream
 
 
 class InPlaceSync(BucketSync):
@@ -17,10 +17,8 @@ class InPlaceSync(BucketSync):
     def sync_stream(self, stream: StageStream, version: int) -> dict[str, float]:
         engine = self._engine_here(stream)
         start = time.perf_counter()
-        relayed = buckets_at_first_stage(stream, self.bucket_bytes)
-        if not stream.first:
-            for _ in relayed:
-                pass
+        relayed = self._relayed_to_first(stream)
+        if relayed is None:
             return {}
         count = nbytes = 0
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from harness import init_megatron, run_distributed
+from resume_steps import resumed_optimizer
 from tiny_models import tiny_hf_config
 
 from megatron_entropy.models.arch import arch_from_hf_config
@@ -86,25 +87,18 @@ def _resumed_worker(run_dir: str, dtype: str, distributed: bool, first: int, las
     and this checkpoint's recorded optimizer format."""
     import json
 
-    from megatron_entropy.config import ModelConfig, ParallelConfig, TrainerConfig
+    from megatron_entropy.config import ModelConfig, ParallelConfig
     from megatron_entropy.models.sharding import (expert_offset, full_state_dict, layer_offset,
                                                   to_global_name)
-    from megatron_entropy.trainer.checkpoint import TRAINER_STATE, CheckpointManager
-    from megatron_entropy.trainer.model_setup import build_optimizer, build_trainable_model
+    from megatron_entropy.trainer.checkpoint import TRAINER_STATE
+    from megatron_entropy.trainer.model_setup import build_trainable_model
 
     init_megatron(expert=expert)
     arch = arch_from_hf_config(tiny_hf_config(family))
     chunks = build_trainable_model(
         arch, ModelConfig(dtype=dtype, transformer_impl="local", seq_length=64),
         ParallelConfig(expert=expert), distributed_optimizer=distributed)
-    # No clipping: the two optimizers sum the grad norm in other orders (per shard, then over
-    # DP), so a clipped update would differ by the rounding of the clip coefficient.
-    optimizer, _ = build_optimizer(chunks, TrainerConfig(lr=1e-2, grad_clip=0, weight_decay=0.0,
-                                                         steps=1), dtype,
-                                   distributed_optimizer=distributed)
-    manager = CheckpointManager(run_dir, keep_last=1)
-    if first > 1:
-        assert manager.load(manager.latest(), chunks, optimizer)["step"] == first - 1
+    optimizer, manager = resumed_optimizer(chunks, run_dir, dtype, distributed, first)
     module = chunks[0].module
     names = {p: to_global_name(n, layer_offset(module), expert_offset(module))
              for n, p in module.named_parameters()}

@@ -14,6 +14,7 @@ import torch
 from harness import (STABLE, kill_after_first_step, metrics_rows, run_distributed, train_cli,
                      train_from_dict)
 from lora_checks import lora_model, random_adapters_worker
+from resume_steps import resumed_optimizer
 from tiny_models import random_samples, save_tiny_hf_model
 
 REPO = Path(__file__).resolve().parents[3]
@@ -77,21 +78,13 @@ def _resume_worker(hf_dir, run_dir: str, tensor: int, pipeline: int, expert: int
     drawn from its global name and the step. Returns this rank's full adapters and base."""
     from megatron.core import parallel_state as ps
 
-    from megatron_entropy.config import TrainerConfig
     from megatron_entropy.models.lora import is_adapter_param
     from megatron_entropy.models.sharding import (expert_offset, full_state_dict, layer_offset,
                                                   to_global_name, tp_shard)
-    from megatron_entropy.trainer.checkpoint import CheckpointManager
-    from megatron_entropy.trainer.model_setup import build_optimizer
 
     chunks, arch = lora_model(hf_dir, tensor, pipeline, expert, dtype=dtype,
                               distributed_optimizer=distributed)
-    optimizer, _ = build_optimizer(chunks, TrainerConfig(lr=1e-2, grad_clip=0, weight_decay=0.0,
-                                                         steps=1), dtype,
-                                   distributed_optimizer=distributed)
-    manager = CheckpointManager(run_dir, keep_last=1)
-    if first > 1:
-        assert manager.load(manager.latest(), chunks, optimizer)["step"] == first - 1
+    optimizer, manager = resumed_optimizer(chunks, run_dir, dtype, distributed, first)
     module = chunks[0].module
     tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
     for step in range(first, last + 1):
