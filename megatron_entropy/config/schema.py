@@ -22,8 +22,8 @@ from megatron_entropy.algorithms.settings import (AdvantageName, PolicyLossSetti
                                                   check_token_rules)
 from megatron_entropy.config.evaluation import EvalConfig
 from megatron_entropy.config.study import StudyConfig
-from megatron_entropy.runtime.dtypes import DTYPE_ALIASES, DtypeName
 from megatron_entropy.models.lora_settings import LoraSettings
+from megatron_entropy.runtime.dtypes import DTYPE_ALIASES, DtypeName
 from megatron_entropy.settings import SettingError, Settings
 from megatron_entropy.settings import setting as _f  # a field with bounds and help
 from megatron_entropy.config.tools import ToolSettings
