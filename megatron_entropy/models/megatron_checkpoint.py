@@ -23,6 +23,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from megatron_entropy.models.arch import ModelArch, load_arch
 from megatron_entropy.models.hf_io import copy_hf_metadata
+from megatron_entropy.models.lora import is_adapter_param
 from megatron_entropy.models.sharding import unwrap_model
 
 # Deferred imports: Megatron (~4-5 s) loads inside the functions that use it: the CLI checks
@@ -137,14 +138,15 @@ def model_sharded_state_dict(model) -> dict:
 def load_model_weights(model, ckpt_dir: Union[str, Path]) -> None:
     """Load the model's part of a dist checkpoint (converted or a trainer's), resharded to this
     rank's TP/PP layout. Collective over all ranks. Load before the optimizer is built, or call
-    its ``reload_model_params()`` after."""
+    its ``reload_model_params()`` after. A LoRA policy's adapters are not read: the
+    checkpoint is its base."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     ckpt_dir = resolve_checkpoint_dir(ckpt_dir)
     stored = set(check_checkpoint_files(ckpt_dir).state_dict_metadata)
     module = unwrap_model(model)
-    sharded = module.sharded_state_dict()
+    sharded = {k: v for k, v in module.sharded_state_dict().items() if not is_adapter_param(k)}
     # Transformer Engine layers keep FP8 bookkeeping in ``_extra_state``; checkpoints written with
     # the local spec (CPU, tools/) have none for some modules, and those start empty.
     skipped = {k for k, v in sharded.items()
@@ -158,7 +160,7 @@ def load_model_weights(model, ckpt_dir: Union[str, Path]) -> None:
     loaded = dist_checkpointing.load({"model": {k: v for k, v in sharded.items()
                                                 if k not in skipped}}, str(ckpt_dir))
     missing, unexpected = module.load_state_dict(loaded["model"], strict=False)
-    missing = [k for k in missing if not k.endswith("_extra_state")]
+    missing = [k for k in missing if not k.endswith("_extra_state") and not is_adapter_param(k)]
     if missing or unexpected:
         raise CheckpointError(f"{ckpt_dir}: state dict mismatch, missing {missing[:3]}, "
                               f"unexpected {unexpected[:3]}")

@@ -1,5 +1,6 @@
 """Training checkpoints: model + optimizer (Megatron dist_checkpointing) + trainer state, atomic.
-A LoRA run's hold its adapters and their optimizer only (models/lora.py, trainer/lora_run.py).
+A LoRA run's checkpoints hold its adapters and their optimizer only (models/lora.py,
+trainer/lora_run.py).
 
 Layout of ``<run_dir>/checkpoints/``::
 

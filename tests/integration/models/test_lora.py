@@ -131,3 +131,35 @@ def test_only_adapters_are_trained(dense, distributed_optimizer):
         assert sum(held) == numel and max(held) < numel
     else:
         assert held == [numel, numel]
+
+
+def _base_from_checkpoint_worker(hf_dir, ckpt, adapters):
+    """Logits of the LoRA policy whose base is read from HF, then from a converted dist
+    checkpoint (model.megatron_ckpt), with the same adapters."""
+    from megatron_entropy.models.megatron_checkpoint import load_model_weights
+    from megatron_entropy.models.sharding import load_full_state_dict
+
+    chunks, arch = lora_model(hf_dir, adapters=adapters)
+    tokens = tokens_for(arch.vocab_size)
+    from_hf = forward_logits(chunks[0], tokens)
+    with torch.no_grad():
+        for p in chunks[0].parameters():
+            p.zero_()
+    load_model_weights(chunks[0], ckpt)  # the base only: the adapters stay zero
+    zeroed = all(float(p.abs().max()) == 0 for n, p in chunks[0].named_parameters()
+                 if "_lora." in n)
+    load_full_state_dict(chunks[0], adapters, strict=False)
+    return from_hf, forward_logits(chunks[0], tokens), zeroed
+
+
+def test_the_base_loads_from_a_converted_checkpoint(dense, tmp_path):
+    """model.megatron_ckpt holds the base: it loads into a LoRA policy (its adapters are not
+    in it and are left alone) and gives the same policy as the HF folder."""
+    from bridge_checks import run_conversions
+
+    hf_dir, adapters = dense
+    run_distributed(run_conversions, 1, [("to_mcore", hf_dir, tmp_path / "ckpt", {})])
+    (from_hf, from_ckpt, zeroed), = run_distributed(_base_from_checkpoint_worker, 1, hf_dir,
+                                                    tmp_path / "ckpt", adapters)
+    assert zeroed
+    assert torch.equal(from_ckpt, from_hf)

@@ -24,6 +24,10 @@ def test_bad_lora_keys_are_named():
     with pytest.raises(ConfigError, match=r"strategy=adapters sends .*set model\.lora\.rank"):
         load_config(overrides=["rollout.engine=vllm", "rollout.server.launch=1",
                                "model.hf_path=m", "rollout.weight_sync.strategy=adapters"])
+    with pytest.raises(ConfigError, match=r"strategy=adapters sends .*and model\.hf_path"):
+        load_config(overrides=["rollout.engine=vllm", "rollout.server.launch=1",
+                               "model.lora.rank=8", "model.megatron_ckpt=ckpt",
+                               "rollout.weight_sync.strategy=adapters"])
     cfg = load_config(overrides=["model.lora.rank=8", "model.lora.alpha=16"])
     assert cfg.model.lora.enabled and cfg.model.lora.scale == 2.0
     assert not load_config().model.lora.enabled  # every weight trained by default
