@@ -167,7 +167,8 @@ def init_adapters(model, seed: int = 0) -> None:
 
     module = unwrap_model(model)
     offset, experts = layer_offset(module), expert_offset(module)
-    tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+    tp_rank = ps.get_tensor_model_parallel_rank()
+    tp_size = ps.get_tensor_model_parallel_world_size()
     for name, param in module.named_parameters():
         if not is_adapter_param(name):
             continue

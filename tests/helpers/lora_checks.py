@@ -30,7 +30,7 @@ def batches(n: int, vocab: int = 1000) -> list:
 
 def lora_model(hf_dir: Path, tensor: int = 1, pipeline: int = 1, expert: int = 1,
                adapters: Optional[dict] = None, distributed_optimizer: bool = False,
-               rank: int = RANK, dtype: str = "fp32", seed: int = 0):
+               rank: int = RANK, dtype: str = "fp32", seed: int = 0, dropout: float = 0.0):
     """Inside a rank: parallel state, the HF model with adapters (``adapters``: full tensors by
     global name, else their initialisation), in Megatron's DDP; (chunks, arch)."""
     from megatron_entropy.config import ModelConfig, ParallelConfig
@@ -44,7 +44,7 @@ def lora_model(hf_dir: Path, tensor: int = 1, pipeline: int = 1, expert: int = 1
     arch = load_arch(hf_dir)
     chunks = build_trainable_model(
         arch, ModelConfig(dtype=dtype, transformer_impl="local", seq_length=64,
-                          moe_aux_loss_coeff=0.0, lora=LoraSettings(rank=rank)),
+                          moe_aux_loss_coeff=0.0, lora=LoraSettings(rank=rank, dropout=dropout)),
         ParallelConfig(tensor=tensor, pipeline=pipeline, expert=expert),
         distributed_optimizer=distributed_optimizer, seed=seed)
     load_hf_weights(chunks[0], hf_dir, arch)

@@ -163,3 +163,22 @@ def test_the_base_loads_from_a_converted_checkpoint(dense, tmp_path):
                                                     tmp_path / "ckpt", adapters)
     assert zeroed
     assert torch.equal(from_ckpt, from_hf)
+
+
+def _dropout_worker(hf_dir, adapters):
+    chunks, arch = lora_model(hf_dir, adapters=adapters, dropout=0.5)
+    plain, _ = lora_model(hf_dir, adapters=adapters)
+    tokens = tokens_for(arch.vocab_size)
+    pos = torch.arange(tokens.shape[1]).expand_as(tokens)
+    with torch.no_grad():
+        train = [chunks[0](tokens, pos, None) for _ in range(2)]
+        chunks[0].eval()
+        plain[0].eval()
+        return train, chunks[0](tokens, pos, None), plain[0](tokens, pos, None)
+
+
+def test_adapter_dropout_acts_while_training_only(dense):
+    hf_dir, adapters = dense
+    (train, evaluated, plain), = run_distributed(_dropout_worker, 1, hf_dir, adapters)
+    assert torch.equal(evaluated, plain)  # eval (recompute, reference, weight check): none
+    assert not torch.equal(train[0], plain) and not torch.equal(train[0], train[1])

@@ -86,7 +86,8 @@ def _resume_worker(hf_dir, run_dir: str, tensor: int, pipeline: int, expert: int
                               distributed_optimizer=distributed)
     optimizer, manager = resumed_optimizer(chunks, run_dir, dtype, distributed, first)
     module = chunks[0].module
-    tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+    tp_rank = ps.get_tensor_model_parallel_rank()
+    tp_size = ps.get_tensor_model_parallel_world_size()
     for step in range(first, last + 1):
         for name, p in module.named_parameters():
             if not is_adapter_param(name):
