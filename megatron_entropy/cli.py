@@ -19,6 +19,7 @@ from typing import Callable, Iterator, Mapping, Optional
 from megatron_entropy import __version__
 from megatron_entropy.config import ConfigError, load_config
 from megatron_entropy.models.arch import UnsupportedModelError, load_arch
+from megatron_entropy.models.lora_settings import check_lora_model
 from megatron_entropy.models.tokenizer_files import tokenizer_problem
 from megatron_entropy.runtime import ParallelLayoutError, check_layout, detect_launch_env
 from megatron_entropy.runtime import files, run_lock
@@ -346,6 +347,8 @@ def _check_model(cfg) -> None:
         raise ConfigError(f"{key}: {e.args[0] if isinstance(e, KeyError) else e}{where}") \
             from None
     arch.check_parallel(cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.expert)
+    check_lora_model(m.lora, arch.is_moe, cfg.parallel.tensor,
+                     adapter_sync=cfg.rollout.weight_sync.strategy == "adapters")
     # The tokenizer and chat template come from hf_path, else the checkpoint's hf/ folder.
     key, folder = ("model.hf_path", m.hf_path) if m.hf_path else \
         ("model.megatron_ckpt", Path(m.megatron_ckpt) / "hf")

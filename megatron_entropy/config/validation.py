@@ -37,6 +37,8 @@ def validate(cfg: Config) -> None:
                           "needs its Model Runner V2, which needs Triton): use "
                           "rollout.routing_replay=recompute (R2) or rollout.engine=inprocess")
     _check_weight_sync(cfg)
+    if cfg.model.lora.enabled:
+        _check_lora(cfg)
     if r.tools.enabled:
         _check_tools(cfg)
     if cfg.algorithm.old_logprobs == "engine":
@@ -73,6 +75,18 @@ def _check_weight_sync(cfg: Config) -> None:
                           "alone to servers that serve the base from model.hf_path: set "
                           "model.lora.rank and model.hf_path (an HF folder with the weights), "
                           "or another strategy")
+
+
+def _check_lora(cfg: Config) -> None:
+    """Adapters sit on the local layer spec's parallel linear layers (models/lora.py), outside
+    sequence parallelism."""
+    if cfg.model.transformer_impl == "transformer_engine":
+        raise ConfigError("model.lora: adapters sit on the local layer spec's linear layers, "
+                          "which model.transformer_impl=transformer_engine replaces: use "
+                          "model.transformer_impl=local (or auto)")
+    if cfg.parallel.sequence_parallel:
+        raise ConfigError("model.lora: adapters under parallel.sequence_parallel are not "
+                          "supported: set parallel.sequence_parallel=false")
 
 
 def _check_tools(cfg: Config) -> None:

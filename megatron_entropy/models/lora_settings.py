@@ -4,6 +4,8 @@ Torch-free: the config tree loads it without torch."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from megatron_entropy.models.arch import UnsupportedModelError
 from megatron_entropy.settings import SettingError, Settings
 from megatron_entropy.settings import setting as _f
 
@@ -15,6 +17,8 @@ TARGETS: dict[str, tuple[str, ...]] = {
     "linear_fc1": ("gate_proj", "up_proj"),
     "linear_fc2": ("down_proj",),
 }
+# The targets a mixture-of-experts model has on its experts.
+EXPERT_TARGETS = ("linear_fc1", "linear_fc2")
 
 
 @dataclass
@@ -46,3 +50,23 @@ class LoraSettings(Settings):
                                           f"from {list(TARGETS)}")
         if self.rank and not self.targets:
             raise SettingError("targets", "is empty: name at least one layer, or set rank 0")
+
+
+def check_lora_model(lora: LoraSettings, is_moe: bool, tensor: int = 1,
+                     adapter_sync: bool = False) -> None:
+    """What adapters on this model cannot do, as one line naming the key (the trainer's start
+    checks it before any rank starts): a mixture-of-experts model's expert adapters under
+    tensor parallelism, or synced alone (``adapter_sync``: PEFT has no per-expert form that
+    vLLM loads)."""
+    experts = [t for t in lora.targets if t in EXPERT_TARGETS] if lora.enabled and is_moe else []
+    if experts and tensor > 1:
+        raise UnsupportedModelError(
+            f"model.lora.targets={experts}: a mixture-of-experts model's expert adapters need "
+            f"parallel.tensor=1 (the experts split by parallel.expert), got {tensor}; or leave "
+            f"{experts} out of the targets")
+    if experts and adapter_sync:
+        raise UnsupportedModelError(
+            "rollout.weight_sync.strategy=adapters: a mixture-of-experts model's expert "
+            "adapters have no PEFT form that vLLM loads; use rollout.weight_sync.strategy="
+            f"disk (the adapters merged into the weights) or leave {experts} out of "
+            "model.lora.targets")

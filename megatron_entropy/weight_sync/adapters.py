@@ -15,10 +15,10 @@ import time
 from pathlib import Path
 from typing import Union
 
-from megatron_entropy.models.arch import UnsupportedModelError, load_arch
+from megatron_entropy.models.arch import load_arch
 from megatron_entropy.models.lora_export import (export_stage_adapters, peft_config,
                                                  write_peft_adapter)
-from megatron_entropy.models.lora_settings import LoraSettings
+from megatron_entropy.models.lora_settings import LoraSettings, check_lora_model
 from megatron_entropy.rollout.base import LoadsAdapters
 from megatron_entropy.weight_sync.base import BucketSync, VersionFolders
 from megatron_entropy.weight_sync.stream import StageStream, model_stage_stream
@@ -30,11 +30,7 @@ class AdapterSync(BucketSync):
     def __init__(self, engine, bucket_bytes: int, sync_root: Union[str, Path],
                  hf_dir: Union[str, Path], lora: LoraSettings):
         super().__init__(engine, bucket_bytes)
-        if load_arch(hf_dir).is_moe and {"linear_fc1", "linear_fc2"} & set(lora.targets):
-            raise UnsupportedModelError(
-                "rollout.weight_sync.strategy=adapters: a mixture-of-experts model's expert "
-                "adapters have no PEFT form that vLLM loads; use rollout.weight_sync.strategy="
-                "disk (the adapters merged into the weights)")
+        check_lora_model(lora, load_arch(hf_dir).is_moe, adapter_sync=True)
         self.folders = VersionFolders(sync_root, "adapters")
         self.config = peft_config(lora.rank, lora.alpha, lora.targets,
                                   str(Path(hf_dir).resolve()))

@@ -205,6 +205,29 @@ def test_resume_on_another_base_is_refused(tmp_path):
     assert _files(run) == before
 
 
+def test_expert_adapters_refused_before_any_rank_starts(tmp_path):
+    """A mixture-of-experts policy's expert adapters under tensor parallelism, or synced alone
+    to vLLM: one line naming the key, exit 2, from the model's files before any rank starts or
+    any server is asked (none listens here), and no run folder left."""
+    import yaml
+
+    from megatron_entropy.testing.toy_models import save_tokenizer
+
+    model = save_tiny_hf_model("qwen3_moe", tmp_path / "moe")
+    save_tokenizer(model)
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(_config(model, tmp_path / "runs", "run")))
+    for overrides, key in ((["parallel.tensor=2"], "model.lora.targets"),
+                           (["rollout.engine=vllm", "rollout.server.urls=[http://127.0.0.1:9]",
+                             "rollout.weight_sync.strategy=adapters"],
+                            "rollout.weight_sync.strategy=adapters")):
+        proc = train_cli(tmp_path / "c.yaml", *overrides, log=tmp_path / "refused.log")
+        assert proc.wait(timeout=300) == 2
+        log = (tmp_path / "refused.log").read_text()
+        errors = [line for line in log.splitlines() if "error" in line]
+        assert len(errors) == 1 and key in errors[0] and "rank" not in log, log
+    assert not (tmp_path / "runs" / "run").exists()
+
+
 def _files(run: Path) -> dict[str, bytes]:
     """The run folder's files and their contents (the CLI's train.lock aside: a lock file)."""
     return {str(p.relative_to(run)): p.read_bytes() for p in sorted(run.rglob("*"))

@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 
 from megatron_entropy.config import ConfigError, load_config
+from megatron_entropy.models.arch import UnsupportedModelError
 from megatron_entropy.models.lora import fingerprint_difference
+from megatron_entropy.models.lora_settings import LoraSettings, check_lora_model
 from megatron_entropy.models.megatron_checkpoint import CheckpointError
 from megatron_entropy.trainer.lora_run import check_resume
 
@@ -28,9 +30,30 @@ def test_bad_lora_keys_are_named():
         load_config(overrides=["rollout.engine=vllm", "rollout.server.launch=1",
                                "model.lora.rank=8", "model.megatron_ckpt=ckpt",
                                "rollout.weight_sync.strategy=adapters"])
+    with pytest.raises(ConfigError, match=r"model\.lora: .*model\.transformer_impl="
+                                          r"transformer_engine replaces"):
+        load_config(overrides=["model.lora.rank=8", "model.transformer_impl=transformer_engine"])
+    with pytest.raises(ConfigError, match=r"model\.lora: .*set parallel\.sequence_parallel="
+                                          r"false"):
+        load_config(overrides=["model.lora.rank=8", "parallel.tensor=2",
+                               "parallel.sequence_parallel=true"])
     cfg = load_config(overrides=["model.lora.rank=8", "model.lora.alpha=16"])
     assert cfg.model.lora.enabled and cfg.model.lora.scale == 2.0
     assert not load_config().model.lora.enabled  # every weight trained by default
+
+
+def test_expert_adapters_refused_where_they_cannot_work():
+    """Under tensor parallelism, or synced alone; a dense model, or adapters off the experts,
+    pass."""
+    lora, attention = LoraSettings(rank=8), LoraSettings(rank=8, targets=["linear_qkv"])
+    with pytest.raises(UnsupportedModelError, match=r"model\.lora\.targets=\['linear_fc1', "
+                                                    r"'linear_fc2'\]: .* need parallel\.tensor=1"):
+        check_lora_model(lora, is_moe=True, tensor=2)
+    with pytest.raises(UnsupportedModelError, match=r"strategy=adapters: .* no PEFT form"):
+        check_lora_model(lora, is_moe=True, adapter_sync=True)
+    check_lora_model(lora, is_moe=False, tensor=2, adapter_sync=True)
+    check_lora_model(attention, is_moe=True, tensor=2, adapter_sync=True)
+    check_lora_model(LoraSettings(), is_moe=True, tensor=2, adapter_sync=True)
 
 
 def test_vllm_lora_serving_takes_the_next_rank_it_is_built_for():
