@@ -32,6 +32,29 @@ def train_from_dict(cfg: dict) -> dict:
     return train(load_config(data=cfg))
 
 
+def with_sections(cfg: dict, **sections: dict) -> dict:
+    """``cfg`` with each named section updated key by key."""
+    for section, values in sections.items():
+        cfg[section] = {**cfg.get(section, {}), **values}
+    return cfg
+
+
+def tiny_run_config(model_dir: Path, run_dir: Path, name: str, **sections: dict) -> dict:
+    """A few steps of KL-Cov on the arithmetic task, a checkpoint every step, the run in
+    ``run_dir / name``; ``sections`` update it (``with_sections``)."""
+    return with_sections({
+        "model": {"hf_path": str(model_dir), "dtype": "fp32", "seq_length": 256},
+        "rollout": {"n_samples": 4, "max_new_tokens": 12, "max_prompt_tokens": 96},
+        "algorithm": {"loss": "kl_cov", "kl_cov_ratio": 0.05},
+        # 256 training problems, not the default 20000: a few steps draw a few dozen, and
+        # building each rank's dataset would cost ~2.3 s (of a ~10 s run)
+        "data": {"prompts_per_step": 4, "apply_chat_template": False, "dynamic_sampling": False,
+                 "arithmetic": {"num_train": 256}},
+        "trainer": {"steps": 3, "lr": 1e-3, "micro_batch_tokens": 400, "save_interval": 1},
+        "logging": {"name": name, "runs_dir": str(run_dir), "progress_bar": False},
+    }, **sections)
+
+
 def metrics_rows(run_dir) -> list[dict]:
     """Every line of a run's metrics.jsonl, as written (a step logged twice shows twice), after
     checking that docs/metrics.md's table names every key (metrics_table.py): each test

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from harness import (STABLE, kill_after_first_step, metrics_rows, run_distributed, train_cli,
-                     train_from_dict)
+from harness import (STABLE, kill_after_first_step, metrics_rows, run_distributed,
+                     tiny_run_config, train_cli, train_from_dict, with_sections)
 from serving_model import make_tp2_model
 from tolerance import rounding_tol, transformer_terms
 
@@ -58,21 +58,8 @@ def drift_tol(engine_actor_rounding) -> float:
 
 
 def _config(model_dir: Path, run_dir: Path, name: str, **extra) -> dict:
-    cfg = {
-        "model": {"hf_path": str(model_dir), "dtype": "fp32", "seq_length": 256},
-        "parallel": {"tensor": 2},
-        "rollout": {"n_samples": 4, "max_new_tokens": 12, "max_prompt_tokens": 96},
-        "algorithm": {"loss": "kl_cov", "kl_cov_ratio": 0.05},
-        # 256 training problems, not the default 20000: a few steps draw a few dozen, and
-        # building each rank's dataset would cost ~2.3 s (of a ~10 s run)
-        "data": {"prompts_per_step": 4, "apply_chat_template": False, "dynamic_sampling": False,
-                 "arithmetic": {"num_train": 256}},
-        "trainer": {"steps": 3, "lr": 1e-3, "micro_batch_tokens": 400, "save_interval": 1},
-        "logging": {"name": name, "runs_dir": str(run_dir), "progress_bar": False},
-    }
-    for section, values in extra.items():
-        cfg[section] = {**cfg.get(section, {}), **values}
-    return cfg
+    return with_sections(tiny_run_config(model_dir, run_dir, name, parallel={"tensor": 2}),
+                         **extra)
 
 
 def _metrics(run_dir: Path, name: str) -> list[dict]:
