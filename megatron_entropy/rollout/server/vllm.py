@@ -40,6 +40,7 @@ from typing import Any, Optional
 import torch
 
 from megatron_entropy.config import ServerConfig
+from megatron_entropy.config.validation import VLLM_LORA_RANKS
 from megatron_entropy.rollout.base import Completion, SamplingParams
 from megatron_entropy.rollout.server.engine import ServerEngine
 from megatron_entropy.rollout.server.errors import ServerError
@@ -53,8 +54,6 @@ log = logging.getLogger(__name__)
 
 SERVED_NAME = "policy"  # constant across restarts from new weight folders
 LORA_NAME = "policy-lora"  # the policy's adapters, loaded in place at every sync
-# The ranks vLLM's LoRA serving is built for (its --max-lora-rank takes one of these).
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 FINISH_REASONS = ("stop", "length", "abort")
 # A sitecustomize that asks Linux for AMX permission in every process of a CPU server (its
 # docstring says why).
@@ -87,10 +86,8 @@ def server_argv(c: ServerConfig, model_dir: str, port: int,
 def lora_serving(c: ServerConfig, rank: int) -> ServerConfig:
     """The server settings with vLLM's LoRA serving on, for adapters of ``rank``, loaded and
     replaced while it serves."""
-    fits = next((r for r in VLLM_LORA_RANKS if r >= rank), None)
-    if fits is None:
-        raise ServerError(f"model.lora.rank={rank}: vLLM serves LoRA adapters up to rank "
-                          f"{VLLM_LORA_RANKS[-1]}; use rollout.weight_sync.strategy=disk")
+    # The config refuses a rank above vLLM's largest (config/validation.py).
+    fits = next(r for r in VLLM_LORA_RANKS if r >= rank)
     return dataclasses.replace(
         c, extra_args=[*c.extra_args, "--enable-lora", "--max-lora-rank", str(fits),
                        "--max-loras", "1"],

@@ -58,15 +58,20 @@ def test_expert_adapters_refused_where_they_cannot_work():
 
 def test_vllm_lora_serving_takes_the_next_rank_it_is_built_for():
     from megatron_entropy.config import ServerConfig
-    from megatron_entropy.rollout.server.errors import ServerError
     from megatron_entropy.rollout.server.vllm import lora_serving
 
     cfg = lora_serving(ServerConfig(extra_args=["--enforce-eager"]), 4)
     assert cfg.extra_args == ["--enforce-eager", "--enable-lora", "--max-lora-rank", "8",
                               "--max-loras", "1"]
     assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1" in cfg.extra_env
-    with pytest.raises(ServerError, match="model.lora.rank=600"):
-        lora_serving(ServerConfig(), 600)
+    assert lora_serving(ServerConfig(), 512).extra_args[2] == "512"
+    # A rank vLLM cannot serve is refused when the config loads, before any server starts.
+    with pytest.raises(ConfigError, match=r"model\.lora\.rank=600: vLLM serves LoRA adapters "
+                                          r"up to rank 512; use rollout\.weight_sync\.strategy"
+                                          r"=disk"):
+        load_config(overrides=["rollout.engine=vllm", "rollout.server.launch=1",
+                               "model.hf_path=m", "model.lora.rank=600",
+                               "rollout.weight_sync.strategy=adapters"])
 
 
 def _identity(**changes) -> dict:
