@@ -4,7 +4,8 @@ session of its own and stopped with all its workers.
 The one place that starts a server and signals or kills its process group, for the
 servers an engine launches (supervisor.py decides when) and for the one a Slurm task runs in
 the foreground (launch/slurm.py, with its own signal mask and parent-death signal as
-``preexec_fn``). No asyncio here.
+``preexec_fn``); and the watch beside an engine's server that stops it when the trainer is
+killed hard (orphan_watch.py). No asyncio here.
 
 Also the blocking wait for a server's /health (``wait_healthy``), for the Slurm task's server;
 supervisor.py waits for the engines' servers on its event loop.
@@ -17,6 +18,7 @@ import shlex
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Callable, Optional
@@ -27,6 +29,9 @@ from megatron_entropy.runtime.launch_env import healthy, server_environment
 
 # A server's command for a port and a model folder (the latest weights); env added on launch.
 LaunchCommand = Callable[[int, str], list[str]]
+
+ORPHAN_WATCH = str(Path(__file__).resolve().parent / "orphan_watch.py")
+ORPHAN_GRACE_S = 5.0  # SIGTERM to SIGKILL, for the group of a server whose launcher is gone
 
 
 def compose_argv(c: ServerConfig, own_argv: list[str], max_model_len_flag: str,
@@ -97,6 +102,23 @@ def start_process(argv: list[str], extra_env: dict[str, str], log_path: Optional
                                 env=env, start_new_session=True, preexec_fn=preexec_fn)
     except OSError as e:
         raise ServerError(f"cannot start {name}: {shlex.join(argv)}: {e}") from e
+    finally:
+        if log is not None:
+            log.close()
+
+
+def start_orphan_watch(proc: subprocess.Popen, log_path: Optional[Path]) -> subprocess.Popen:
+    """Start orphan_watch.py for the server ``proc`` (its process group): it stops the group if
+    this process dies without stopping the server, and ends once the group is gone. Its lines
+    go to the server's log. Not needed where the server is started from the main thread of a
+    process that lives as long as it (launch/slurm.py: a parent-death signal there)."""
+    log = open(log_path, "a") if log_path is not None else None
+    try:
+        return subprocess.Popen([sys.executable, "-I", ORPHAN_WATCH, str(os.getpid()),
+                                 str(proc.pid), str(ORPHAN_GRACE_S)],
+                                stdin=subprocess.DEVNULL, stdout=log,
+                                stderr=subprocess.STDOUT if log else None,
+                                start_new_session=True)
     finally:
         if log is not None:
             log.close()

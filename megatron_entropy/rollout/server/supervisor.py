@@ -27,7 +27,7 @@ from megatron_entropy.rollout.server.eventloop import EventLoopRunner
 from megatron_entropy.rollout.server.process import (LaunchCommand, free_port,
                                                      kill_process_group, log_tail,
                                                      parse_extra_env, port_is_free,
-                                                     start_process)
+                                                     start_orphan_watch, start_process)
 from megatron_entropy.runtime.launch_env import read_urls_file
 
 log = logging.getLogger(__name__)
@@ -54,6 +54,8 @@ class Server:
     launched: bool = False
     port: int = 0
     process: Optional[subprocess.Popen] = None
+    # orphan_watch.py beside a launched server: stops it if this process is killed hard.
+    watcher: Optional[subprocess.Popen] = None
     log_path: Optional[Path] = None
     state: str = "up"  # up | starting | dead
     weight_version: Optional[str] = None  # what the server holds, as far as we know
@@ -138,6 +140,7 @@ class Supervisor:
                f"{server.last_error}" if server.restarts else "restart 0")
         server.process = start_process(self.launch_command(server.port, self.model_dir),
                                        self.env, server.log_path, why, server.describe())
+        server.watcher = start_orphan_watch(server.process, server.log_path)
         server.state = "starting"
         server.died = asyncio.Event()
 
@@ -145,8 +148,16 @@ class Supervisor:
         self.runner.stop()
         for server in self.servers:
             if server.launched:
-                kill_process_group(server.process)
+                self._kill(server)
                 server.state = "dead"
+
+    @staticmethod
+    def _kill(server: Server, grace_s: float = 10.0) -> None:
+        """Stop a launched server's process group, then its orphan watch (whose work is done)."""
+        kill_process_group(server.process, grace_s=grace_s)
+        if server.watcher is not None:
+            server.watcher.kill()
+            server.watcher.wait()
 
     # ------------------------------------------------------------------------------ health
 
@@ -239,7 +250,7 @@ class Supervisor:
                 self.mark_dead(server, f"not healthy after {timeout:.0f} s: "
                                        f"{server.probe_error or 'no answer'}")
                 if server.launched:
-                    kill_process_group(server.process, grace_s=2.0)
+                    self._kill(server, grace_s=2.0)
                 self.log_tail(server)
                 raise ServerError(f"{server.describe()} {server.last_error}")
             if now - told >= PROGRESS_S:
@@ -308,7 +319,7 @@ class Supervisor:
         """Launch a dead server again, at most ``max_retries`` times over the run."""
         if server.restarts >= self.cfg.max_retries or self.runner.stopped:
             return False
-        kill_process_group(server.process, grace_s=2.0)
+        self._kill(server, grace_s=2.0)
         server.restarts += 1
         if server.port and not port_is_free(self.cfg.host, server.port):
             server.port = free_port(self.cfg.host, server.port + 1, set())
