@@ -58,9 +58,9 @@ class ParallelConfig(Settings):
                                    "ranks")
     pipeline: int = _f(1, ge=1, help="pipeline-parallel size (PP): the layers split into this "
                                      "many stages")
+    context: int = _f(1, ge=1, help="context parallelism (CP): sequences split over this many ranks")
     expert: int = _f(1, ge=1, help="expert parallelism (mixture of experts): the experts are "
-                                   "split over this many data-parallel ranks; must divide the "
-                                   "data-parallel size")
+                                   "split over this many data- x context-parallel ranks")
     sequence_parallel: bool = _f(False, help="GPU with Transformer Engine only")
     backend: Literal["auto", "nccl", "gloo"] = _f(
         "auto", help="auto: nccl where CUDA is, else gloo (under Slurm a task without a visible "
@@ -430,12 +430,13 @@ class TrainerConfig(Settings):
     adam_eps: float = _f(1e-8, gt=0, help="Adam's denominator epsilon")
     mini_batches_per_step: int = _f(1, ge=1, help="optimizer steps per rollout batch (per epoch)")
     ppo_epochs: int = _f(1, ge=1, help="passes over each step's rollouts")
-    micro_batch_tokens: int = _f(16384, ge=1, help="token budget of one micro-batch (dynamic bsz)")
-    micro_batch_layout: Literal["auto", "padded", "shared_prompt"] = _f(
-        "auto", help="rows of a micro-batch: 'padded' a row per sample; 'shared_prompt' a row "
-                     "per prompt's consecutive samples, the prompt computed once (the same "
-                     "function up to rounding, fewer tokens; dense models, local spec); 'auto' "
-                     "= shared_prompt where it applies, else padded")
+    micro_batch_tokens: int = _f(16384, ge=1, help="token budget of one micro-batch (dynamic "
+                                                   "bsz; under CP over its CP ranks)")
+    micro_batch_layout: Literal["auto", "padded", "shared_prompt", "packed"] = _f(
+        "auto", help="rows of a micro-batch (the same function up to rounding): 'padded' one per "
+                     "sample; 'shared_prompt' a prompt once and its responses (local spec, no CP); "
+                     "'packed' samples back to back, each seeing itself (local spec or TE); 'auto' "
+                     "= packed or shared_prompt, the cheaper per mini-batch, on dense models")
     distributed_optimizer: Union[bool, Literal["auto"]] = _f(
         "auto", help="Megatron's distributed optimizer: fp32 main weights and Adam moments "
                      "sharded over DP ranks; 'auto' = on where DP > 1")

@@ -76,7 +76,7 @@ def moe_kwargs(arch: ModelArch, expert: int, moe: MoeOptions) -> dict:
 def transformer_config(arch: ModelArch, tensor: int = 1, pipeline: int = 1, dtype: str = "fp32",
                        sequence_parallel: bool = False, recompute: bool = False,
                        use_cpu_initialization: Optional[bool] = None, expert: int = 1,
-                       moe: MoeOptions = MoeOptions()):
+                       moe: MoeOptions = MoeOptions(), context: int = 1):
     from megatron.core.transformer import TransformerConfig
 
     arch.check_parallel(tensor, pipeline, expert)
@@ -108,6 +108,7 @@ def transformer_config(arch: ModelArch, tensor: int = 1, pipeline: int = 1, dtyp
         init_method_std=arch.init_std,
         tensor_model_parallel_size=tensor,
         pipeline_model_parallel_size=pipeline,
+        context_parallel_size=context,
         sequence_parallel=sequence_parallel,
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,
@@ -167,8 +168,11 @@ def build_gpt_model(arch: ModelArch, tensor: int = 1, pipeline: int = 1, dtype: 
     from megatron.core.models.gpt import GPTModel
 
     impl = resolve_transformer_impl(transformer_impl)
+    # The context-parallel size is the parallel state's: the model splits sequences as its
+    # groups do.
     config = transformer_config(arch, tensor, pipeline, dtype, sequence_parallel, recompute,
-                                use_cpu_initialization, expert, moe)
+                                use_cpu_initialization, expert, moe,
+                                context=parallel_state.get_context_parallel_world_size())
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*Apex is not installed.*")
         spec = layer_spec(arch, impl)

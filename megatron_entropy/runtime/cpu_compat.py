@@ -49,6 +49,8 @@ _LITERAL_CUDA_MODULES = (
     "megatron.core.tensor_parallel.data",
     "megatron.core.utils",
     "megatron.core.transformer.moe.moe_utils",  # the aux-loss tracker's buffers
+    # context parallelism: each CP rank's rotary positions (a pinned index tensor)
+    "megatron.core.models.common.embeddings.rope_utils",
 )
 
 _FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange", "rand", "randn", "randint",

@@ -1,4 +1,4 @@
-"""Start torch.distributed and Megatron's parallel state for a TP x PP x DP layout."""
+"""Start torch.distributed and Megatron's parallel state for a TP x PP x CP x DP layout."""
 
 from __future__ import annotations
 
@@ -49,9 +49,11 @@ def _env_or_unset(name: str) -> str:
 def init_distributed(tensor: int = 1, pipeline: int = 1, backend: str = "auto",
                      timeout_minutes: float = 30.0, launch: Optional[LaunchEnv] = None,
                      init_method: Optional[str] = None,
-                     socket_ifname: Optional[str] = None, expert: int = 1) -> LaunchEnv:
-    """Join the job (torchrun, srun or one process), then build Megatron's TP/PP/DP groups (and
-    the expert-parallel groups: ``expert`` ranks of a DP group share out the experts).
+                     socket_ifname: Optional[str] = None, expert: int = 1,
+                     context: int = 1) -> LaunchEnv:
+    """Join the job (torchrun, srun or one process), then build Megatron's TP/PP/CP/DP groups
+    (``context`` ranks split each sequence; the expert-parallel groups: ``expert`` ranks of the
+    DP x CP ranks share out the experts).
 
     On a machine without CUDA the CPU compatibility layer is applied first. ``socket_ifname``
     (parallel.socket_ifname) becomes NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME: the interface
@@ -62,7 +64,7 @@ def init_distributed(tensor: int = 1, pipeline: int = 1, backend: str = "auto",
     hard limit.
     """
     launch = launch or detect_launch_env()
-    check_layout(launch.world_size, tensor, pipeline, expert)
+    check_layout(launch.world_size, tensor, pipeline, expert, context)
     backend = pick_backend(backend, launch)
     raise_open_files_limit()
     if socket_ifname:
@@ -89,7 +91,8 @@ def init_distributed(tensor: int = 1, pipeline: int = 1, backend: str = "auto",
     # the host name resolves to.
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tensor, pipeline_model_parallel_size=pipeline,
-        expert_model_parallel_size=expert, create_gloo_process_groups=False)
+        context_parallel_size=context, expert_model_parallel_size=expert,
+        create_gloo_process_groups=False)
     return launch
 
 

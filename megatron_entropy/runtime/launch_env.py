@@ -35,22 +35,30 @@ class ParallelLayoutError(ValueError):
     pass
 
 
-def check_layout(world_size: int, tensor: int, pipeline: int, expert: int = 1) -> int:
+def check_layout(world_size: int, tensor: int, pipeline: int, expert: int = 1,
+                 context: int = 1) -> int:
     """Return the data-parallel size, or raise naming the config keys if the world does not factor.
-    Expert parallelism splits the experts over data-parallel ranks: it must divide DP."""
-    if tensor < 1 or pipeline < 1:
+    Expert parallelism splits the experts over the data- and context-parallel ranks (Megatron's
+    expert groups fold into DP x CP): it must divide DP x CP."""
+    if tensor < 1 or pipeline < 1 or context < 1:
         raise ParallelLayoutError(
-            f"parallel.tensor={tensor} and parallel.pipeline={pipeline} must both be >= 1")
-    if world_size % (tensor * pipeline):
+            f"parallel.tensor={tensor}, parallel.pipeline={pipeline} and parallel.context="
+            f"{context} must all be >= 1")
+    model = tensor * pipeline * context
+    if world_size % model:
+        names = "parallel.tensor x parallel.pipeline" + (" x parallel.context" if context > 1
+                                                         else "")
+        sizes = f"{tensor} x {pipeline}" + (f" x {context}" if context > 1 else "")
         raise ParallelLayoutError(
-            f"world size {world_size} is not divisible by parallel.tensor x parallel.pipeline = "
-            f"{tensor} x {pipeline} = {tensor * pipeline}; use a world size that is a multiple of "
-            f"{tensor * pipeline} or change the layout")
-    dp = world_size // (tensor * pipeline)
-    if expert < 1 or dp % expert:
+            f"world size {world_size} is not divisible by {names} = {sizes} = {model}; use a "
+            f"world size that is a multiple of {model} or change the layout")
+    dp = world_size // model
+    if expert < 1 or (dp * context) % expert:
         raise ParallelLayoutError(
-            f"parallel.expert={expert} must divide the data-parallel size {dp} (world size "
-            f"{world_size} / parallel.tensor x parallel.pipeline = {tensor} x {pipeline})")
+            f"parallel.expert={expert} must divide the data-parallel size {dp}"
+            + (f" x parallel.context={context}" if context > 1 else "")
+            + f" (world size {world_size} / parallel.tensor x parallel.pipeline = {tensor} x "
+            f"{pipeline})")
     return dp
 
 

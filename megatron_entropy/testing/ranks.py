@@ -119,8 +119,10 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     return [outputs[r] for r in range(world_size)]
 
 
-def init_megatron(tensor: int = 1, pipeline: int = 1, seed: int = 1234, expert: int = 1) -> None:
+def init_megatron(tensor: int = 1, pipeline: int = 1, seed: int = 1234, expert: int = 1,
+                  context: int = 1) -> None:
     """Inside a rank of ``run_distributed``: Megatron parallel state on the already-initialised
     gloo group, seeded."""
-    init_distributed(tensor=tensor, pipeline=pipeline, backend="gloo", expert=expert)
+    init_distributed(tensor=tensor, pipeline=pipeline, backend="gloo", expert=expert,
+                     context=context)
     set_seed(seed)

@@ -41,25 +41,27 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron_entropy.algorithms.aggregation import step_normalizer
 from megatron_entropy.algorithms import token_rules as rules_ops
 from megatron_entropy.algorithms.entropy_methods import TOP_P_ENTROPY, EntropyMethods
-from megatron_entropy.algorithms.policy_loss import (policy_loss, reduce_metrics,
-                                                     select_tokens_global)
+from megatron_entropy.algorithms.policy_loss import (TokenSelection, policy_loss,
+                                                     reduce_metrics, select_tokens_global)
 from megatron_entropy.algorithms.rollout_correction import RolloutCorrection, correct_rollout
 from megatron_entropy.algorithms.settings import PolicyLossSettings
-from megatron_entropy.config import AlgorithmConfig, ConfigError, TrainerConfig
+from megatron_entropy.config import AlgorithmConfig, TrainerConfig
 from megatron_entropy.models.arch import ModelArch
-from megatron_entropy.models.attention import takes_explicit_masks
 from megatron_entropy.models.lora import adapters_disabled
 from megatron_entropy.models.output_head import (hidden_states_instead_of_logits,
                                                  output_layer_weight)
 from megatron_entropy.models.positions import token_positions
+from megatron_entropy.models.sharding import unwrap_model
 from megatron_entropy.ops.logprob_entropy import (fused_linear_logprob_entropy,
                                                   vocab_parallel_logprob_entropy)
 from megatron_entropy.runtime.seeds import micro_batch_draw_seed, update_seed
-from megatron_entropy.trainer.batch import (MicroBatch, Sample, engine_token_stats,
-                                           pack_micro_batches, to_device)
+from megatron_entropy.trainer.batch import MicroBatch, Sample, engine_token_stats, to_device
+from megatron_entropy.trainer.context_parallel import gather_token_stats
 from megatron_entropy.trainer.entropy_change import entropy_change_metrics
 from megatron_entropy.trainer.model_setup import optimizer_step
 from megatron_entropy.trainer.moe_routing import MoeRouting, is_filler, with_fillers
+from megatron_entropy.trainer.packing import (SampleOrder, micro_batches, resolve_layouts,
+                                              thd_params)
 from megatron_entropy.trainer.step_methods import (MethodsStep, fill_token_stats,
                                                    recomputed_entropy, recomputed_stat, stats_fn)
 from megatron_entropy.trainer.step_rules import StepRules
@@ -107,7 +109,9 @@ class Actor:
         self.device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
         self.routing = (MoeRouting(model_chunks, routing_replay)
                         if arch is not None and arch.is_moe else None)
-        self.layout = micro_batch_layout(trainer.micro_batch_layout, arch, model_chunks)
+        self.context = ps.get_context_parallel_world_size()
+        self.layouts = resolve_layouts(trainer.micro_batch_layout, arch, model_chunks,
+                                       self.context)
         self.methods = EntropyMethods(algorithm)  # their state: checkpointed by the loop
         self.entropy_lemma = entropy_lemma  # analysis.entropy_lemma: trainer/step_methods.py
         # The lemma's probe reads the first mini-batch's recomputed old log-probs.
@@ -126,9 +130,11 @@ class Actor:
                       temperature=self.temperature,
                       chunk_tokens=self.algorithm.logprob_chunk_tokens)
         if self.algorithm.logprob_impl == "fused":
-            return fused_linear_logprob_entropy(rows, output_layer_weight(model), mb.targets,
-                                                **kwargs)
-        return vocab_parallel_logprob_entropy(rows, mb.targets, **kwargs)
+            logp, ent = fused_linear_logprob_entropy(rows, output_layer_weight(model),
+                                                     mb.targets, **kwargs)
+        else:
+            logp, ent = vocab_parallel_logprob_entropy(rows, mb.targets, **kwargs)
+        return gather_token_stats(logp, ent, mb, self.ps.get_context_parallel_group())
 
     def _model_forward(self, model, mb: MicroBatch) -> torch.Tensor:
         with contextlib.ExitStack() as stack:
@@ -136,14 +142,19 @@ class Actor:
                 stack.enter_context(hidden_states_instead_of_logits(model))
             if mb.attention_mask is not None:  # shared-prompt rows: positions token by token
                 stack.enter_context(token_positions(model, mb.position_ids))
-            return model(mb.tokens, mb.position_ids, mb.attention_mask)
+            packed = thd_params(mb)
+            if packed is None:
+                return model(mb.tokens, mb.position_ids, mb.attention_mask)
+            return model(mb.tokens, mb.position_ids, None, packed_seq_params=packed)
 
     def _pack(self, samples: list[Sample], ids: Optional[list[int]] = None
               ) -> list[MicroBatch]:
-        return pack_micro_batches(samples, self.trainer.micro_batch_tokens, ids,
-                                  layout=self.layout,
-                                  pairs_per_token=None if self.arch is None
-                                  else self.arch.attention_pairs_per_token)
+        return micro_batches(
+            samples, ids, self.layouts, self.trainer.micro_batch_tokens,
+            None if self.arch is None else self.arch.attention_pairs_per_token,
+            self.ps.get_tensor_model_parallel_world_size(),
+            bool(self.model) and unwrap_model(self.model).config.sequence_parallel,
+            self.context, self.ps.get_context_parallel_rank())
 
     def _run_schedule(self, model_chunks: list, micro_batches: list[MicroBatch],
                       loss_fn: Callable[[Any, torch.Tensor, MicroBatch], tuple],
@@ -304,12 +315,16 @@ class Actor:
         """Clip-Cov/KL-Cov token choice over the whole optimizer step (cov_scope=global)."""
         if self.algorithm.cov_scope != "global" or inputs is None:
             return None
-        # On the device of the loss (and of NCCL's collectives).
+        # On the device of the loss (and of NCCL's collectives), in sample order (the order of
+        # the step's tokens in any micro-batch layout).
         dev = [to_device(mb, self.device) for mb in mbs]
-        return select_tokens_global(
-            loss, inputs[0], [mb.old_logprobs for mb in dev],
-            [mb.advantages for mb in dev], [mb.mask for mb in dev],
+        order = SampleOrder(dev)
+        (chosen,) = select_tokens_global(
+            loss, [order.join(inputs[0])], [order.join([mb.old_logprobs for mb in dev])],
+            [order.join([mb.advantages for mb in dev])], [order.join([mb.mask for mb in dev])],
             dp_group=self.ps.get_data_parallel_group(), seed=seed)
+        return [TokenSelection(selected, cov) for selected, cov in
+                zip(order.split(chosen.selected), order.split(chosen.cov))]
 
     def _shape_advantages(self, mbs: list[MicroBatch], samples: Sequence[Sample]
                           ) -> dict[int, dict]:
@@ -513,20 +528,3 @@ def first_update_scores_itself(algorithm: AlgorithmConfig, moe: bool) -> bool:
                 or StepRules.needs_select_entropies(algorithm.token_rules)
                 or algorithm.token_rules.entropy_advantage
                 or algorithm.rollout_correction.mode != "none")
-
-
-def micro_batch_layout(setting: str, arch: Optional[ModelArch], model_chunks: list) -> str:
-    """``trainer.micro_batch_layout`` resolved for this policy. The shared-prompt rows need an
-    attention that takes their explicit mask (the local spec's; Transformer Engine's causal
-    kernels would ignore it) and a routing recorded a sample's row at a time for MoE replay."""
-    local = bool(model_chunks) and takes_explicit_masks(model_chunks)
-    why_not = ("a mixture-of-experts policy records and replays its routing a sample's row at a "
-               "time" if arch is not None and arch.is_moe else
-               None if local else "the model's attention is not the local spec's (Transformer "
-               "Engine's causal kernels take no explicit mask)")
-    if setting == "auto":
-        return "padded" if why_not else "shared_prompt"
-    if setting == "shared_prompt" and why_not:
-        raise ConfigError(f"trainer.micro_batch_layout=shared_prompt: {why_not}; use "
-                          "trainer.micro_batch_layout=padded (or auto)")
-    return setting

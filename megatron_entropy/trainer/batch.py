@@ -16,6 +16,10 @@ Two layouts of the input rows:
   linear layers than the row's longer attention adds (counted in full over the row, S^2 (query,
   key) pairs, since a masked kernel need not skip the hidden ones), so long responses to short
   prompts keep rows of their own.
+
+The third, ``packed`` (samples back to back in one row, each attending to itself), is built by
+trainer/packing.py on ``assemble_micro_batch``; context parallelism gives each rank its chunks
+of the rows (trainer/context_parallel.py).
 """
 
 from __future__ import annotations
@@ -94,6 +98,8 @@ class MicroBatch:
     # [N] index into [rows*S] of the logits predicting each response token
     flat_positions: torch.Tensor
     targets: torch.Tensor  # [N] the response tokens
+    # (With context parallelism tokens, position_ids, flat_positions and targets are this CP
+    # rank's part, and ``stat_owner`` says which CP rank computes each response token.)
     rows: torch.Tensor  # [N] sample b (of the B) of each response token
     cols: torch.Tensor  # [N] column r (token index within the response)
     mask: torch.Tensor  # [B, R] float, 1 on response tokens the policy generated
@@ -110,10 +116,16 @@ class MicroBatch:
     # [rows, 1, S, S] bool, True where a query may not see a key (Megatron's convention); None:
     # the model's own causal mask (the padded layout).
     attention_mask: Optional[torch.Tensor] = None
+    # The packed layout (one row): [n + 1] int32 bounds of its n sequences, real and padded
+    # (each sequence padded to what context parallelism divides).
+    cu_seqlens: Optional[torch.Tensor] = None
+    cu_seqlens_padded: Optional[torch.Tensor] = None
+    # Context parallelism: [N] the CP rank that computes each response token's statistics.
+    stat_owner: Optional[torch.Tensor] = None
 
     @property
     def num_tokens(self) -> int:
-        return int(self.targets.numel())
+        return int(self.rows.numel())
 
     def scatter(self, values: torch.Tensor) -> torch.Tensor:
         """[N] per response token -> [B, R] (zeros elsewhere), differentiable."""
@@ -186,14 +198,10 @@ def _make_micro_batch(samples: list[Sample], rows: list[list[int]], pad_id: int,
     """A micro-batch of input rows, each the prompt of its samples once and their responses;
     a row of one sample is the padded layout's (no explicit mask)."""
     ids = [i for row in rows for i in row]
-    rows_s = [samples[i] for i in ids]
     S = max(_row_length(samples, row) for row in rows)
-    R = max(max(len(s.response_ids) for s in rows_s), 1)
     # Built as lists and turned into tensors once: a small tensor operation per sample would
     # cost more than the work (each one can wake the other OpenMP threads).
-    tokens, positions, segments = [], [], []
-    flat, tgt, rr, cc, lengths, adv = [], [], [], [], [], []
-    b = 0
+    tokens, positions, segments, flat = [], [], [], []
     for g, row in enumerate(rows):
         prompt = samples[row[0]].prompt_ids
         P = len(prompt)
@@ -208,20 +216,10 @@ def _make_micro_batch(samples: list[Sample], rows: list[list[int]], pad_id: int,
             # response token t is predicted at the prompt's last token (t = 0), else at its
             # response's token t - 1
             flat.extend(g * S + (P - 1 if t == 0 else start + t - 1) for t in range(L))
-            tgt.extend(response)
-            rr.extend([b] * L)
-            cc.extend(range(L))
-            lengths.append(L)
-            adv.append(samples[i].advantage)
-            b += 1
         pad = S - len(row_tokens)
         tokens.append(row_tokens + [pad_id] * pad)
         positions.append(row_positions + list(range(len(row_tokens), S)))
         segments.append(row_segments + [-1] * pad)
-    mask = (torch.arange(R)[None, :] < torch.tensor(lengths)[:, None]).float()
-    if any(s.loss_mask is not None for s in rows_s):  # inserted tokens are no response tokens
-        mask = mask.index_put((torch.tensor(rr), torch.tensor(cc)), torch.tensor(
-            [float(m) for s in rows_s for m in (s.loss_mask or [1] * len(s.response_ids))]))
     attention_mask = None
     if any(len(row) > 1 for row in rows):
         # A query sees the keys before it (and itself) of the prompt and of its own response;
@@ -232,13 +230,32 @@ def _make_micro_batch(samples: list[Sample], rows: list[list[int]], pad_id: int,
             torch.ones(S, S, dtype=torch.bool).tril()
         sees |= torch.eye(S, dtype=torch.bool)
         attention_mask = ~sees.unsqueeze(1)
+    return assemble_micro_batch(samples, ids, tokens, positions, flat, index, attention_mask)
+
+
+def assemble_micro_batch(samples: list[Sample], ids: list[int], tokens: list[list[int]],
+                         positions: list[list[int]], flat: list[int], index: int,
+                         attention_mask: Optional[torch.Tensor] = None) -> MicroBatch:
+    """The micro-batch of input rows ``tokens`` (``positions`` each token's within its sample)
+    whose response tokens, of the samples ``ids`` in order, are predicted at ``flat`` (indices
+    into the flattened rows): the [B, R] layout of the response tokens and their values."""
+    rows_s = [samples[i] for i in ids]
+    lengths = [len(s.response_ids) for s in rows_s]
+    R = max(max(lengths, default=0), 1)
+    rows = torch.tensor([b for b, n in enumerate(lengths) for _ in range(n)], dtype=torch.long)
+    cols = torch.tensor([c for n in lengths for c in range(n)], dtype=torch.long)
+    mask = (torch.arange(R)[None, :] < torch.tensor(lengths)[:, None]).float()
+    if any(s.loss_mask is not None for s in rows_s):  # inserted tokens are no response tokens
+        mask = mask.index_put((rows, cols), torch.tensor(
+            [float(m) for s in rows_s for m in (s.loss_mask or [1] * len(s.response_ids))]))
     mb = MicroBatch(
         tokens=torch.tensor(tokens, dtype=torch.long),
         position_ids=torch.tensor(positions, dtype=torch.long),
         flat_positions=torch.tensor(flat, dtype=torch.long),
-        targets=torch.tensor(tgt, dtype=torch.long), rows=torch.tensor(rr, dtype=torch.long),
-        cols=torch.tensor(cc, dtype=torch.long), mask=mask,
-        advantages=torch.where(mask > 0, torch.tensor(adv, dtype=torch.float32)[:, None], 0.0),
+        targets=torch.tensor([t for s in rows_s for t in s.response_ids], dtype=torch.long),
+        rows=rows, cols=cols, mask=mask,
+        advantages=torch.where(mask > 0, torch.tensor([s.advantage for s in rows_s],
+                                                      dtype=torch.float32)[:, None], 0.0),
         sample_ids=ids, index=index, attention_mask=attention_mask)
     mb.old_logprobs = _per_token(mb, [s.old_logprobs for s in rows_s])
     mb.ref_logprobs = _per_token(mb, [s.ref_logprobs for s in rows_s])

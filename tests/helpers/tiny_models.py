@@ -71,10 +71,11 @@ def initial_weights_worker() -> dict:
 
 
 def tiny_actor(tensor: int, pipeline: int, algorithm, trainer, temperature: float = 1.0,
-               initial: Optional[dict] = None):
-    """Inside a rank of ``run_distributed``: Megatron's parallel state at TP x PP, the tiny
-    qwen2 policy (fp32, local spec; from the full weights ``initial`` when given, since a PP=2
-    build draws other initial weights than PP=1) and its Actor with a fresh optimizer."""
+               initial: Optional[dict] = None, context: int = 1, **model_options):
+    """Inside a rank of ``run_distributed``: Megatron's parallel state at TP x PP x CP, the tiny
+    qwen2 policy (fp32, local spec, ``model_options`` other ModelConfig fields; from the full
+    weights ``initial`` when given, since a PP=2 build draws other initial weights than PP=1)
+    and its Actor with a fresh optimizer."""
     from megatron_entropy.config import ModelConfig, ParallelConfig
     from megatron_entropy.models.arch import arch_from_hf_config
     from megatron_entropy.models.sharding import load_full_state_dict
@@ -82,11 +83,12 @@ def tiny_actor(tensor: int, pipeline: int, algorithm, trainer, temperature: floa
     from megatron_entropy.trainer.actor import Actor
     from megatron_entropy.trainer.model_setup import build_optimizer, build_trainable_model
 
-    init_megatron(tensor, pipeline)
+    init_megatron(tensor, pipeline, context=context)
     arch = arch_from_hf_config(tiny_hf_config("qwen2"))
     chunks = build_trainable_model(
-        arch, ModelConfig(dtype="fp32", transformer_impl="local", seq_length=64),
-        ParallelConfig(tensor=tensor, pipeline=pipeline))
+        arch, ModelConfig(**{"dtype": "fp32", "transformer_impl": "local", "seq_length": 64,
+                             **model_options}),
+        ParallelConfig(tensor=tensor, pipeline=pipeline, context=context))
     if initial is not None:
         load_full_state_dict(chunks[0], initial)
     optimizer, scheduler = build_optimizer(chunks, trainer)

@@ -10,8 +10,8 @@ import torch
 from tiny_models import random_samples
 
 from megatron_entropy.config import ConfigError
-from megatron_entropy.trainer.actor import micro_batch_layout
 from megatron_entropy.trainer.batch import pack_micro_batches
+from megatron_entropy.trainer.packing import resolve_layouts
 
 
 def _context(mb, b: int, t: int) -> tuple[int, list[tuple[int, int]]]:
@@ -83,19 +83,19 @@ def test_a_response_joins_its_prompts_row_only_while_that_pays():
 
 
 def test_unknown_layout_is_named():
-    with pytest.raises(ValueError, match="'packed'"):
-        pack_micro_batches(random_samples(0), 100, layout="packed")
+    with pytest.raises(ValueError, match="'thd'"):
+        pack_micro_batches(random_samples(0), 100, layout="thd")
 
 
 def test_shared_prompt_rows_need_the_local_attention():
     """A model whose attention is not the local spec's (Transformer Engine's, whose causal
     kernels take no explicit mask; here a module with no attention at all): auto is padded, and
     asking for shared_prompt is one error naming the key. (A real local model resolves to
-    shared_prompt in tests/integration/trainer/test_shared_prompt.py; MoE refuses in
+    shared_prompt or packed in tests/integration/trainer/test_shared_prompt.py; MoE refuses in
     test_moe_rl.py.)"""
     other = [torch.nn.Linear(4, 4)]
-    assert micro_batch_layout("auto", None, other) == "padded"
-    assert micro_batch_layout("padded", None, other) == "padded"
+    assert resolve_layouts("auto", None, other).candidates == ("padded",)
+    assert resolve_layouts("padded", None, other).candidates == ("padded",)
     with pytest.raises(ConfigError, match=r"trainer\.micro_batch_layout=shared_prompt: the "
                                           r"model's attention is not the local spec's"):
-        micro_batch_layout("shared_prompt", None, other)
+        resolve_layouts("shared_prompt", None, other)

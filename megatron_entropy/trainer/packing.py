@@ -1,0 +1,250 @@
+"""Packed micro-batches (the THD layout): samples back to back in one row, each attending causally
+to itself only, positions restarting at each sample.
+
+A micro-batch is one row of at most ``trainer.micro_batch_tokens`` tokens (a longer sample gets a
+row of its own). Which samples share a row is a first-fit-decreasing pass over their lengths,
+so the long tail of reasoning responses no longer pads every row beside it to the longest; inside
+a row the samples keep their order (so that a row holding the same samples as a padded
+micro-batch gives the same [B, R] tensors), and the rows come in the order of their first sample.
+Padding exists only where context parallelism needs it: each sample is padded to a multiple of
+2 x CP (each of its 2 x CP chunks equal; x TP with sequence parallelism), and without CP the row's
+end to a multiple of TP under sequence parallelism.
+
+The row's sequence bounds (``cu_seqlens``, real and padded) reach the attention as Megatron's
+``PackedSeqParams``: Transformer Engine's THD attention on a GPU, the local spec's one SDPA call
+per sequence (models/context_parallel.py) elsewhere; either way the attention costs the sum of
+len^2, and the rotary positions restart per sequence (Megatron's THD RoPE).
+
+The step's groups are dealt to data-parallel ranks by ``balance_groups``: as many groups per
+rank as round-robin dealing gives, chosen so that each rank's attention work (sum of len^2) and
+tokens are even.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+from megatron.core.packed_seq_params import PackedSeqParams
+
+from megatron_entropy.models.arch import ModelArch
+from megatron_entropy.models.attention import takes_explicit_masks, takes_packed_sequences
+from megatron_entropy.settings import ConfigError
+from megatron_entropy.trainer.batch import (MicroBatch, Sample, assemble_micro_batch,
+                                            pack_micro_batches)
+from megatron_entropy.trainer.context_parallel import shard_micro_batch
+
+
+def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """Bins of indices into ``lengths`` whose sums stay within ``capacity`` (an item longer than
+    it gets a bin of its own): each item, longest first, into the first bin it fits. Each bin
+    lists its items in index order; bins come in the order of their first item."""
+    bins: list[list[int]] = []
+    loads: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        for b, load in enumerate(loads):
+            if load + lengths[i] <= capacity:
+                bins[b].append(i)
+                loads[b] += lengths[i]
+                break
+        else:
+            bins.append([i])
+            loads.append(lengths[i])
+    return sorted((sorted(b) for b in bins), key=lambda b: b[0])
+
+
+def padded_length(length: int, multiple: int) -> int:
+    return -(-length // multiple) * multiple
+
+
+def sample_multiple(tensor: int, context: int, sequence_parallel: bool) -> int:
+    """What each packed sample's length is padded to a multiple of: 2 x CP chunks, each split
+    over TP with sequence parallelism."""
+    if context == 1:
+        return 1
+    return 2 * context * (tensor if sequence_parallel else 1)
+
+
+def packed_micro_batches(samples: list[Sample], token_budget: int,
+                         sample_ids: Optional[list[int]] = None, pad_id: int = 0,
+                         multiple: int = 1, row_multiple: int = 1) -> list[MicroBatch]:
+    """The samples ``sample_ids`` (default all) in packed rows of at most ``token_budget``
+    tokens, one row per micro-batch (module docstring); ``multiple``: each sample's padding,
+    ``row_multiple``: the row end's."""
+    ids = list(range(len(samples))) if sample_ids is None else list(sample_ids)
+    lengths = [padded_length(samples[i].length, multiple) for i in ids]
+    return [_packed_row(samples, [ids[j] for j in b], pad_id, multiple, row_multiple, k)
+            for k, b in enumerate(first_fit_decreasing(lengths, token_budget))]
+
+
+def _packed_row(samples: list[Sample], ids: list[int], pad_id: int, multiple: int,
+                row_multiple: int, index: int) -> MicroBatch:
+    tokens: list[int] = []
+    positions: list[int] = []
+    flat: list[int] = []
+    real, padded = [0], [0]
+    for i in ids:
+        s = samples[i]
+        P, n = len(s.prompt_ids), s.length
+        start = len(tokens)
+        # response token t is predicted at the sample's token P - 1 + t
+        flat.extend(start + P - 1 + t for t in range(len(s.response_ids)))
+        size = padded_length(n, multiple)
+        tokens += s.prompt_ids + s.response_ids + [pad_id] * (size - n)
+        positions += range(size)
+        real.append(real[-1] + n)
+        padded.append(padded[-1] + size)
+    extra = padded_length(len(tokens), row_multiple) - len(tokens)
+    if extra:  # the last sequence takes the row's end padding
+        tokens += [pad_id] * extra
+        positions += range(positions[-1] + 1, positions[-1] + 1 + extra)
+        padded[-1] += extra
+    mb = assemble_micro_batch(samples, ids, [tokens], [positions], flat, index)
+    mb.cu_seqlens = torch.tensor(real, dtype=torch.int32)
+    mb.cu_seqlens_padded = torch.tensor(padded, dtype=torch.int32)
+    return mb
+
+
+def thd_params(mb: MicroBatch) -> Optional[PackedSeqParams]:
+    """Megatron's packed-sequence parameters of a packed micro-batch (None for the others)."""
+    if mb.cu_seqlens is None:
+        return None
+    longest = int((mb.cu_seqlens_padded[1:] - mb.cu_seqlens_padded[:-1]).max())
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=mb.cu_seqlens,
+                           cu_seqlens_kv=mb.cu_seqlens, cu_seqlens_q_padded=mb.cu_seqlens_padded,
+                           cu_seqlens_kv_padded=mb.cu_seqlens_padded, max_seqlen_q=longest,
+                           max_seqlen_kv=longest)
+
+
+def micro_batches(samples: list[Sample], ids: Optional[list[int]], layouts: "Layouts",
+                  token_budget: int, pairs_per_token: Optional[float], tensor: int = 1,
+                  sequence_parallel: bool = False, context: int = 1, context_rank: int = 0
+                  ) -> list[MicroBatch]:
+    """The micro-batches of the samples ``ids`` (None: all) in the resolved ``layouts`` (auto:
+    the cheapest of its candidates by ``micro_batch_cost``), this CP rank's part of them under
+    context parallelism (``context`` > 1)."""
+    packs = []
+    for layout in layouts.candidates:
+        if layout == "packed":
+            packs.append(packed_micro_batches(
+                samples, token_budget, ids,
+                multiple=sample_multiple(tensor, context, sequence_parallel),
+                row_multiple=tensor if sequence_parallel and context == 1 else 1))
+        else:
+            packs.append(pack_micro_batches(samples, token_budget, ids, layout=layout,
+                                            pairs_per_token=pairs_per_token))
+    mbs = packs[0] if len(packs) == 1 else min(
+        packs, key=lambda mbs: sum(micro_batch_cost(mb, pairs_per_token or 0.0) for mb in mbs))
+    if context > 1:
+        mbs = [shard_micro_batch(mb, context_rank, context) for mb in mbs]
+    return mbs
+
+
+def micro_batch_cost(mb: MicroBatch, pairs_per_token: float) -> float:
+    """A micro-batch's work in attention (query, key) pairs, counted as the shared-prompt rows'
+    rule counts them (trainer/batch.py): a row of S tokens S^2 pairs (a masked kernel need not
+    skip the hidden ones) and ``pairs_per_token`` for each token through the linear layers,
+    padding included; a packed row each sequence's len^2."""
+    rows, width = mb.tokens.shape
+    if mb.cu_seqlens_padded is not None:
+        lengths = (mb.cu_seqlens_padded[1:] - mb.cu_seqlens_padded[:-1]).double()
+        pairs = float((lengths ** 2).sum())
+    else:
+        pairs = float(rows * width * width)
+    return pairs + pairs_per_token * rows * width
+
+
+@dataclass(frozen=True)
+class Layouts:
+    """``trainer.micro_batch_layout`` resolved for a policy: the layouts a pack may take (auto
+    with several: the cheapest by ``micro_batch_cost`` for each mini-batch) and, for the
+    start-up line, why."""
+
+    candidates: tuple[str, ...]
+    note: str
+
+
+def resolve_layouts(setting: str, arch: Optional[ModelArch], model_chunks: list,
+                    context: int = 1) -> Layouts:
+    """Which layouts ``setting`` (auto, padded, shared_prompt, packed) allows this policy; a
+    layout it cannot serve is a ConfigError naming the key. Shared-prompt rows need an
+    attention that takes their explicit mask (the local spec's) and no context parallelism;
+    packed rows (and CP) an attention that takes packed sequences (the local spec's SDPA or
+    Transformer Engine's). A mixture-of-experts policy records and replays its routing a
+    sample's row at a time, so it takes padded rows."""
+    moe = arch is not None and arch.is_moe
+    chunks = bool(model_chunks)
+    why_not = {
+        "shared_prompt": "a mixture-of-experts policy records and replays its routing a "
+                         "sample's row at a time" if moe else
+                         "context parallelism splits sequences, not shared-prompt rows"
+                         if context > 1 else
+                         None if chunks and takes_explicit_masks(model_chunks) else
+                         "the model's attention is not the local spec's (Transformer "
+                         "Engine's causal kernels take no explicit mask)",
+        "packed": "a mixture-of-experts policy records and replays its routing a sample's row "
+                  "at a time" if moe else
+                  None if chunks and takes_packed_sequences(model_chunks) else
+                  "the model's attention takes no packed sequences (neither the local spec's "
+                  "SDPA nor Transformer Engine's)",
+        "padded": None,
+    }
+    if context > 1 and why_not["packed"] and not moe:
+        raise ConfigError(f"parallel.context={context}: {why_not['packed']}")
+    if setting != "auto":
+        if why_not.get(setting):
+            raise ConfigError(f"trainer.micro_batch_layout={setting}: {why_not[setting]}; use "
+                              "trainer.micro_batch_layout=padded (or auto)")
+        return Layouts((setting,), setting)
+    fits = tuple(layout for layout in ("packed", "shared_prompt") if not why_not[layout])
+    if not fits:
+        return Layouts(("padded",), f"padded ({why_not['packed']})")
+    if len(fits) == 1:
+        skipped = "shared_prompt" if fits == ("packed",) else "packed"
+        return Layouts(fits, f"{fits[0]} (not {skipped}: {why_not[skipped]})")
+    return Layouts(fits, "packed or shared-prompt rows, the cheaper for each mini-batch")
+
+
+def balance_groups(costs: Sequence[float], parts: int) -> list[int]:
+    """The part (data-parallel rank) of each item of cost ``costs``: as many items per part as
+    round-robin dealing gives (the first ``len % parts`` parts one more), the costliest first
+    into the part with the least cost so far that has room (ties: the lower part)."""
+    n = len(costs)
+    room = [n // parts + (p < n % parts) for p in range(parts)]
+    load = [0.0] * parts
+    owner = [0] * n
+    for i in sorted(range(n), key=lambda i: (-costs[i], i)):
+        p = min((p for p in range(parts) if room[p]), key=lambda p: (load[p], p))
+        owner[i] = p
+        room[p] -= 1
+        load[p] += costs[i]
+    return owner
+
+
+
+class SampleOrder:
+    """The rows of a step's micro-batches ([B_k, R_k] tensors) as one [B, R] tensor in sample
+    order, and back: the order in which the global Cov scope ranks and draws tokens, the same
+    whichever micro-batches (layout, bins) hold the samples."""
+
+    def __init__(self, mbs: Sequence[MicroBatch]) -> None:
+        self.rows = sorted((sid, k, b) for k, mb in enumerate(mbs)
+                           for b, sid in enumerate(mb.sample_ids))
+        self.widths = [mb.mask.shape[1] for mb in mbs]
+        self.width = max(self.widths, default=1)
+
+    def join(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        """[B_k, R_k] per micro-batch -> [B, R] in sample order (zeros beyond a row's R_k)."""
+        if not self.rows:
+            return torch.zeros(0, self.width)
+        return torch.stack([torch.nn.functional.pad(tensors[k][b], (0, self.width - self.widths[k]))
+                            for _, k, b in self.rows])
+
+    def split(self, joined: torch.Tensor) -> list[torch.Tensor]:
+        """Inverse of ``join``."""
+        out = [joined.new_zeros(len([r for r in self.rows if r[1] == k]), w)
+               for k, w in enumerate(self.widths)]
+        for i, (_, k, b) in enumerate(self.rows):
+            out[k][b] = joined[i, :self.widths[k]]
+        return out
