@@ -21,7 +21,8 @@ from megatron_entropy.config import ConfigError, load_config
 from megatron_entropy.models.arch import UnsupportedModelError, load_arch
 from megatron_entropy.models.lora_settings import check_lora_model
 from megatron_entropy.models.tokenizer_files import tokenizer_problem
-from megatron_entropy.runtime import ParallelLayoutError, check_layout, detect_launch_env
+from megatron_entropy.runtime import (ParallelLayoutError, check_layout, detect_launch_env,
+                                      min_world_size)
 from megatron_entropy.runtime import files, run_lock
 from megatron_entropy.runtime.harmless import silence_harmless_warnings
 from megatron_entropy.runtime.launch_env import UrlFileError
@@ -254,13 +255,14 @@ def _run_train(args: argparse.Namespace) -> int:
 def _train_command(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     launch = detect_launch_env()
-    tp, pp, ep = cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.expert
+    p = cfg.parallel
+    fewest = min_world_size(p.tensor, p.pipeline, p.expert, p.context)
     if launch.launcher == "single":  # ranks this command starts: their threads, before torch
-        apply_thread_defaults(args.nproc or tp * pp * ep)
+        apply_thread_defaults(args.nproc or fewest)
     silence_harmless_warnings()
     _check_model(cfg)  # before any rank starts
-    nproc = (args.nproc or tp * pp * ep) if launch.launcher == "single" else launch.world_size
-    check_layout(nproc, tp, pp, ep)
+    nproc = (args.nproc or fewest) if launch.launcher == "single" else launch.world_size
+    check_layout(nproc, p.tensor, p.pipeline, p.expert, p.context)
     if launch.launcher == "single" and nproc > usable_cpus():
         print(f"warning: {nproc} ranks on {usable_cpus()} cores: each rank gets one thread and "
               "they take turns on the cores, slower than fewer ranks (docs/performance.md)",
@@ -346,7 +348,8 @@ def _check_model(cfg) -> None:
             if not Path(m.megatron_ckpt or m.hf_path).exists() else ""
         raise ConfigError(f"{key}: {e.args[0] if isinstance(e, KeyError) else e}{where}") \
             from None
-    arch.check_parallel(cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.expert)
+    arch.check_parallel(cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.expert,
+                        cfg.parallel.context)
     check_lora_model(m.lora, arch.is_moe, cfg.parallel.tensor,
                      adapter_sync=cfg.rollout.weight_sync.strategy == "adapters")
     # The tokenizer and chat template come from hf_path, else the checkpoint's hf/ folder.

@@ -43,6 +43,11 @@ def validate(cfg: Config) -> None:
         _check_tools(cfg)
     if cfg.algorithm.old_logprobs == "engine":
         _check_engine_old_logprobs(cfg)
+    if cfg.parallel.context > 1 and cfg.trainer.micro_batch_layout == "shared_prompt":
+        raise ConfigError(f"trainer.micro_batch_layout=shared_prompt: parallel.context="
+                          f"{cfg.parallel.context} splits each sequence over its ranks, not "
+                          "shared-prompt rows; use trainer.micro_batch_layout=packed, padded "
+                          "or auto")
     if cfg.rollout.engine != "inprocess":
         s = cfg.rollout.server
         if not (s.urls or s.urls_file or s.launch):

@@ -115,7 +115,8 @@ def job_layout(cfg: Config, nodes: Sequence[str]) -> JobLayout:
     server_nodes, trainer_nodes = split_nodes(
         nodes, c.server_nodes, need,
         f"TP x PP = {p.tensor} x {p.pipeline} GPUs at {c.gpus_per_node} GPUs per node")
-    check_layout(len(trainer_nodes) * c.gpus_per_node, p.tensor, p.pipeline)
+    check_layout(len(trainer_nodes) * c.gpus_per_node, p.tensor, p.pipeline,
+                 context=p.context)
     shared = servers and not c.server_nodes
     return JobLayout(server_nodes=trainer_nodes[:1] if shared else server_nodes,
                      trainer_nodes=trainer_nodes, servers_per_node=per_node if servers else 0,

@@ -227,7 +227,9 @@ class _VocabParallelLogprobEntropy(torch.autograd.Function):
             _shard_stats(logits[c0:c1, :n_real], local_targets[c0:c1], owned[c0:c1], inv_t,
                          bufs, stats[c0:c1])
         del bufs
-        if num_tokens == 0:  # every TP rank holds the same (no) tokens: nothing to exchange
+        ctx.no_tokens = num_tokens == 0
+        if ctx.no_tokens:  # every TP rank holds the same (no) tokens: nothing to exchange
+            ctx.save_for_backward(logits)  # a zero gradient still flows (context parallelism)
             empty = stats.new_empty(0)
             return empty, empty.clone()
         logp, entropy, *row_stats = _merge_stats(_gather_stats(stats, group, world), inv_t)
@@ -240,6 +242,8 @@ class _VocabParallelLogprobEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_logp: Optional[Tensor], g_ent: Optional[Tensor]):
+        if ctx.no_tokens:
+            return torch.zeros_like(ctx.saved_tensors[0]), None, None, None, None, None
         logits, local_targets, owned, big_m, total, mean_shifted = ctx.saved_tensors
         grad = torch.empty_like(logits)
         grad[:, ctx.n_real:] = 0  # padding columns
@@ -283,7 +287,9 @@ class _FusedLinearLogprobEntropy(torch.autograd.Function):
             z = torch.mm(hidden[c0:c1], w.t(), out=z_buf[:c1 - c0])
             _shard_stats(z, local_targets[c0:c1], owned[c0:c1], inv_t, bufs, stats[c0:c1])
         del bufs, z_buf
-        if num_tokens == 0:
+        ctx.no_tokens = num_tokens == 0
+        if ctx.no_tokens:  # a zero gradient still flows (a context-parallel rank's share)
+            ctx.save_for_backward(hidden, weight)
             empty = stats.new_empty(0)
             return empty, empty.clone()
         logp, entropy, *row_stats = _merge_stats(_gather_stats(stats, group, world), inv_t)
@@ -296,6 +302,10 @@ class _FusedLinearLogprobEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_logp: Optional[Tensor], g_ent: Optional[Tensor]):
+        if ctx.no_tokens:
+            hidden, weight = ctx.saved_tensors
+            return (torch.zeros_like(hidden), torch.zeros_like(weight), None, None, None, None,
+                    None)
         hidden, weight, local_targets, owned, big_m, total, mean_shifted = ctx.saved_tensors
         n_real, step = ctx.n_real, ctx.chunk_tokens
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]

@@ -5,10 +5,11 @@ The torch-bound parts (runtime/distributed.py) load on first use, so that the Sl
 (`megatron-entropy slurm layout / wait-servers`, launch/slurm.py) start without torch."""
 
 from megatron_entropy.runtime.launch_env import (LaunchEnv, ParallelLayoutError, check_layout,
-                                                 detect_launch_env, expand_nodelist)
+                                                 detect_launch_env, expand_nodelist,
+                                                 min_world_size)
 
 __all__ = ["LaunchEnv", "ParallelLayoutError", "check_layout", "detect_launch_env",
-           "expand_nodelist", "init_distributed", "set_seed", "shutdown"]
+           "expand_nodelist", "init_distributed", "min_world_size", "set_seed", "shutdown"]
 
 _DISTRIBUTED = ("init_distributed", "set_seed", "shutdown")
 

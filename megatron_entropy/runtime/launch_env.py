@@ -6,6 +6,7 @@ train (the layout, waiting for servers), whose start-up would otherwise pay torc
 from __future__ import annotations
 
 import ipaddress
+import math
 import os
 import re
 import resource
@@ -33,6 +34,11 @@ class LaunchEnv:
 
 class ParallelLayoutError(ValueError):
     pass
+
+
+def min_world_size(tensor: int, pipeline: int, expert: int = 1, context: int = 1) -> int:
+    """The fewest ranks of a layout: TP x PP x CP x the DP ranks that EP needs beside CP."""
+    return tensor * pipeline * context * (expert // math.gcd(expert, context))
 
 
 def check_layout(world_size: int, tensor: int, pipeline: int, expert: int = 1,

@@ -15,9 +15,10 @@ from megatron.core import parallel_state as ps
 
 
 def is_replica_leader() -> bool:
-    """TP rank 0 of the first PP stage: the rank that holds its DP replica's rollouts and full
-    weights (the others take part in the collectives that bring them there)."""
-    return ps.get_tensor_model_parallel_rank() == 0 and ps.get_pipeline_model_parallel_rank() == 0
+    """TP rank 0 of the first PP stage (and CP rank 0): the rank that holds its DP replica's
+    rollouts and full weights (the others take part in the collectives that bring them there)."""
+    return (ps.get_tensor_model_parallel_rank() == 0 and ps.get_pipeline_model_parallel_rank() == 0
+            and ps.get_context_parallel_rank() == 0)
 
 
 @dataclass(frozen=True)
@@ -27,8 +28,11 @@ class Roles:
     dp_size: int
     replica_leader: bool  # see is_replica_leader
     shared_engine: bool  # one engine (servers) for the job, else one per DP replica
-    # Rank among the replicas that share out the experts (expert parallelism); = dp_rank at EP=1.
+    # Rank among the replicas that share out the experts (expert parallelism); = dp_rank at EP=1
+    # and CP=1.
     expert_dp_rank: int = 0
+    # Context parallelism: the CP ranks of a replica hold the same weights; CP rank 0's send them.
+    cp_rank: int = 0
 
     @classmethod
     def here(cls, shared_engine: bool) -> Roles:
@@ -36,7 +40,8 @@ class Roles:
         return cls(rank=dist.get_rank(), dp_rank=ps.get_data_parallel_rank(),
                    dp_size=ps.get_data_parallel_world_size(), replica_leader=is_replica_leader(),
                    shared_engine=shared_engine,
-                   expert_dp_rank=ps.get_expert_data_parallel_rank())
+                   expert_dp_rank=ps.get_expert_data_parallel_rank(),
+                   cp_rank=ps.get_context_parallel_rank())
 
     @property
     def rank0(self) -> bool:
@@ -51,7 +56,10 @@ class Roles:
     def feeds_engine(self) -> bool:
         """Takes part in gathering the full weights an engine is sent: every model-parallel rank
         of DP replica 0 for a shared engine (and, with expert parallelism, of the replicas that
-        hold the rest of its experts: ``relays_experts``), of every replica else."""
+        hold the rest of its experts: ``relays_experts``), of every replica else; of CP rank 0
+        only (the other CP ranks hold the same weights)."""
+        if self.cp_rank != 0:
+            return False
         return self.expert_dp_rank == 0 if self.shared_engine else True
 
     @property

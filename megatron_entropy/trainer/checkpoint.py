@@ -276,9 +276,10 @@ class CheckpointManager:
         else:
             optimizer.reload_model_params()
         rng_file = path / f"rng_rank_{_rank():05d}.pt"
-        # The expert-parallel RNG streams are per EP rank (a layout from before EP was recorded:
-        # EP = 1).
-        if {"expert": 1, **state.get("layout", {})} == _layout() and rng_file.is_file():
+        # The expert-parallel RNG streams are per EP rank (a layout from before EP or CP was
+        # recorded: EP = CP = 1).
+        if {"expert": 1, "context": 1, **state.get("layout", {})} == _layout() and \
+                rng_file.is_file():
             _set_rng_state(torch.load(rng_file, weights_only=False))
         return state
 
@@ -381,4 +382,5 @@ def _layout() -> dict[str, int]:
     return {"world": dist.get_world_size() if dist.is_initialized() else 1,
             "tensor": ps.get_tensor_model_parallel_world_size(),
             "pipeline": ps.get_pipeline_model_parallel_world_size(),
-            "expert": ps.get_expert_model_parallel_world_size()}
+            "expert": ps.get_expert_model_parallel_world_size(),
+            "context": ps.get_context_parallel_world_size()}

@@ -111,7 +111,8 @@ class Trainer:
         self._read_model_and_prompts()
         resume_from = self._build_policy()
         self._stop_if_asked()
-        self._starting(f"starting the rollout engine ({cfg.rollout.engine})")
+        self._starting(f"micro-batches: {self.actor.layouts.note}; starting the rollout "
+                       f"engine ({cfg.rollout.engine})")
         self._build_rollouts()
         self._open_log(resume_from)
         self._first_contact(resume_from)
@@ -128,7 +129,7 @@ class Trainer:
         rank's roles, the reward."""
         cfg, p = self.cfg, self.cfg.parallel
         init_distributed(p.tensor, p.pipeline, p.backend, p.timeout_minutes,
-                         socket_ifname=p.socket_ifname, expert=p.expert)
+                         socket_ifname=p.socket_ifname, expert=p.expert, context=p.context)
         set_seed(cfg.trainer.seed)
         self.signals = _SignalFlag()
         self.ps = ps
@@ -150,14 +151,16 @@ class Trainer:
                 raise ValueError("set model.hf_path (an HF model folder) or model.megatron_ckpt")
             self.arch = load_arch(m.hf_path)
             self.hf_dir = m.hf_path
-        self.arch.check_parallel(cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.expert)
+        self.arch.check_parallel(cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.expert,
+                                 cfg.parallel.context)
         if self.arch.is_moe and cfg.algorithm.old_logprobs == "engine":
             raise ConfigError("algorithm.old_logprobs=engine: a mixture-of-experts policy's "
                               "updates replay the routing its recompute records; use "
                               "algorithm.old_logprobs=recompute")
-        n, ep = dist.get_world_size(), cfg.parallel.expert
+        n, ep, cp = dist.get_world_size(), cfg.parallel.expert, cfg.parallel.context
         self._starting(f"{n} rank{'s' * (n > 1)} joined (TP={cfg.parallel.tensor}, "
-                       f"PP={cfg.parallel.pipeline}, DP={ps.get_data_parallel_world_size()}"
+                       f"PP={cfg.parallel.pipeline}, {f'CP={cp}, ' if cp > 1 else ''}"
+                       f"DP={ps.get_data_parallel_world_size()}"
                        f"{f', EP={ep}' if ep > 1 else ''}); loading the tokenizer and the prompts")
         self.tokenizer = load_tokenizer(self.hf_dir)
         tools = prompt_tools(cfg.rollout, self.tokenizer)  # listed in each prompt

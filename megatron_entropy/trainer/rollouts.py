@@ -169,8 +169,8 @@ def _round_sampling(sampling: SamplingParams, round_index: int) -> SamplingParam
 def _send_shares(held: dict[tuple[int, int], Group], kept: list[tuple[int, int]], shared: bool
                  ) -> tuple[list[tuple[int, Group]], int]:
     """Each kept group from the leader that holds it to the leader of the DP rank that owns it
-    (a scatter per holding rank over the leaders' DP group), then to that leader's TP and PP
-    peers (broadcasts). Returns this rank's (kept index, group) pairs in kept order and the
+    (a scatter per holding rank over the leaders' DP group), then to that leader's TP, PP and
+    CP peers (broadcasts). Returns this rank's (kept index, group) pairs in kept order and the
     bytes it received."""
     roles = Roles.here(shared)
     dp_rank, dp_size = roles.dp_rank, roles.dp_size
@@ -190,11 +190,14 @@ def _send_shares(held: dict[tuple[int, int], Group], kept: list[tuple[int, int]]
                 received += len(out[0])
             share += pickle.loads(out[0])
         share.sort(key=lambda pair: pair[0])
+    cp_group = ps.get_context_parallel_group()
+    cp_first = ps.get_context_parallel_rank() == 0
     for group, src, first in (
             (ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_src_rank(),
-             ps.get_pipeline_model_parallel_rank() == 0),
+             ps.get_pipeline_model_parallel_rank() == 0 and cp_first),
             (ps.get_pipeline_model_parallel_group(), ps.get_pipeline_model_parallel_first_rank(),
-             True)):
+             cp_first),
+            (cp_group, dist.get_process_group_ranks(cp_group)[0], True)):
         if dist.get_world_size(group) == 1 or not first:
             continue
         box = [pickle.dumps(share) if dist.get_rank() == src else None]

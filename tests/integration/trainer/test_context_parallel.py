@@ -27,10 +27,10 @@ def initial():
 
 
 def _step_worker(tensor: int, pipeline: int, context: int, layout: str, initial: dict,
-                 algorithm: dict):
+                 algorithm: dict, samples: dict = SAMPLES):
     """From ``initial``: one step of the tiny policy at TP x PP x CP with the AlgorithmConfig
-    fields ``algorithm``; the weights before and after (HF names, on the replica's leader),
-    the metrics and every sample's log-probs and entropies."""
+    fields ``algorithm`` on ``random_samples(1, **samples)``; the weights before and after (HF
+    names, on the replica's leader), the metrics and every sample's log-probs and entropies."""
     from megatron.core import parallel_state as ps
 
     from megatron_entropy.algorithms.token_rules import TokenRuleSettings
@@ -47,16 +47,22 @@ def _step_worker(tensor: int, pipeline: int, context: int, layout: str, initial:
     actor = tiny_actor(tensor, pipeline, settings, trainer, TEMPERATURE, initial=initial,
                        context=context, seq_length=128)
     assert ps.get_context_parallel_world_size() == context
-    samples = random_samples(1, **SAMPLES)
+    step_samples = random_samples(1, **samples)
     before = hf_weights(actor)
-    actor.recompute(samples)
-    metrics = actor.update(samples, step=1)
-    stats = [(s.old_logprobs.double(), s.entropy.double()) for s in samples]
+    actor.recompute(step_samples)
+    metrics = actor.update(step_samples, step=1)
+    stats = [(s.old_logprobs.double(), s.entropy.double()) for s in step_samples]
     return before, hf_weights(actor), metrics, stats
 
 
+# A 30-token prompt and a 1-2 token response: every response token is predicted in the last
+# quarter of its row, which CP rank 0 holds; rank 1 computes none but still takes part in the
+# attention's backward (a zero gradient flows through its log-prob op).
+SHORT = dict(groups=4, per_group=2, prompt_len=(30, 31), response_len=(1, 3))
 CASES = {
     "ppo_clip": ("padded", dict(loss="ppo_clip")),
+    "entropy bonus, a rank without response tokens": (
+        "padded", dict(loss="ppo_clip", entropy_coef=0.05), SHORT),
     "clip_cov micro_batch": ("packed", dict(loss="clip_cov")),
     "clip_cov global": ("padded", dict(loss="clip_cov", cov_scope="global")),
     "kl_cov micro_batch": ("padded", dict(loss="kl_cov")),
@@ -69,10 +75,10 @@ CASES = {
 COUNTS = ("selected_frac", "entropy_rule/pg_token_frac")
 
 
-def _assert_same_step(got: tuple, want: tuple, label: str) -> None:
+def _assert_same_step(got: tuple, want: tuple, label: str, samples: dict = SAMPLES) -> None:
     w0, w1, m1, s1 = want
     _, w2, m2, s2 = got
-    logp_path, path = rounding_paths(random_samples(1, **SAMPLES))
+    logp_path, path = rounding_paths(random_samples(1, **samples))
     for (lp1, h1), (lp2, h2) in zip(s1, s2):
         torch.testing.assert_close(lp2, lp1, rtol=0, msg=label,
                                    atol=rounding_tol(lp1, logp_path, torch.float32))
@@ -92,12 +98,13 @@ def _assert_same_step(got: tuple, want: tuple, label: str) -> None:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_context_parallel_equals_one_rank(initial, case):
-    layout, algorithm = CASES[case]
-    (want,) = run_distributed(_step_worker, 1, 1, 1, 1, layout, initial, dict(algorithm))
-    got = run_distributed(_step_worker, 2, 1, 1, 2, layout, initial, dict(algorithm))
+    layout, algorithm, *samples = CASES[case]
+    samples = samples[0] if samples else SAMPLES
+    (want,) = run_distributed(_step_worker, 1, 1, 1, 1, layout, initial, dict(algorithm), samples)
+    got = run_distributed(_step_worker, 2, 1, 1, 2, layout, initial, dict(algorithm), samples)
     for rank, result in enumerate(got):  # each CP rank holds the whole step's statistics
         assert result[2] == got[0][2], rank
-    _assert_same_step(got[0], want, case)
+    _assert_same_step(got[0], want, case, samples)
     if any(k in want[2] for k in COUNTS):
         assert max(want[2].get(k, 0.0) for k in COUNTS) > 0  # the rule selected something
 

@@ -245,7 +245,8 @@ def test_bf16_run_with_the_distributed_optimizer_resumes_across_a_change_of_dp(m
     state = json.loads((tmp_path / "bf16" / "checkpoints" / "step_00000001"
                         / "trainer_state.json").read_text())
     assert state["optimizer_state"] and state["layout"] == {"world": 2, "tensor": 1,
-                                                            "pipeline": 1, "expert": 1}
+                                                            "pipeline": 1, "expert": 1,
+                                                            "context": 1}
     cfg = _config(model_dir, tmp_path, "bf16", trainer={"steps": 2, "distributed_optimizer": True},
                   **extra)
     run_distributed(train_from_dict, 2, cfg, timeout=300)
