@@ -368,14 +368,17 @@ def policy_loss(settings: PolicyLossSettings, logp: Tensor, old_logp: Tensor, ad
 def select_tokens_global(settings: PolicyLossSettings, select_logps: Sequence[Tensor],
                          old_logps: Sequence[Tensor], advantages: Sequence[Tensor],
                          masks: Sequence[Tensor], *, dp_group: Optional[dist.ProcessGroup],
-                         seed: int) -> list[TokenSelection]:
+                         seed: int, row_keys: Optional[Sequence[Tensor]] = None
+                         ) -> list[TokenSelection]:
     """Clip-Cov/KL-Cov selections for the ``global`` scope, one per micro-batch of this rank.
 
     Call once per optimizer step on every DP rank with that rank's micro-batches ([B_i, S_i]
     tensors, in the order the loss will see them). ``select_logps`` are the log-probs that choose
     (see the module docstring: recompute or fresh). The result equals the micro-batch-scope rule
     applied by one process to the concatenation of all ranks' micro-batches (rank, micro-batch,
-    row, column order), with Clip-Cov's draw taken from ``torch.Generator().manual_seed(seed)``.
+    row, column order; with ``row_keys``, an integer per row giving its place in the step, rows
+    in key order, whatever rank and micro-batch hold them), with Clip-Cov's draw taken from
+    ``torch.Generator().manual_seed(seed)``.
     Collectives: 2 all-gathers (Clip-Cov) or 3 (KL-Cov), tiny.
     """
     if not (len(select_logps) == len(old_logps) == len(advantages) == len(masks)):
@@ -399,7 +402,7 @@ def select_tokens_global(settings: PolicyLossSettings, select_logps: Sequence[Te
                 settings.clip_cov_ub))
         generator = torch.Generator().manual_seed(seed)
         selected = cov_ops.global_random_subset(candidates, settings.clip_cov_ratio, num_valid,
-                                                generator, dp_group)
+                                                generator, dp_group, row_keys)
     elif settings.cov_rule == "kl_cov":
         k = cov_ops.kl_cov_count(settings.kl_cov_ratio, num_valid)
         selected = cov_ops.global_top_k(covs, masks, k, dp_group)

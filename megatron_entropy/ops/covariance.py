@@ -223,23 +223,58 @@ def global_top_k(scores: Sequence[Tensor], masks: Sequence[Tensor], k: int,
 
 def global_random_subset(candidates: Sequence[Tensor], ratio: float, num_valid: int,
                          generator: Optional[torch.Generator],
-                         group: Optional[dist.ProcessGroup]) -> list[Tensor]:
+                         group: Optional[dist.ProcessGroup],
+                         row_keys: Optional[Sequence[Tensor]] = None) -> list[Tensor]:
     """Clip-Cov's draw over every rank's candidates: n = clip_cov_count(ratio, N_valid, n_cand),
     then the first n of one randperm over all candidates in global order. Every rank draws the
-    same permutation from the same seeded ``generator`` and keeps the indices in its range."""
+    same permutation from the same seeded ``generator`` and keeps the indices in its range.
+
+    The global order is (rank, micro-batch, row, column), or with ``row_keys`` (an integer per
+    row of each micro-batch: its place in the whole step, e.g. its group's index) the rows of
+    every rank sorted by key (equal keys: rank, then local order), then column: the same draw
+    however the step's rows are split over ranks and micro-batches."""
     device = candidates[0].device if candidates else torch.device("cpu")
     local_count = torch.tensor([sum(int(c.sum()) for c in candidates)], dtype=torch.long,
                                device=device)
     counts = gather_in_rank_order(local_count, group).reshape(-1)
     total = int(counts.sum())
     rank = group_rank(group)
-    offset = int(counts[:rank].sum())
     n = clip_cov_count(ratio, num_valid, total)
+    if row_keys is None:
+        offset = int(counts[:rank].sum())
+        position = torch.arange(offset, offset + int(local_count), device=device)
+    else:
+        position = _keyed_positions(candidates, row_keys, group).to(device)
     flags = torch.zeros(int(local_count), dtype=torch.bool, device=device)
     if n > 0:
         perm = torch.randperm(total, generator=generator,
                               device=generator.device if generator is not None else "cpu")
-        chosen = perm[:n]
-        mine = chosen[(chosen >= offset) & (chosen < offset + int(local_count))] - offset
-        flags[mine.to(device)] = True
+        chosen = torch.zeros(total, dtype=torch.bool, device=perm.device)
+        chosen[perm[:n]] = True
+        flags = chosen[position.to(chosen.device)].to(device)
     return scatter_flat(flags, candidates)
+
+
+def _keyed_positions(candidates: Sequence[Tensor], row_keys: Sequence[Tensor],
+                     group: Optional[dist.ProcessGroup]) -> Tensor:
+    """The global position of each of this rank's candidates (in ``flat_valid`` order) when
+    every rank's rows are sorted by key (then rank, then local order) and read row by row; one
+    object all-gather of each rank's (key, candidate count) per row."""
+    rows = [(int(k), int(c.sum())) for cand, keys in zip(candidates, row_keys)
+            for k, c in zip(keys.tolist(), cand.reshape(cand.shape[0], -1))]
+    world = dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
+    every: list = [rows]
+    if world > 1:
+        every = [None] * world
+        dist.all_gather_object(every, rows, group=group)
+    ordered = sorted((key, r, i) for r, part in enumerate(every)
+                     for i, (key, _) in enumerate(part))
+    start, offset = {}, 0
+    for _, r, i in ordered:
+        start[(r, i)] = offset
+        offset += every[r][i][1]
+    rank = group_rank(group)
+    if not rows:
+        return torch.zeros(0, dtype=torch.long)
+    return torch.cat([torch.arange(start[(rank, i)], start[(rank, i)] + n)
+                      for i, (_, n) in enumerate(rows)])

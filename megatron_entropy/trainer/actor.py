@@ -311,18 +311,20 @@ class Actor:
         return named.pop("logp"), named.pop("entropy"), named
 
     def _global_selections(self, loss: PolicyLossSettings, mbs: list[MicroBatch],
-                           inputs: Optional[tuple[list, list]], seed: int) -> Optional[list]:
+                           samples: Sequence[Sample], inputs: Optional[tuple[list, list]],
+                           seed: int) -> Optional[list]:
         """Clip-Cov/KL-Cov token choice over the whole optimizer step (cov_scope=global)."""
         if self.algorithm.cov_scope != "global" or inputs is None:
             return None
-        # On the device of the loss (and of NCCL's collectives), in sample order (the order of
-        # the step's tokens in any micro-batch layout).
+        # On the device of the loss (and of NCCL's collectives), in the step's order (group,
+        # sample, token): the same draw whatever DP rank, micro-batch and layout hold a sample.
         dev = [to_device(mb, self.device) for mb in mbs]
         order = SampleOrder(dev)
         (chosen,) = select_tokens_global(
             loss, [order.join(inputs[0])], [order.join([mb.old_logprobs for mb in dev])],
             [order.join([mb.advantages for mb in dev])], [order.join([mb.mask for mb in dev])],
-            dp_group=self.ps.get_data_parallel_group(), seed=seed)
+            dp_group=self.ps.get_data_parallel_group(), seed=seed,
+            row_keys=[torch.tensor([samples[sid].group for sid, _, _ in order.rows])])
         return [TokenSelection(selected, cov) for selected, cov in
                 zip(order.split(chosen.selected), order.split(chosen.cov))]
 
@@ -415,7 +417,7 @@ class Actor:
         # Every draw derives from (seed, step, epoch, mini-batch, micro-batch): resumable.
         draw_seed = update_seed(self.trainer.seed, step, epoch, k)
         inputs = self._selection_inputs(mbs, samples)
-        selections = self._global_selections(loss, mbs, inputs, draw_seed)
+        selections = self._global_selections(loss, mbs, samples, inputs, draw_seed)
         step_rules = None
         if self.ps.is_pipeline_last_stage():
             step_rules = StepRules(self.algorithm.token_rules, loss,

@@ -15,9 +15,9 @@ The row's sequence bounds (``cu_seqlens``, real and padded) reach the attention 
 per sequence (models/context_parallel.py) elsewhere; either way the attention costs the sum of
 len^2, and the rotary positions restart per sequence (Megatron's THD RoPE).
 
-The step's groups are dealt to data-parallel ranks by ``balance_groups``: as many groups per
-rank as round-robin dealing gives, chosen so that each rank's attention work (sum of len^2) and
-tokens are even.
+The step's groups are dealt to data-parallel ranks by ``balance_groups`` (trainer/rollouts.py):
+as many groups per rank as round-robin dealing gives, chosen so that each rank's attention work
+(sum of len^2) and tokens are even.
 """
 
 from __future__ import annotations
@@ -206,21 +206,37 @@ def resolve_layouts(setting: str, arch: Optional[ModelArch], model_chunks: list,
     return Layouts(fits, "packed or shared-prompt rows, the cheaper for each mini-batch")
 
 
-def balance_groups(costs: Sequence[float], parts: int) -> list[int]:
-    """The part (data-parallel rank) of each item of cost ``costs``: as many items per part as
-    round-robin dealing gives (the first ``len % parts`` parts one more), the costliest first
-    into the part with the least cost so far that has room (ties: the lower part)."""
+def balance_groups(costs: Sequence[tuple[float, float]], parts: int) -> list[int]:
+    """The part (data-parallel rank) of each item of (tokens, attention pairs) ``costs``, dealt
+    in rounds as round-robin dealing deals them (items ``j x parts`` to ``(j + 1) x parts - 1``
+    one to each part, so a rank's j-th group, and with it each mini-batch's groups over the DP
+    ranks, stay those of round robin), but within a round the costliest item to the part whose
+    larger relative load (tokens or pairs, each over its mean per part) it raises least (ties:
+    the lower part)."""
     n = len(costs)
-    room = [n // parts + (p < n % parts) for p in range(parts)]
-    load = [0.0] * parts
+    mean = [max(sum(c[j] for c in costs) / parts, 1e-30) for j in (0, 1)]
+    load = [[0.0, 0.0] for _ in range(parts)]
     owner = [0] * n
-    for i in sorted(range(n), key=lambda i: (-costs[i], i)):
-        p = min((p for p in range(parts) if room[p]), key=lambda p: (load[p], p))
-        owner[i] = p
-        room[p] -= 1
-        load[p] += costs[i]
+
+    def weight(i: int) -> float:
+        return costs[i][0] / mean[0] + costs[i][1] / mean[1]
+
+    def after(p: int, i: int) -> float:
+        return max((load[p][j] + costs[i][j]) / mean[j] for j in (0, 1))
+
+    for start in range(0, n, parts):
+        free = list(range(parts))
+        for i in sorted(range(start, min(start + parts, n)), key=lambda i: (-weight(i), i)):
+            p = min(free, key=lambda p: (after(p, i), p))
+            free.remove(p)
+            owner[i] = p
+            load[p] = [load[p][j] + costs[i][j] for j in (0, 1)]
     return owner
 
+
+def group_cost(lengths: Sequence[int]) -> tuple[float, float]:
+    """(tokens, causal attention pairs) of a group's samples of these lengths."""
+    return float(sum(lengths)), float(sum(n * n for n in lengths))
 
 
 class SampleOrder:

@@ -6,7 +6,8 @@ flight at once. The ranks that generated a group hold it. Every rank learns only
 small statistics (rewards, lengths, source: `GroupStats`), so every rank takes the same
 dynamic-sampling decisions, logs the same metrics and computes the same advantages; the kept
 groups themselves (token ids, log-probs, text) then go from their holders to the DP rank that
-trains on them (whole groups, round-robin over DP ranks, as `dp_share`), and from that rank's
+trains on them (whole groups, as many per DP rank as round-robin dealing gives, chosen so that the
+ranks' tokens and attention work (sum of len^2) are even: `dp_owners`), and from that rank's
 leader to its TP/PP peers. No rank receives another rank's share.
 
 Asynchronous rollouts (trainer/async_rollouts.py) split the shared-engine path in two:
@@ -35,6 +36,7 @@ from megatron_entropy.runtime.seeds import refill_round_seed
 from megatron_entropy.tool_use.engine import TrajectoryStats
 from megatron_entropy.tool_use.metrics import trajectory_metrics
 from megatron_entropy.trainer.batch import Sample
+from megatron_entropy.trainer.packing import balance_groups, group_cost
 
 
 @dataclass
@@ -97,9 +99,10 @@ def _holder(item_index: int, dp_size: int, shared: bool) -> int:
     return 0 if shared else item_index % dp_size
 
 
-def _owner(group_index: int, dp_size: int) -> int:
-    """The DP rank that trains on kept group ``group_index``."""
-    return group_index % dp_size
+def dp_owners(kept: Sequence[GroupStats], dp_size: int) -> list[int]:
+    """The DP rank that trains on each kept group (trainer/packing.py's ``balance_groups``)."""
+    return balance_groups([group_cost([g.prompt_tokens + n for n in g.response_tokens])
+                           for g in kept], dp_size)
 
 
 def generate_round(engine: Optional[RolloutEngine], items: Sequence[PromptItem],
@@ -166,10 +169,10 @@ def _round_sampling(sampling: SamplingParams, round_index: int) -> SamplingParam
     return SamplingParams(**{**vars(sampling), "seed": refill_round_seed(sampling.seed, round_index)})
 
 
-def _send_shares(held: dict[tuple[int, int], Group], kept: list[tuple[int, int]], shared: bool
-                 ) -> tuple[list[tuple[int, Group]], int]:
+def _send_shares(held: dict[tuple[int, int], Group], kept: list[tuple[int, int]], shared: bool,
+                 owners: list[int]) -> tuple[list[tuple[int, Group]], int]:
     """Each kept group from the leader that holds it to the leader of the DP rank that owns it
-    (a scatter per holding rank over the leaders' DP group), then to that leader's TP, PP and
+    (``owners``; a scatter per holding rank over the leaders' DP group), then to that leader's TP, PP and
     CP peers (broadcasts). Returns this rank's (kept index, group) pairs in kept order and the
     bytes it received."""
     roles = Roles.here(shared)
@@ -180,7 +183,7 @@ def _send_shares(held: dict[tuple[int, int], Group], kept: list[tuple[int, int]]
         group = ps.get_data_parallel_group()
         for src in sorted({_holder(i, dp_size, shared) for _, i in kept}):
             parts = [pickle.dumps([(gi, held[key]) for gi, key in enumerate(kept)
-                                   if _owner(gi, dp_size) == dst
+                                   if owners[gi] == dst
                                    and _holder(key[1], dp_size, shared) == src])
                      for dst in range(dp_size)] if src == dp_rank else None
             out: list = [None]
@@ -258,7 +261,8 @@ def collect_step_groups(engine: Optional[RolloutEngine], next_items: Callable[[i
     held, stats_of, generated = _refill_rounds(keep, next_items, sampling, between_rounds,
                                                generate)
     kept = keep.take()
-    share, nbytes = _send_shares(held, kept, shared)
+    share, nbytes = _send_shares(held, kept, shared, dp_owners(
+        [stats_of[k] for k in kept], ps.get_data_parallel_world_size()))
     per_rank: list = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, received + nbytes)
     return StepGroups(share, [stats_of[k] for k in kept], generated, received + nbytes,
@@ -308,7 +312,8 @@ def distribute_step(local: Optional[LocalStep], extra: Optional[dict] = None
     dist.broadcast_object_list(box, src=0)
     received = len(box[0]) if dist.get_rank() != 0 else 0
     kept, kept_stats, generated, metrics, extra = pickle.loads(box[0])
-    share, nbytes = _send_shares(local.held if local is not None else {}, kept, True)
+    share, nbytes = _send_shares(local.held if local is not None else {}, kept, True,
+                                 dp_owners(kept_stats, ps.get_data_parallel_world_size()))
     per_rank: list = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, received + nbytes)
     return StepGroups(share, kept_stats, generated, received + nbytes,
@@ -356,10 +361,16 @@ def served_by(c: Completion) -> dict[str, Any]:
 
 
 def dp_share(samples: list[Sample]) -> list[Sample]:
-    """This DP rank's samples out of a whole step's: whole groups, round-robin over DP ranks (the
-    split `collect_step_groups` sends)."""
-    return [s for s in samples
-            if _owner(s.group, ps.get_data_parallel_world_size()) == ps.get_data_parallel_rank()]
+    """This DP rank's samples out of a whole step's (``Sample.group`` numbering the kept
+    groups in order): whole groups, as `collect_step_groups` deals them (``dp_owners``)."""
+    groups: dict[int, list[Sample]] = defaultdict(list)
+    for s in samples:
+        groups[s.group].append(s)
+    order = sorted(groups)
+    owners = balance_groups([group_cost([s.length for s in groups[g]]) for g in order],
+                            ps.get_data_parallel_world_size())
+    mine = {g for g, o in zip(order, owners) if o == ps.get_data_parallel_rank()}
+    return [s for s in samples if s.group in mine]
 
 
 def rollout_metrics(groups: Sequence[GroupStats], prefix: str = "") -> dict[str, float]:

@@ -229,6 +229,56 @@ def _tp_worker(world_tp: int, world_dp: int):
     return out
 
 
+def _keyed_worker():
+    """Rank r's rows with keys r, r + 2, r + 4, ...: in key order the ranks' rows interleave."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    mine = _step(False)[2 * rank: 2 * rank + 2]
+    keys, k = [], rank
+    for d in mine:
+        keys.append(torch.arange(k, k + 2 * d["mask"].shape[0], 2))
+        k += 2 * d["mask"].shape[0]
+    sels = select_tokens_global(SETTINGS["clip_cov"], [d["logp"] for d in mine],
+                                [d["old"] for d in mine], [d["adv"] for d in mine],
+                                [d["mask"] for d in mine], dp_group=dist.group.WORLD, seed=99,
+                                row_keys=keys)
+    return [(key, sel.selected) for key, sel in zip(keys, sels)]
+
+
+def test_global_draw_takes_the_rows_in_key_order_across_ranks():
+    """With row keys, Clip-Cov's global draw is the one-process draw over every rank's rows
+    sorted by key (here interleaved across the two DP ranks), not in rank order."""
+    step = _step(False)
+    width = max(c for _, c in SHAPES)
+
+    def pad(t):
+        return torch.nn.functional.pad(t, (0, width - t.shape[1]))
+
+    rows = {}
+    for rank, part in enumerate([step[:2], step[2:]]):
+        k = rank
+        for d in part:
+            for b in range(d["mask"].shape[0]):
+                rows[k] = {name: pad(d[name])[b] for name in ("logp", "old", "adv", "mask")}
+                k += 2
+    order = sorted(rows)
+    joined = {name: torch.stack([rows[k][name] for k in order]) for name in rows[order[0]]}
+    (want,) = select_tokens_global(SETTINGS["clip_cov"], [joined["logp"]], [joined["old"]],
+                                   [joined["adv"]], [joined["mask"]], dp_group=None, seed=99)
+    got = {int(k): pad(sel)[b] for rank in run_distributed(_keyed_worker, 2)
+           for keys, sel in rank for b, k in enumerate(keys)}
+    assert 0 < int(want.selected.sum()) < int(joined["mask"].sum())  # a real draw
+    for i, k in enumerate(order):
+        assert torch.equal(got[k], want.selected[i]), k
+    # rank order (no keys) draws other tokens: the keys matter
+    plain = {}
+    for r, rank in enumerate(run_distributed(_global_worker, 2, "clip_cov", False)):
+        padded = torch.cat([pad(sel) for sel, _, _ in rank])
+        plain.update({r + 2 * j: row for j, row in enumerate(padded)})
+    assert any(not torch.equal(plain[k], got[k]) for k in order)
+
+
 def test_tp2_ranks_select_the_same_tokens():
     # TP=2 x DP=2: TP peers (0, 1) and (2, 3) hold the same tokens; each computes its log-probs
     # from its own vocab shard and selects over its own DP group.

@@ -13,8 +13,8 @@ from megatron_entropy.config import ConfigError
 from megatron_entropy.trainer.batch import pack_micro_batches
 from megatron_entropy.trainer.context_parallel import chunk_positions, shard_micro_batch
 from megatron_entropy.trainer.packing import (SampleOrder, balance_groups, first_fit_decreasing,
-                                              micro_batch_cost, packed_micro_batches,
-                                              resolve_layouts)
+                                              group_cost, micro_batch_cost,
+                                              packed_micro_batches, resolve_layouts)
 
 
 def test_first_fit_decreasing_fills_bins_longest_first():
@@ -110,16 +110,22 @@ def test_sample_order_joins_and_splits_any_micro_batches():
         assert torch.equal(a, mb.advantages)
 
 
-def test_groups_are_dealt_by_cost_with_round_robin_counts():
-    costs = [100.0, 1.0, 1.0, 1.0, 90.0, 1.0, 1.0, 5.0]
+def test_groups_are_dealt_by_cost_in_round_robins_rounds():
+    # groups 0-1, 2-3, ... are dealt one to each rank (round robin's rounds), the costlier of a
+    # round to the rank with the smaller load: two costly groups in rounds 0 and 2
+    costs = [group_cost(lengths) for lengths in
+             ([100, 100], [5, 5], [5, 5], [5, 5], [90, 90], [5, 5], [5, 5], [20, 20])]
     owner = balance_groups(costs, 2)
-    assert [owner.count(p) for p in range(2)] == [4, 4]
-    assert owner[0] != owner[4]  # the two costly groups on different ranks
-    assert balance_groups([1.0] * 5, 2).count(0) == 3  # round-robin's counts
-    # round robin would put both costly groups on rank 0
-    costs = [100.0, 1.0, 90.0, 1.0]
-    loads = [sum(c for c, o in zip(costs, balance_groups(costs, 2)) if o == p) for p in (0, 1)]
-    assert max(loads) == 101.0
+    assert all(owner[2 * j] != owner[2 * j + 1] for j in range(4))
+    assert owner[0] != owner[4]  # round robin would give both to rank 0
+    assert balance_groups([(1.0, 1.0)] * 5, 2) == [0, 1, 0, 1, 0]  # ties: round robin's
+    # pairs as well as tokens: equal tokens, one group of each round far costlier in attention
+    costs = [group_cost(lengths) for lengths in ([64], [8] * 8, [64], [8] * 8)]
+    owner = balance_groups(costs, 2)
+    assert owner[0] != owner[2] and owner[1] != owner[3]
+    loads = [[sum(c[j] for c, o in zip(costs, owner) if o == p) for p in (0, 1)]
+             for j in (0, 1)]
+    assert loads[0][0] == loads[0][1] and loads[1][0] == loads[1][1]
 
 
 def test_cost_counts_a_packed_row_by_its_sequences():
