@@ -10,9 +10,10 @@ split into 2 x CP equal chunks and CP rank r holds chunks r and 2CP-1-r (so that
 even over the ranks), at their own positions. Each rank's queries need the keys and values of
 the chunks before them: the ranks all-gather K and V (one collective per layer, K and V
 together), put each sequence's chunks back in order and attend, chunk by chunk, to the prefix
-that ends with the chunk (a causal mask aligned to the prefix's end). In the backward the
-gradient of the gathered K/V is the sum of every rank's (each rank's queries read every rank's
-keys): the all-gather's adjoint, a reduce-scatter.
+that ends with the chunk: every key before the chunk, then the chunk's own keys causally (on the
+CPU two flash-attention calls merged by their log-sum-exps, so that no [queries, keys] mask is
+built). In the backward the gradient of the gathered K/V is the sum of every rank's (each rank's
+queries read every rank's keys): the all-gather's adjoint, a reduce-scatter.
 """
 
 from __future__ import annotations
@@ -29,14 +30,51 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor, scale: float, gqa: bool,
           prefix: int = 0) -> Tensor:
     """Causal attention of [s, b, h, d] queries over [prefix + s, b, g, d] keys and values: query
     i sees keys up to prefix + i. -> [s, b, h, d]."""
-    s, kv = q.shape[0], k.shape[0]
-    mask = None
-    if prefix:
-        mask = torch.ones(s, kv, dtype=torch.bool, device=q.device).tril(prefix)
-    out = F.scaled_dot_product_attention(
-        q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3), attn_mask=mask,
-        is_causal=not prefix, scale=scale, enable_gqa=gqa)
+    q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+    if not prefix:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                             enable_gqa=gqa)
+    elif q.device.type == "cpu":
+        out = _PrefixCausalAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(),
+                                           prefix, scale)
+    else:  # the local spec on a GPU (Transformer Engine's CP attention is the GPU path)
+        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.tril(prefix), scale=scale,
+                                             enable_gqa=gqa)
     return out.permute(2, 0, 1, 3)
+
+
+class _PrefixCausalAttention(torch.autograd.Function):
+    """[b, h, c, d] queries that follow ``prefix`` keys, all of which they see, then the c keys
+    of their own chunk, causally ([b, g, prefix + c, d] keys and values), on the CPU without a
+    [queries, keys] mask: torch's flash kernel over the prefix (not causal) and over the chunk
+    (causal), merged by their log-sum-exps; the backward runs the flash backward of each part
+    with the merged output and log-sum-exp, which gives the gradients of one softmax over both
+    key sets (as ring attention does). Memory stays linear in the sequence."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, prefix: int, scale: float) -> Tensor:
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        o1, l1 = flash(q, k[:, :, :prefix], v[:, :, :prefix], 0.0, False, scale=scale)
+        o2, l2 = flash(q, k[:, :, prefix:], v[:, :, prefix:], 0.0, True, scale=scale)
+        lse = torch.logaddexp(l1, l2)
+        out = (o1.float() * torch.exp(l1 - lse)[..., None]
+               + o2.float() * torch.exp(l2 - lse)[..., None]).to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.prefix, ctx.scale = prefix, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        q, k, v, out, lse = ctx.saved_tensors
+        p, scale = ctx.prefix, ctx.scale
+        flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+        grad = grad.contiguous()
+        dq1, dk1, dv1 = flash_backward(grad, q, k[:, :, :p], v[:, :, :p], out, lse, 0.0, False,
+                                       scale=scale)
+        dq2, dk2, dv2 = flash_backward(grad, q, k[:, :, p:], v[:, :, p:], out, lse, 0.0, True,
+                                       scale=scale)
+        return dq1 + dq2, torch.cat([dk1, dk2], dim=2), torch.cat([dv1, dv2], dim=2), None, None
 
 
 def packed_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, scale: float,
