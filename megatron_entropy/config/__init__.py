@@ -14,7 +14,8 @@ Torch-free: the Slurm helpers and ``plan`` load configs without it.
 from megatron_entropy.config.evaluation import EvalConfig
 from megatron_entropy.config.loading import load_config, parse_overrides
 from megatron_entropy.config.schema import (AlgorithmConfig, AnalysisConfig, ArithmeticConfig,
-                                            ClusterConfig, Config, DataConfig,
+                                            ChainLengthMode, ChainsConfig, ClusterConfig,
+                                            Config, DataConfig,
                                             EntropyControlConfig, HintedConfig, LoggingConfig,
                                             ModelConfig,
                                             ParallelConfig, RewardConfig, RolloutConfig,
@@ -25,7 +26,8 @@ from megatron_entropy.config.study import (EntropyBonusSweep, StudyConfig, Study
 from megatron_entropy.config.validation import validate
 from megatron_entropy.settings import ConfigError
 
-__all__ = ["AlgorithmConfig", "AnalysisConfig", "ArithmeticConfig", "ClusterConfig", "Config",
+__all__ = ["AlgorithmConfig", "AnalysisConfig", "ArithmeticConfig", "ChainLengthMode",
+           "ChainsConfig", "ClusterConfig", "Config",
            "ConfigError", "DataConfig", "EntropyBonusSweep", "EntropyControlConfig", "EvalConfig",
            "HintedConfig",
            "LoggingConfig", "ModelConfig", "ParallelConfig", "RewardConfig", "RolloutConfig",

@@ -207,6 +207,10 @@ class RolloutConfig(Settings):
     seed: int = _f(0, help="base of every rollout's and validation's sampling seed")
     dtype: DtypeName = _f("fp32", aliases=DTYPE_ALIASES, help="in-process engine's dtype")
     batch_size: int = _f(64, ge=1, help="in-process engine: sequences decoded together")
+    kv_cache_gb: float = _f(0.0, ge=0, help="in-process engine: memory its KV cache may take; "
+                                            "fewer sequences are decoded together when prompt + "
+                                            "max_new_tokens would not fit; 0 = half of the free "
+                                            "memory at its start")
     val_n_samples: int = _f(4, ge=1, help="k of pass@1 averaged over k samples")
     val_temperature: float = _f(0.6, ge=0, help="0 = greedy")
     server: ServerConfig = _f(default_factory=ServerConfig)
@@ -355,11 +359,46 @@ class HintedConfig(Settings):
 
 
 @dataclass
+class ChainLengthMode(Settings):
+    """One mode of the chains task's number of additions: log-normal, drawn by weight."""
+
+    median: float = _f(32.0, gt=0, help="median number of additions (~12.5 tokens each)")
+    sigma: float = _f(0.55, ge=0, help="spread: the standard deviation of its log")
+    weight: float = _f(1.0, gt=0, help="relative chance of this mode")
+
+
+@dataclass
+class ChainsConfig(Settings):
+    """The long-response task: add a step to a start, N times, one line an addition, N drawn
+    from a mixture of log-normal modes (megatron_entropy/data/chains.py)."""
+
+    num_train: int = _f(20000, ge=1, help="training problems")
+    num_val: int = _f(64, ge=1, help="validation problems")
+    length_modes: list[ChainLengthMode] = _f(
+        default_factory=lambda: [ChainLengthMode()], help="the modes of the number of "
+        "additions; the default (median 32, sigma 0.55) gives responses of median ~400 tokens "
+        "with a tail to ~2,000")
+    min_steps: int = _f(8, ge=1, help="fewest additions")
+    max_steps: int = _f(160, ge=1, help="most additions")
+    max_start: int = _f(99, ge=1, help="the start is drawn from 1 to it")
+    max_step: int = _f(9, ge=1, help="the step added is drawn from 1 to it")
+    seed: int = _f(0, help="seed of the generated problems")
+
+    def validate(self) -> None:
+        super().validate()
+        if self.min_steps > self.max_steps:
+            raise SettingError("min_steps", f"{self.min_steps} must be <= max_steps "
+                                            f"({self.max_steps})")
+        if not self.length_modes:
+            raise SettingError("length_modes", "give at least one mode")
+
+
+@dataclass
 class DataConfig(Settings):
     train_files: list[str] = _f(default_factory=list, help="jsonl/parquet; empty = synthetic task")
-    task: Literal["arithmetic", "sums", "hinted"] = _f(
-        "arithmetic", help="the synthetic task without train_files: data.arithmetic, data.sums "
-                           "or data.hinted")
+    task: Literal["arithmetic", "sums", "hinted", "chains"] = _f(
+        "arithmetic", help="the synthetic task without train_files: data.arithmetic, data.sums, "
+                           "data.hinted or data.chains")
     val_files: list[str] = _f(default_factory=list, help="jsonl/parquet validation files; empty "
                                                          "with train_files = no validation")
     prompt_key: str = _f("prompt", help="field of a row holding the prompt (dotted: nested)")
@@ -383,6 +422,7 @@ class DataConfig(Settings):
     arithmetic: ArithmeticConfig = _f(default_factory=ArithmeticConfig)
     sums: SumsConfig = _f(default_factory=SumsConfig)
     hinted: HintedConfig = _f(default_factory=HintedConfig)
+    chains: ChainsConfig = _f(default_factory=ChainsConfig)
 
     def split_problem(self, split: str) -> Optional[str]:
         """Why this data has no ``split`` ("train", "val" or "test"), or None: only data.task
@@ -412,6 +452,11 @@ class RewardConfig(Settings):
     max_consecutive_timeouts: int = _f(
         10, ge=0, help="stop the run when this many calls in a row overran timeout_s (a reward "
                         "that hangs would cost timeout_s per response); 0 = never stop")
+    overlong_buffer: int = _f(0, ge=0, help="DAPO's overlong shaping: a training response in "
+                                            "the last overlong_buffer tokens before rollout."
+                                            "max_new_tokens loses reward linearly, up to "
+                                            "overlong_penalty at the limit; 0 = off")
+    overlong_penalty: float = _f(1.0, ge=0, help="the overlong shaping's penalty at the limit")
 
 
 @dataclass
@@ -439,7 +484,7 @@ class TrainerConfig(Settings):
                      "= packed or shared_prompt, the cheaper per mini-batch, on dense models")
     distributed_optimizer: Union[bool, Literal["auto"]] = _f(
         "auto", help="Megatron's distributed optimizer: fp32 main weights and Adam moments "
-                     "sharded over DP ranks; 'auto' = on where DP > 1")
+                     "sharded over DP (x CP) ranks; 'auto' = on where DP x CP > 1")
     overlap_communication: Union[bool, Literal["auto"]] = _f(
         "auto", help="overlap the DP grad reduce with the backward (bucket by bucket) and, with "
                      "the distributed optimizer, the param all-gather with the next forward; "
@@ -476,8 +521,8 @@ class TrainerConfig(Settings):
         return on_gpu if self.overlap_communication == "auto" else bool(self.overlap_communication)
 
     def uses_distributed_optimizer(self, data_parallel: int) -> bool:
-        """``distributed_optimizer`` resolved: 'auto' is on where there is more than one DP
-        rank to shard over."""
+        """``distributed_optimizer`` resolved: 'auto' is on where there is more than one rank to
+        shard over (``data_parallel``: DP x CP, the ranks Megatron shards the state over)."""
         return data_parallel > 1 if self.distributed_optimizer == "auto" \
             else bool(self.distributed_optimizer)
 

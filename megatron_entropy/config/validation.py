@@ -43,6 +43,10 @@ def validate(cfg: Config) -> None:
         _check_tools(cfg)
     if cfg.algorithm.old_logprobs == "engine":
         _check_engine_old_logprobs(cfg)
+    if cfg.reward.overlong_buffer > r.max_new_tokens:
+        raise ConfigError(f"reward.overlong_buffer={cfg.reward.overlong_buffer} is longer than "
+                          f"rollout.max_new_tokens={r.max_new_tokens}: the buffer is the last "
+                          "part of the length limit")
     if cfg.parallel.context > 1 and cfg.trainer.micro_batch_layout == "shared_prompt":
         raise ConfigError(f"trainer.micro_batch_layout=shared_prompt: parallel.context="
                           f"{cfg.parallel.context} splits each sequence over its ranks, not "

@@ -18,8 +18,10 @@ from typing import Any, Iterator, Literal, Optional, Sequence, Union
 import pyarrow.parquet as pq
 from transformers import AutoTokenizer
 
-from megatron_entropy.config import ArithmeticConfig, DataConfig, HintedConfig, SumsConfig
+from megatron_entropy.config import (ArithmeticConfig, ChainsConfig, DataConfig, HintedConfig,
+                                     SumsConfig)
 from megatron_entropy.data.arithmetic import train_val_problems
+from megatron_entropy.data.chains import train_val_chain_problems
 from megatron_entropy.data.hinted import hinted_splits
 from megatron_entropy.data.sums import train_val_sum_problems
 from megatron_entropy.models.tokenizer_files import tokenizer_problem
@@ -170,6 +172,15 @@ def sums_rows(cfg: SumsConfig, split: Literal["train", "val"]) -> list[PromptRow
                       where=f"sums {split} problem {i}") for i, p in enumerate(problems)]
 
 
+def chains_rows(cfg: ChainsConfig, split: Literal["train", "val"]) -> list[PromptRow]:
+    train, val = train_val_chain_problems(cfg.num_train, cfg.num_val, cfg.length_modes,
+                                          cfg.min_steps, cfg.max_steps, cfg.max_start,
+                                          cfg.max_step, cfg.seed)
+    problems = train if split == "train" else val
+    return [PromptRow(prompt=p.question, answer=p.answer, source=p.source,
+                      where=f"chains {split} problem {i}") for i, p in enumerate(problems)]
+
+
 def hinted_rows(cfg: HintedConfig, split: Literal["train", "val", "test"]) -> list[PromptRow]:
     problems = hinted_splits(cfg.num_train if split == "train" else 0, cfg.num_val,
                              cfg.num_test if split == "test" else 0, cfg.min_terms,
@@ -310,6 +321,8 @@ def load_prompt_dataset(data: DataConfig, tokenizer: Any, max_prompt_tokens: int
         rows = sums_rows(data.sums, split)
     elif data.task == "hinted":
         rows = hinted_rows(data.hinted, split)
+    elif data.task == "chains":
+        rows = chains_rows(data.chains, split)
     else:
         rows = arithmetic_rows(data.arithmetic, split)
     return PromptDataset.from_rows(rows, tokenizer, max_prompt_tokens=max_prompt_tokens,

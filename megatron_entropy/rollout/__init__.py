@@ -31,7 +31,7 @@ def build_engine(rollout_cfg, hf_dir: Union[str, Path], run_dir: Union[str, Path
         # Colocated: the engine shares this rank's GPU (set by the runtime) with the actor.
         device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
         return InProcessEngine(hf_dir, dtype=rollout_cfg.dtype, batch_size=rollout_cfg.batch_size,
-                               device=device)
+                               device=device, kv_cache_gb=rollout_cfg.kv_cache_gb)
     if rollout_cfg.engine == "vllm":
         from megatron_entropy.rollout.server.vllm import VLLMEngine, lora_serving
 

@@ -11,6 +11,9 @@ the actor recomputes and reproducible per sample:
   renormalised kept mass).
 Prompts are left-padded; each distinct prompt is prefilled once and its cache copied to its n
 samples; finished rows leave the batch, so long samples do not keep short ones' compute alive.
+The KV cache is bounded (``kv_cache_gb``): a batch takes only as many samples as their longest
+possible sequence (prompt + max_new_tokens) fits, and a single sample that cannot fit is an error
+naming the settings, before any decoding.
 
 A mixture-of-experts model also records the experts its routers chose for every token of every
 sample (prompt and response) in each MoE layer: ``Completion.meta["routing"]`` [layers, length,
@@ -105,6 +108,17 @@ def _keep_rows(cache, keep: list[int], *rows: torch.Tensor) -> list[torch.Tensor
     return [t[sel] for t in rows]
 
 
+def free_memory_bytes(device: torch.device) -> float:
+    """Memory free for new tensors: the GPU's, or the host's MemAvailable."""
+    if device.type == "cuda":
+        return float(torch.cuda.mem_get_info(device)[0])
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return float(line.split()[1]) * 1024
+    raise RuntimeError("no MemAvailable in /proc/meminfo")
+
+
 def _version(v: str) -> tuple[int, ...]:
     return tuple(int(p) for p in v.split(".")[:2] if p.isdigit())
 
@@ -158,7 +172,7 @@ class InProcessEngine(RolloutEngine):
     shared = False
 
     def __init__(self, hf_dir: Union[str, Path], dtype: str = "fp32", batch_size: int = 64,
-                 device: Union[str, torch.device] = "cpu"):
+                 device: Union[str, torch.device] = "cpu", kv_cache_gb: float = 0.0):
         if dtype not in DTYPES:
             raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
         if batch_size < 1:
@@ -186,6 +200,8 @@ class InProcessEngine(RolloutEngine):
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self.one_thread_decode = (self.device.type == "cpu" and sum(
             p.numel() for p in self.model.parameters()) < SMALL_MODEL_PARAMS)
+        self.kv_cache_bytes = kv_cache_gb * 2 ** 30 if kv_cache_gb > 0 else \
+            0.5 * free_memory_bytes(self.device)
         recorder = RoutingRecorder(self.model)
         self.routing: Optional[RoutingRecorder] = recorder if recorder.layers else None
         self.weight_version = 0
@@ -348,14 +364,39 @@ class InProcessEngine(RolloutEngine):
         finally:
             torch.set_num_threads(threads)
 
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV-cache bytes of one token of one sequence: every layer's keys and values."""
+        c = self.model.config
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+        size = torch.empty((), dtype=self.model.dtype).element_size()
+        return 2 * c.num_hidden_layers * kv_heads * head_dim * size
+
+    def batch_rows(self, longest_prompt: int, max_new_tokens: int) -> int:
+        """How many samples decode together: ``batch_size``, or fewer where their KV cache at
+        full length would pass ``kv_cache_gb``; an error when one sample does not fit."""
+        per_sample = self.kv_bytes_per_token * (longest_prompt + max_new_tokens)
+        rows = int(self.kv_cache_bytes // per_sample)
+        if rows < 1:
+            raise ValueError(
+                f"the in-process engine's KV cache cannot hold one sequence of "
+                f"{longest_prompt} prompt + rollout.max_new_tokens={max_new_tokens} tokens: "
+                f"{per_sample / 2 ** 30:.2f} GiB at {self.kv_bytes_per_token} bytes a token, "
+                f"against {self.kv_cache_bytes / 2 ** 30:.2f} GiB (rollout.kv_cache_gb; 0 = half "
+                "the free memory): raise rollout.kv_cache_gb, lower rollout.max_new_tokens, or "
+                "serve the rollouts from vLLM/SGLang (rollout.engine)")
+        return min(self.batch_size, rows)
+
     def _generate(self, prompts: list[list[int]],
                   sampling: SamplingParams) -> list[list[Completion]]:
         start = time.perf_counter()
         base_seed = sampling.seed if sampling.seed is not None else random.getrandbits(62)
         requests = [(i, j) for i in range(len(prompts)) for j in range(sampling.n)]
         results: list[list[Optional[Completion]]] = [[None] * sampling.n for _ in prompts]
-        for b in range(0, len(requests), self.batch_size):
-            chunk = requests[b:b + self.batch_size]
+        rows = self.batch_rows(max((len(p) for p in prompts), default=0), sampling.max_new_tokens)
+        for b in range(0, len(requests), rows):
+            chunk = requests[b:b + rows]
             distinct = sorted({i for i, _ in chunk})
             where = {i: r for r, i in enumerate(distinct)}
             done = self._generate_batch([list(prompts[i]) for i in distinct],

@@ -186,7 +186,7 @@ class AsyncRollouts:
         engine.generate_in_background(rollouts.rollout.inflight_at_sync)
         draws = PromptSampler(self.sampler.num_items, self.sampler.shuffle, self.sampler.seed)
         draws.load_state_dict(self.sampler.state_dict())
-        d, reward = rollouts.data, rollouts.reward
+        d, reward = rollouts.data, rollouts.train_reward
 
         def produce(step: int, between_rounds: Callable[[], None]) -> LocalStep:
             local = generate_step_local(

@@ -154,6 +154,8 @@ def _generate_groups(engine: Optional[RolloutEngine], items: Sequence[PromptItem
         answers = [items[i].answer for i, out in zip(mine, outputs) for _ in out]
         sources = [items[i].source for i, out in zip(mine, outputs) for _ in out]
         rewards = reward_fn(texts, answers, sources)  # one scoring pass for both
+        if hasattr(reward_fn, "shape"):  # length shaping (rewards/overlong.py)
+            rewards = reward_fn.shape(rewards, [len(c.token_ids) for out in outputs for c in out])
         k = 0
         for i, out in zip(mine, outputs):
             scored, k = rewards[k:k + len(out)], k + len(out)

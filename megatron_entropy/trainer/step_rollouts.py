@@ -13,6 +13,7 @@ from typing import Callable, ContextManager, Optional
 from megatron_entropy.config import Config
 from megatron_entropy.data import PromptDataset, PromptItem, PromptSampler, data_notes
 from megatron_entropy.rewards import RewardScorer
+from megatron_entropy.rewards.overlong import OverlongShaping
 from megatron_entropy.rollout.base import RolloutEngine, SamplingParams
 from megatron_entropy.runtime.roles import Roles
 from megatron_entropy.runtime.seeds import rollout_step_seed, validation_seed
@@ -42,6 +43,10 @@ class StepRollouts:
         self.rollout, self.data = cfg.rollout, cfg.data
         self.greedy_baseline = cfg.algorithm.advantage == "remax"  # ReMax's baseline
         self.prompts, self.engine, self.reward, self.roles = prompts, engine, reward, roles
+        # The training rollouts' reward: with DAPO's overlong shaping where it is on.
+        self.train_reward = reward if not cfg.reward.overlong_buffer else OverlongShaping(
+            reward, cfg.rollout.max_new_tokens, cfg.reward.overlong_buffer,
+            cfg.reward.overlong_penalty)
         self.seed = seed
         self.ahead: Optional[AsyncRollouts] = None  # made by `start` if max_staleness > 0
         t = cfg.trainer
@@ -85,7 +90,7 @@ class StepRollouts:
             return self.ahead.take(step, between_rounds)
         d = self.data
         return collect_step_groups(
-            self.engine, self.next_items, self.sampling(step), self.reward,
+            self.engine, self.next_items, self.sampling(step), self.train_reward,
             self.roles.shared_engine, d.prompts_per_step, d.dynamic_sampling,
             d.max_refill_rounds, between_rounds=between_rounds,
             greedy_baseline=self.greedy_baseline)
