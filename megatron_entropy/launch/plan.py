@@ -10,9 +10,12 @@ The estimate follows what the trainer builds (models/builder.py, trainer/model_s
 - weights in ``model.dtype``; Megatron DDP's fp32 grad buffer; fp32 main weights (bf16/fp16
   runs) and Adam's two fp32 moments, on every DP rank with the plain optimizer, 1/DP of them per
   rank with the distributed optimizer (``trainer.distributed_optimizer``);
-- activations of one micro-batch of ``trainer.micro_batch_tokens`` tokens: every layer input when
+- activations of one micro-batch of ``trainer.micro_batch_tokens`` tokens (at least one full
+  sequence), 1/CP of them per context-parallel rank: every layer input when
   ``model.recompute_activations`` (full recompute) plus one layer's full set, or every layer's full
   set without recompute; the first pipeline stage holds ``pipeline`` micro-batches in flight (1F1B);
+  with CP each layer also keeps the keys and values of the whole micro-batch that its attention
+  gathered (the all-gather's output, for the backward);
 - the LM head: one chunk of fp32 logits (fused log-prob) or the micro-batch's logits (chunked);
 - in-process rollout: a full model copy in ``rollout.dtype`` and its KV cache on each DP leader;
 - a server GPU: weights / server_gpus, the rest of 90% of the GPU is KV cache (vLLM/SGLang default);
@@ -223,6 +226,7 @@ class Plan:
     pipeline: int
     data_parallel: int = 0
     expert: int = 1
+    context: int = 1
     trainer: list[tuple[str, float]] = field(default_factory=list)  # (item, bytes) worst GPU
     # A mixture of experts: item -> its (dense part, bytes), (experts' part, bytes).
     trainer_parts: dict[str, list[tuple[str, float]]] = field(default_factory=dict)
@@ -252,9 +256,9 @@ def make_plan(cfg: Config, arch: ModelArch, nodes: int, arch_source: str = "",
     c, p, r, t = cfg.cluster, cfg.parallel, cfg.rollout, cfg.trainer
     plan = Plan(arch=arch, arch_source=arch_source, nodes=nodes, gpus_per_node=c.gpus_per_node,
                 gpu_memory_gb=c.gpu_memory_gb, layout=None, tensor=p.tensor, pipeline=p.pipeline,
-                expert=p.expert)
+                expert=p.expert, context=p.context)
     try:
-        arch.check_parallel(p.tensor, p.pipeline, p.expert)
+        arch.check_parallel(p.tensor, p.pipeline, p.expert, p.context)
         plan.layout = job_layout(cfg, [f"node{i}" for i in range(nodes)])
     except (UnsupportedModelError, ParallelLayoutError, NotEnoughNodesError, ConfigError) as e:
         plan.problems.append(str(e))
@@ -264,7 +268,7 @@ def make_plan(cfg: Config, arch: ModelArch, nodes: int, arch_source: str = "",
         plan.problems.append(
             "cluster.server_nodes=0 puts the rollout servers on the first trainer node, beside "
             "the trainer's GPUs: that is for CPU tests; give the servers nodes of their own")
-    plan.data_parallel = lay.trainer_tasks // (p.tensor * p.pipeline)
+    plan.data_parallel = lay.trainer_tasks // (p.tensor * p.pipeline * p.context)
     if plan.data_parallel % p.expert:
         plan.problems.append(f"parallel.expert={p.expert} does not divide the data-parallel size "
                              f"{plan.data_parallel}")
@@ -318,15 +322,15 @@ def _plan_trainer_state(plan: Plan, cfg: Config) -> None:
             expert_trained * w)
         plan.problems += lora_problems(cfg, arch)
     add("grad buffer (fp32)", dense_trained * 4, expert_trained * 4)
-    # The distributed optimizer keeps each DP rank's 1/DP of the main weights and moments; an
-    # expert's over the DP ranks that hold the same experts (DP / EP).
-    sharded = t.uses_distributed_optimizer(plan.data_parallel)
+    # The distributed optimizer keeps each DP (x CP) rank's 1/(DP x CP) of the main weights and
+    # moments; an expert's over the DP ranks that hold the same experts (DP / EP).
+    shards = plan.data_parallel * p.context
+    sharded = t.uses_distributed_optimizer(shards)
     expert_dp = plan.data_parallel // p.expert
-    dp_shard = f", 1/{plan.data_parallel} by the distributed optimizer" if sharded else ""
+    dp_shard = f", 1/{shards} by the distributed optimizer" if sharded else ""
     if sharded and experts:
         dp_shard += f" (experts 1/{expert_dp})"
-    dense_opt, expert_opt = ((-(-dense_trained // plan.data_parallel),
-                              -(-expert_trained // expert_dp))
+    dense_opt, expert_opt = ((-(-dense_trained // shards), -(-expert_trained // expert_dp))
                              if sharded else (dense_trained, expert_trained))
     if w < 4:
         add(f"fp32 main weights{dp_shard}", dense_opt * 4, expert_opt * 4)
@@ -340,17 +344,24 @@ def _plan_trainer_work(plan: Plan, cfg: Config, seq: int) -> None:
     in-process engine, the runtime's share; the MoE all-to-all volume; whether it fits."""
     arch, c, p, r, t = plan.arch, cfg.cluster, cfg.parallel, cfg.rollout, cfg.trainer
     w = DTYPES[cfg.model.dtype].bytes
-    tokens = t.micro_batch_tokens
+    micro_batch = max(t.micro_batch_tokens, seq)  # a longer sequence is a micro-batch alone
+    tokens = micro_batch / p.context  # this CP rank's part
     full_layer = layer_activation_elems(arch, p.tensor, p.sequence_parallel) * 2 * tokens
     layers = arch.num_layers // p.pipeline
     in_flight = p.pipeline  # 1F1B: the first stage keeps `pipeline` micro-batches alive
+    what = f"{micro_batch} tokens" + (f", 1/{p.context} per CP rank" if p.context > 1 else "")
     if cfg.model.recompute_activations:
         inputs = layers * arch.hidden_size * 2 * tokens / (p.tensor if p.sequence_parallel else 1)
-        plan.trainer.append((f"activations (recompute, {in_flight} micro-batch(es) of "
-                             f"{tokens} tokens)", in_flight * inputs + full_layer))
+        plan.trainer.append((f"activations (recompute, {in_flight} micro-batch(es) of {what})",
+                             in_flight * inputs + full_layer))
     else:
-        plan.trainer.append((f"activations ({in_flight} micro-batch(es) of {tokens} tokens)",
+        plan.trainer.append((f"activations ({in_flight} micro-batch(es) of {what})",
                              in_flight * layers * full_layer))
+    if p.context > 1:
+        kept = layers if not cfg.model.recompute_activations else 1
+        plan.trainer.append((f"CP: the gathered keys and values ({kept} layer(s))",
+                             in_flight * kept * micro_batch
+                             * kv_bytes_per_token(arch, w, p.tensor) / arch.num_layers))
     vocab_shard = arch.padded_vocab_size / p.tensor
     if cfg.algorithm.logprob_impl == "fused":
         logits = min(cfg.algorithm.logprob_chunk_tokens, tokens) * vocab_shard * 4 * 3
@@ -361,8 +372,12 @@ def _plan_trainer_work(plan: Plan, cfg: Config, seq: int) -> None:
     if r.engine == "inprocess":
         rw = DTYPES[r.dtype].bytes
         plan.trainer.append((f"in-process engine weights ({r.dtype})", total_params(arch) * rw))
-        plan.trainer.append((f"in-process KV cache ({r.batch_size} x {seq} tokens)",
-                             r.batch_size * seq * kv_bytes_per_token(arch, rw)))
+        kv = r.batch_size * seq * kv_bytes_per_token(arch, rw)
+        if r.kv_cache_gb > 0:  # the engine decodes fewer sequences at once beyond it
+            kv = min(kv, r.kv_cache_gb * GiB)
+        plan.trainer.append((f"in-process KV cache ({r.batch_size} x {seq} tokens"
+                             + (f", at most {r.kv_cache_gb:g} GiB" if r.kv_cache_gb > 0 else "")
+                             + ")", kv))
     if arch.is_moe and p.expert > 1:
         # Recompute (forward), then each epoch's forward and backward over the step's tokens.
         tokens_per_gpu = cfg.data.prompts_per_step * r.n_samples * seq / plan.data_parallel
@@ -376,8 +391,9 @@ def _plan_trainer_work(plan: Plan, cfg: Config, seq: int) -> None:
         plan.problems.append(
             f"the trainer needs ~{plan.trainer_bytes / GiB:.1f} GiB on its fullest GPU, over "
             f"{100 * TRAINER_MEMORY_LIMIT:.0f}% of the {c.gpu_memory_gb:g} GiB of "
-            "cluster.gpu_memory_gb: raise parallel.tensor / parallel.pipeline, set "
-            "model.recompute_activations, lower trainer.micro_batch_tokens"
+            "cluster.gpu_memory_gb: raise parallel.tensor / parallel.pipeline / "
+            "parallel.context, set model.recompute_activations, lower "
+            "trainer.micro_batch_tokens"
             + (", lower rollout.batch_size or use a server engine" if r.engine == "inprocess"
                else ""))
 
@@ -443,7 +459,9 @@ def format_plan(plan: Plan) -> str:
             lines.append(f"rollout servers: {lay.num_servers} x {lay.server_gpus} GPU(s) on "
                          f"{where}, {lay.servers_per_node} per node")
         lines.append(f"trainer: {len(lay.trainer_nodes)} node(s), {lay.trainer_tasks} GPUs = "
-                     f"TP {plan.tensor} x PP {plan.pipeline} x DP {plan.data_parallel}"
+                     f"TP {plan.tensor} x PP {plan.pipeline}"
+                     + (f" x CP {plan.context}" if plan.context > 1 else "")
+                     + f" x DP {plan.data_parallel}"
                      + (f" (EP {plan.expert}: the experts split over {plan.expert} DP ranks)"
                         if plan.expert > 1 else ""))
     if plan.trainer:

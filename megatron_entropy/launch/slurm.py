@@ -111,10 +111,11 @@ def job_layout(cfg: Config, nodes: Sequence[str]) -> JobLayout:
         raise ConfigError(
             f"cluster.servers_per_node={per_node} x cluster.server_gpus={c.server_gpus} GPUs "
             f"exceeds cluster.gpus_per_node={c.gpus_per_node}")
-    need = min_trainer_nodes(p.tensor, p.pipeline, c.gpus_per_node)
+    need = min_trainer_nodes(p.tensor, p.pipeline * p.context, c.gpus_per_node)
+    model = (f"TP x PP x CP = {p.tensor} x {p.pipeline} x {p.context}" if p.context > 1
+             else f"TP x PP = {p.tensor} x {p.pipeline}")
     server_nodes, trainer_nodes = split_nodes(
-        nodes, c.server_nodes, need,
-        f"TP x PP = {p.tensor} x {p.pipeline} GPUs at {c.gpus_per_node} GPUs per node")
+        nodes, c.server_nodes, need, f"{model} GPUs at {c.gpus_per_node} GPUs per node")
     check_layout(len(trainer_nodes) * c.gpus_per_node, p.tensor, p.pipeline,
                  context=p.context)
     shared = servers and not c.server_nodes

@@ -183,7 +183,7 @@ class Trainer:
         if resume_from is not None:
             self._check_resumable(resume_from)
         sharded_optimizer = cfg.trainer.uses_distributed_optimizer(
-            ps.get_data_parallel_world_size())
+            ps.get_data_parallel_world_size(with_context_parallel=True))
         replay = cfg.rollout.routing_replay if self.arch.is_moe else "none"
         self.model = build_trainable_model(
             self.arch, m, cfg.parallel, sharded_optimizer,

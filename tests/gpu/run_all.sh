@@ -8,6 +8,8 @@
 # 3. the HF <-> Megatron bridge with the Transformer-Engine spec (local spec without TE)
 # 4. `megatron-entropy plan`'s static memory estimate against CUDA's allocator
 # 5. the RL loop on the GPU: NCCL, bf16 Megatron actor (fp32 master weights), engine on CUDA
+# 6. packed micro-batches through TE's THD attention against padded rows; with 2+ GPUs,
+#    context parallelism (TE's CP attention) at CP=2 against CP=1
 # A machine without network takes megatron-core and math-verify as wheels from .whl/ if present.
 set -u
 OUT=${OUT:-/tmp/gpu_checks}
@@ -35,6 +37,10 @@ run entropy_ops 150 python3 tests/gpu/check_entropy_ops.py
 run inprocess_engine 90 python3 tests/gpu/check_inprocess_engine.py
 run convert_te 120 python3 tests/gpu/check_convert_te.py
 run plan_memory 120 python3 tests/gpu/check_plan_memory.py
+run long_sequences 300 python3 tests/gpu/check_long_sequences.py
+if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
+  run long_sequences_cp2 300 torchrun --nproc-per-node 2 tests/gpu/check_long_sequences.py
+fi
 run rl_loop 180 python3 -m megatron_entropy.cli train examples/quickstart.yaml \
   parallel.tensor=1 model.dtype=bf16 trainer.steps=8 trainer.val_interval=4 \
   trainer.save_interval=8 logging.progress_bar=false logging.runs_dir="$OUT/runs" \

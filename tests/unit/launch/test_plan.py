@@ -20,7 +20,10 @@ from megatron_entropy.launch.plan import (KNOWN_MODELS, kv_bytes_per_token, make
                                           stage_adapter_params, stage_params, total_params)
 
 REPO = Path(__file__).resolve().parents[3]
-RECIPES = sorted((REPO / "examples").glob("qwen2.5-*.yaml"))
+# The paper's six recipes; the long-response one (qwen2.5-32b-kl_cov-32k.yaml) is tested apart.
+RECIPES = sorted(p for p in (REPO / "examples").glob("qwen2.5-*.yaml")
+                 if not p.stem.endswith("-32k"))
+LONG_RECIPE = REPO / "examples" / "qwen2.5-32b-kl_cov-32k.yaml"
 
 
 def run_plan(capsys, *args: str) -> tuple[int, str]:
@@ -76,6 +79,21 @@ def test_layouts_that_do_not_fit_are_refused(recipe, args, message, capsys):
     code, out = run_plan(capsys, str(REPO / "examples" / f"qwen2.5-{recipe}.yaml"), *args)
     assert code == 1
     assert re.search(r"refused: .*" + message, out), out
+
+
+def test_the_long_response_recipe_fits_with_the_context_parallelism_it_needs(capsys):
+    """32k-token responses of Qwen2.5-32B without activation recompute: CP 4 holds a quarter of
+    each sequence's activations per GPU and fits; CP 2 and CP 1 are refused."""
+    nodes = documented_nodes(LONG_RECIPE)
+    code, out = run_plan(capsys, str(LONG_RECIPE), "--nodes", nodes)
+    assert code == 0, out
+    assert "64 GPUs = TP 8 x PP 2 x CP 4 x DP 1" in out
+    assert "1/4 per CP rank" in out and "CP: the gathered keys and values" in out
+    assert "Adam moments (fp32, 1/4 by the distributed optimizer)" in out  # over DP x CP
+    for context in (1, 2):
+        code, out = run_plan(capsys, str(LONG_RECIPE), "--nodes", nodes,
+                             f"parallel.context={context}")
+        assert code == 1 and re.search(r"refused: the trainer needs ~\d+\.\d GiB", out), out
 
 
 def test_options_may_follow_overrides_and_bad_input_is_named(capsys, tmp_path):

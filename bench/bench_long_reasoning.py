@@ -1,0 +1,261 @@
+"""Benchmark: long responses on one CPU machine, three ratios measured in one run.
+
+1. Packed against padded micro-batches: one optimizer step (forward and backward of every
+   micro-batch, then the update) of a small Qwen2-shaped policy on the same samples, whose
+   lengths follow a long tail (log-normal, median ~400 tokens, clipped to [64, 2000], the longest
+   2000), both layouts with the same trainer.micro_batch_tokens. Time: process CPU time, one
+   thread, best of --reps. Target: packed <= 0.6x padded.
+2. Context parallelism: the activation memory of one rank in one update of a single long
+   sequence, CP=2 against CP=1 (the same model, the same sample). Peak: the RSS high-water mark
+   during the second update (the optimizer's state exists after the first) minus the RSS before
+   it, glibc's mmap threshold fixed at 64 KiB so that RSS follows the live tensors; the larger
+   rank counts. Target: CP=2 <= 0.55x CP=1.
+3. The fused log-prob/entropy op (hidden states x output layer, chunked) at --op-tokens tokens x
+   152k vocabulary, bf16, forward and backward: its peak memory beyond its inputs (hidden
+   [T, H] and the weight [V, H]) against one chunk's fp32 logits plus those inputs. Target:
+   within 1.2x.
+
+    PYTHONPATH=. python bench/bench_long_reasoning.py            # the full run (~10-30 min)
+    PYTHONPATH=. python bench/bench_long_reasoning.py --quick    # small sizes (smoke test)
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import multiprocessing as mp
+import os
+import queue as queue_mod
+import random
+import socket
+import sys
+import time
+import traceback
+import warnings
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+# Imported once here (~5 s), not in every forked case.
+from megatron.core import parallel_state as ps  # noqa: F401
+
+from megatron_entropy.ops.logprob_entropy import (FUSED_CPU_CHUNK_ELEMENTS,
+                                                  fused_linear_logprob_entropy)
+
+VOCAB = 151936  # Qwen2.5's
+MODEL = dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=65536)
+
+
+# ----------------------------------------------------------------------------- measurement
+
+
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _reset_peak() -> int:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _status_kb("VmRSS")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(fn: Callable, rank: int, world: int, port: int, args: tuple, out) -> None:
+    try:
+        torch.set_num_threads(1)  # spin-waits of a shared machine would be billed as CPU time
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world)
+        out.put((rank, fn(*args)))
+    except BaseException:  # noqa: BLE001 - reported in the table
+        out.put((rank, {"error": traceback.format_exc(limit=4).strip().splitlines()[-1]}))
+
+
+def run(fn: Callable, world: int, *args: Any) -> list[dict]:
+    """``fn(*args)`` on ``world`` forked gloo ranks, each with one thread; results by rank."""
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(fn, r, world, port, args, out))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict[int, dict] = {}
+    try:
+        while len(results) < world:
+            try:
+                rank, res = out.get(timeout=7200)
+            except queue_mod.Empty:
+                raise RuntimeError("a rank did not report within 2 hours") from None
+            results[rank] = res
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    return [results[r] for r in range(world)]
+
+
+# ----------------------------------------------------------------------------- the policy
+
+
+def long_tail_lengths(n: int, median: int, longest: int, seed: int) -> list[int]:
+    """``n`` sample lengths: log-normal around ``median`` (sigma 0.6) in [64, longest], one of
+    them ``longest``."""
+    rng = random.Random(seed)
+    lengths = [min(max(round(math.exp(rng.gauss(math.log(median), 0.6))), 64), longest)
+               for _ in range(n - 1)]
+    lengths.insert(rng.randrange(n), longest)
+    return lengths
+
+
+def samples_of(lengths: list[int], prompt: int = 48, seed: int = 0) -> list:
+    from megatron_entropy.trainer.batch import Sample
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i, n in enumerate(lengths):
+        ids = torch.randint(3, MODEL["vocab_size"], (n,), generator=g).tolist()
+        response = ids[prompt:]
+        out.append(Sample(prompt_ids=ids[:prompt], response_ids=response,
+                          engine_logprobs=[0.0] * len(response), reward=float(i % 2), group=i,
+                          source="s", advantage=float(torch.randn(1, generator=g))))
+    return out
+
+
+def actor_of(context: int, layout: str, budget: int, model: dict):
+    """Megatron's parallel state (CP = ``context``) and a fresh policy with its Actor."""
+    from megatron_entropy.config import (AlgorithmConfig, ModelConfig, ParallelConfig,
+                                         TrainerConfig)
+    from megatron_entropy.models.arch import arch_from_hf_config
+    from megatron_entropy.runtime.distributed import init_distributed, set_seed
+    from megatron_entropy.testing.toy_models import tiny_hf_config
+    from megatron_entropy.trainer.actor import Actor
+    from megatron_entropy.trainer.model_setup import build_optimizer, build_trainable_model
+
+    init_distributed(backend="gloo", context=context)
+    set_seed(1)
+    arch = arch_from_hf_config(tiny_hf_config("qwen2", **model))
+    chunks = build_trainable_model(arch, ModelConfig(dtype="fp32", transformer_impl="local",
+                                                     seq_length=model["max_position_embeddings"]),
+                                   ParallelConfig(context=context))
+    trainer = TrainerConfig(lr=1e-4, micro_batch_tokens=budget, micro_batch_layout=layout,
+                            steps=10)
+    optimizer, scheduler = build_optimizer(chunks, trainer)
+    algorithm = AlgorithmConfig(loss="kl_cov", logprob_impl="fused")
+    return Actor(arch, chunks, optimizer, scheduler, algorithm, trainer, 1.0)
+
+
+def _update_time(layout: str, lengths: list[int], budget: int, reps: int) -> dict:
+    actor = actor_of(1, layout, budget, MODEL)
+    samples = samples_of(lengths)
+    actor.recompute(samples)
+    times = []
+    for step in range(reps):
+        t0 = time.process_time()
+        actor.update(samples, step=step + 1)
+        times.append(time.process_time() - t0)
+    mbs = actor._pack(samples)
+    return {"cpu_s": min(times), "micro_batches": len(mbs),
+            "tokens": sum(mb.tokens.numel() for mb in mbs)}
+
+
+def _update_peak(context: int, length: int, model: dict) -> dict:
+    actor = actor_of(context, "packed", 10 ** 7, model)
+    samples = samples_of([length])
+    actor.recompute(samples)
+    actor.update(samples, step=1)  # the optimizer's state now exists
+    base = _reset_peak()
+    actor.update(samples, step=2)
+    return {"peak_mb": (_status_kb("VmHWM") - base) / 1024}
+
+
+def _op_peak(tokens: int, hidden: int) -> dict:
+    g = torch.Generator().manual_seed(0)
+    h = (torch.randn(tokens, hidden, generator=g) * 0.5).to(torch.bfloat16).requires_grad_()
+    w = (torch.randn(VOCAB, hidden, generator=g) * 0.05).to(torch.bfloat16).requires_grad_()
+    targets = torch.randint(0, VOCAB, (tokens,), generator=g)
+    inputs_mb = (h.numel() + w.numel()) * 2 / 2 ** 20
+    base = _reset_peak()
+    t0 = time.process_time()
+    logp, entropy = fused_linear_logprob_entropy(h, w, targets, vocab_size=VOCAB, group=None,
+                                                 temperature=1.0, chunk_tokens=4096)
+    (logp.sum() - 1e-3 * entropy.sum()).backward()
+    peak_mb = (_status_kb("VmHWM") - base) / 1024
+    rows = max(64, FUSED_CPU_CHUNK_ELEMENTS // VOCAB)
+    chunk_mb = rows * VOCAB * 4 / 2 ** 20
+    return {"peak_mb": peak_mb, "bound_mb": chunk_mb + inputs_mb, "chunk_mb": chunk_mb,
+            "inputs_mb": inputs_mb, "cpu_s": time.process_time() - t0}
+
+
+# ----------------------------------------------------------------------------- the report
+
+
+def _row(name: str, ours: str, base: str, ratio: float, target: float, what: str) -> str:
+    verdict = "hit" if ratio <= target else "missed"
+    return f"| {name} | {ours} | {base} | {ratio:.2f}x | <= {target}x: {verdict} | {what} |"
+
+
+def main() -> None:
+    if "MALLOC_MMAP_THRESHOLD_" not in os.environ:
+        # Every block above 64 KiB gets its own mapping, returned on free: RSS then follows the
+        # live tensors (glibc would otherwise reuse freed heap memory unseen by the peak).
+        env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+        os.execve(sys.executable, [sys.executable] + sys.argv, env)
+    warnings.filterwarnings("ignore")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small sizes, one rep (smoke test)")
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--samples", type=int, default=32)
+    ap.add_argument("--budget", type=int, default=4096, help="trainer.micro_batch_tokens")
+    ap.add_argument("--cp-tokens", type=int, default=8192, help="the CP case's sequence")
+    ap.add_argument("--op-tokens", type=int, default=32768)
+    ap.add_argument("--op-hidden", type=int, default=128)
+    args = ap.parse_args()
+    if args.quick:
+        args.reps, args.samples, args.budget, args.cp_tokens = 1, 8, 1024, 512
+        args.op_tokens, args.op_hidden = 1024, 32
+    lengths = long_tail_lengths(args.samples, 100 if args.quick else 400,
+                                500 if args.quick else 2000, seed=0)
+    print(f"samples: {len(lengths)}, lengths median {sorted(lengths)[len(lengths) // 2]}, "
+          f"max {max(lengths)}, total {sum(lengths)}; micro_batch_tokens {args.budget}; "
+          f"model {MODEL}", flush=True)
+    padded, packed = (run(_update_time, 1, layout, lengths, args.budget, args.reps)[0]
+                      for layout in ("padded", "packed"))
+    cp1 = run(_update_peak, 1, 1, args.cp_tokens, MODEL)
+    cp2 = run(_update_peak, 2, 2, args.cp_tokens, MODEL)
+    op = run(_op_peak, 1, args.op_tokens, args.op_hidden)[0]
+    for res in (padded, packed, *cp1, *cp2, op):
+        if "error" in res:
+            raise SystemExit(f"a case failed: {res['error']}")
+    peak1, peak2 = max(r["peak_mb"] for r in cp1), max(r["peak_mb"] for r in cp2)
+    print("| measure | ours | against | ratio | target | what |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    print(_row("update, packed / padded", f"{packed['cpu_s']:.2f} s", f"{padded['cpu_s']:.2f} s",
+               packed["cpu_s"] / padded["cpu_s"], 0.6,
+               f"CPU time of one update of the same {len(lengths)} samples; micro-batches "
+               f"{packed['micro_batches']} / {padded['micro_batches']}, tokens with padding "
+               f"{packed['tokens']} / {padded['tokens']}"))
+    print(_row("activation memory per rank, CP=2 / CP=1", f"{peak2:.0f} MB", f"{peak1:.0f} MB",
+               peak2 / peak1, 0.55, f"peak beyond the weights and optimizer in one update of "
+               f"one {args.cp_tokens}-token sequence"))
+    print(_row(f"entropy op peak, {args.op_tokens} x {VOCAB}", f"{op['peak_mb']:.0f} MB",
+               f"{op['bound_mb']:.0f} MB", op["peak_mb"] / op["bound_mb"], 1.2,
+               f"fused op, bf16, H={args.op_hidden}, fwd+bwd ({op['cpu_s']:.0f} s CPU); "
+               f"against one chunk's fp32 logits ({op['chunk_mb']:.0f} MB) + the inputs "
+               f"({op['inputs_mb']:.0f} MB)"))
+
+
+if __name__ == "__main__":
+    main()
