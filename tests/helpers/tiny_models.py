@@ -71,11 +71,12 @@ def initial_weights_worker() -> dict:
 
 
 def tiny_actor(tensor: int, pipeline: int, algorithm, trainer, temperature: float = 1.0,
-               initial: Optional[dict] = None, context: int = 1, **model_options):
+               initial: Optional[dict] = None, context: int = 1,
+               distributed_optimizer: bool = False, **model_options):
     """Inside a rank of ``run_distributed``: Megatron's parallel state at TP x PP x CP, the tiny
     qwen2 policy (fp32, local spec, ``model_options`` other ModelConfig fields; from the full
     weights ``initial`` when given, since a PP=2 build draws other initial weights than PP=1)
-    and its Actor with a fresh optimizer."""
+    and its Actor with a fresh optimizer (Megatron's distributed one if asked)."""
     from megatron_entropy.config import ModelConfig, ParallelConfig
     from megatron_entropy.models.arch import arch_from_hf_config
     from megatron_entropy.models.sharding import load_full_state_dict
@@ -85,13 +86,14 @@ def tiny_actor(tensor: int, pipeline: int, algorithm, trainer, temperature: floa
 
     init_megatron(tensor, pipeline, context=context)
     arch = arch_from_hf_config(tiny_hf_config("qwen2"))
-    chunks = build_trainable_model(
-        arch, ModelConfig(**{"dtype": "fp32", "transformer_impl": "local", "seq_length": 64,
-                             **model_options}),
-        ParallelConfig(tensor=tensor, pipeline=pipeline, context=context))
+    model = ModelConfig(**{"dtype": "fp32", "transformer_impl": "local", "seq_length": 64,
+                           **model_options})
+    chunks = build_trainable_model(arch, model, ParallelConfig(tensor=tensor, pipeline=pipeline,
+                                                               context=context),
+                                   distributed_optimizer=distributed_optimizer)
     if initial is not None:
         load_full_state_dict(chunks[0], initial)
-    optimizer, scheduler = build_optimizer(chunks, trainer)
+    optimizer, scheduler = build_optimizer(chunks, trainer, model.dtype, distributed_optimizer)
     return Actor(arch, chunks, optimizer, scheduler, algorithm, trainer, temperature)
 
 

@@ -7,10 +7,12 @@ CP=2 and PP=2 x CP=2."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 import pytest
 import torch
 
-from actor_updates import UPDATES, rounding_paths
+from actor_updates import UPDATES, drift_engine_logprobs, rounding_paths
 from harness import run_distributed
 from tiny_models import hf_weights, initial_weights_worker, random_samples, tiny_actor
 from tolerance import rounding_tol, update_tol
@@ -27,12 +29,14 @@ def initial():
 
 
 def _step_worker(tensor: int, pipeline: int, context: int, layout: str, initial: dict,
-                 algorithm: dict, samples: dict = SAMPLES):
+                 algorithm: dict, samples: dict = SAMPLES, options: Optional[dict] = None):
     """From ``initial``: one step of the tiny policy at TP x PP x CP with the AlgorithmConfig
-    fields ``algorithm`` on ``random_samples(1, **samples)``; the weights before and after (HF
-    names, on the replica's leader), the metrics and every sample's log-probs and entropies."""
+    fields ``algorithm`` on ``random_samples(1, **samples)`` (``options``: tiny_actor's model
+    and optimizer options); the weights before and after (HF names, on the replica's leader),
+    the metrics and every sample's log-probs and entropies."""
     from megatron.core import parallel_state as ps
 
+    from megatron_entropy.algorithms.settings import RolloutCorrectionSettings
     from megatron_entropy.algorithms.token_rules import TokenRuleSettings
     from megatron_entropy.config import AlgorithmConfig, TrainerConfig
 
@@ -40,16 +44,20 @@ def _step_worker(tensor: int, pipeline: int, context: int, layout: str, initial:
                             micro_batch_tokens=BUDGET, mini_batches_per_step=2, ppo_epochs=2,
                             seed=5, micro_batch_layout=layout)
     rules = TokenRuleSettings(**algorithm.pop("token_rules", {}))
+    correction = RolloutCorrectionSettings(**algorithm.pop("rollout_correction", {}))
     settings = AlgorithmConfig(**{"kl_cov_ratio": 0.1, "kl_cov_coef": 1.0,
                                   "clip_cov_ratio": 0.2, "clip_cov_lb": -100.0,
                                   "clip_cov_ub": 100.0, "logprob_impl": "fused",
-                                  "token_rules": rules, **algorithm})
+                                  "token_rules": rules, "rollout_correction": correction,
+                                  **algorithm})
     actor = tiny_actor(tensor, pipeline, settings, trainer, TEMPERATURE, initial=initial,
-                       context=context, seq_length=128)
+                       context=context, **{"seq_length": 128, **(options or {})})
     assert ps.get_context_parallel_world_size() == context
     step_samples = random_samples(1, **samples)
     before = hf_weights(actor)
     actor.recompute(step_samples)
+    if correction.mode != "none":
+        drift_engine_logprobs(step_samples)
     metrics = actor.update(step_samples, step=1)
     stats = [(s.old_logprobs.double(), s.entropy.double()) for s in step_samples]
     return before, hf_weights(actor), metrics, stats
@@ -70,9 +78,11 @@ CASES = {
     "gspo": ("packed", dict(loss="gspo", loss_agg_mode="seq-mean-token-mean")),
     "80/20 rule": ("padded", dict(loss="ppo_clip", token_rules=dict(
         high_entropy_minority=True, high_entropy_scope="global"))),
+    "rollout correction (mis)": ("padded", dict(loss="kl_cov", cov_scope="global",
+                                                rollout_correction=dict(mode="mis"))),
 }
 # Metrics that say which tokens a rule took (ratios of counts: the same tokens, exactly).
-COUNTS = ("selected_frac", "entropy_rule/pg_token_frac")
+COUNTS = ("selected_frac", "entropy_rule/pg_token_frac", "rollout_corr/masked_frac")
 
 
 def _assert_same_step(got: tuple, want: tuple, label: str, samples: dict = SAMPLES) -> None:
@@ -117,3 +127,40 @@ def test_context_parallel_with_tensor_and_pipeline_parallelism(initial, tensor, 
     got = run_distributed(_step_worker, 4, tensor, pipeline, 2, layout, initial, dict(algorithm),
                           timeout=300)
     _assert_same_step(got[0], want, f"TP={tensor} PP={pipeline} CP=2 {layout}")
+
+
+def test_context_parallel_with_the_distributed_optimizer_and_recompute(initial):
+    """The distributed optimizer sharding its state over DP x CP and full activation recompute
+    (the backward runs each layer's forward again, its K/V gather included): CP=2 against a
+    plain CP=1 step, up to fp32 rounding."""
+    options = dict(recompute_activations=True, distributed_optimizer=True)
+    algorithm = dict(loss="kl_cov", cov_scope="global")
+    (want,) = run_distributed(_step_worker, 1, 1, 1, 1, "packed", initial, dict(algorithm))
+    got = run_distributed(_step_worker, 2, 1, 1, 2, "packed", initial, dict(algorithm), SAMPLES,
+                          options)
+    _assert_same_step(got[0], want, "CP=2, distributed optimizer, recompute")
+
+
+def test_context_parallel_in_bf16(initial):
+    """bf16 weights and compute (fp32 main weights): CP=2 differs from CP=1 by at most twice
+    what bf16 itself changes against fp32 at CP=1, in the log-probs and in the step's update
+    (the weights after its four updates, all tensors together): rounding, not another
+    function."""
+    algorithm = dict(loss="kl_cov", cov_scope="global")
+    bf16 = dict(dtype="bf16")
+    (fp32,) = run_distributed(_step_worker, 1, 1, 1, 1, "packed", initial, dict(algorithm))
+    (one,) = run_distributed(_step_worker, 1, 1, 1, 1, "packed", initial, dict(algorithm),
+                             SAMPLES, bf16)
+    (two, _) = run_distributed(_step_worker, 2, 1, 1, 2, "packed", initial, dict(algorithm),
+                               SAMPLES, bf16)
+
+    def logp_gap(a, b) -> float:
+        return max(float((x[0] - y[0]).abs().max()) for x, y in zip(a[3], b[3]))
+
+    def update_gap(a, b) -> float:
+        return float(torch.cat([(a[1][n].float() - b[1][n].float()).reshape(-1)
+                                for n in a[1]]).norm())
+
+    assert 0 < logp_gap(two, one) <= 2 * logp_gap(one, fp32)
+    assert 0 < update_gap(two, one) <= 2 * update_gap(one, fp32)
+    assert update_gap(one, fp32) < 0.2 * update_gap(one, (None, one[0]))  # the step moved
