@@ -39,8 +39,6 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
-import socket
-import sys
 import time
 import traceback
 import warnings
@@ -55,6 +53,8 @@ from megatron.core import parallel_state as ps
 from megatron_entropy.algorithms.policy_loss import PolicyLossSettings, policy_loss
 from megatron_entropy.ops.logprob_entropy import (fused_linear_logprob_entropy,
                                                   vocab_parallel_logprob_entropy)
+from megatron_entropy.testing.memory import follow_live_tensors, reset_peak, status_kb
+from megatron_entropy.testing.ranks import free_port
 
 COLLECTIVES = ["all_gather", "all_gather_into_tensor", "all_reduce", "reduce_scatter",
                "reduce_scatter_tensor", "broadcast", "all_to_all", "all_to_all_single", "reduce",
@@ -78,26 +78,12 @@ def verl_import_error() -> Optional[str]:
 # ----------------------------------------------------------------------------- measurement
 
 
-def _status_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
 def _available_gb() -> float:
     with open("/proc/meminfo") as f:
         for line in f:
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) / 2 ** 20
     return float("inf")
-
-
-def _reset_peak() -> int:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return _status_kb("VmRSS")
 
 
 class _Counter:
@@ -209,9 +195,9 @@ def _case_worker(rank: int, world: int, port: int, spec: dict, queue) -> None:
         once()  # warm-up (verl's torch.compile, allocator)
         for leaf in leaves:
             leaf.grad = None  # the peak below then includes the gradients' own memory
-        base_kb = _reset_peak()
+        base_kb = reset_peak()
         runs = [once() for _ in range(spec["reps"])]
-        peak_kb = _status_kb("VmHWM") - base_kb
+        peak_kb = status_kb("VmHWM") - base_kb
         best = min(runs, key=lambda r: r[1])
         queue.put((rank, {"fwd_s": best[0], "total_s": best[1],
                           "wall_s": min(r[2] for r in runs), "coll_fwd": best[3],
@@ -220,16 +206,10 @@ def _case_worker(rank: int, world: int, port: int, spec: dict, queue) -> None:
         queue.put((rank, {"error": traceback.format_exc(limit=3).strip().splitlines()[-1]}))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_case(spec: dict, world: int) -> dict:
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_case_worker, args=(r, world, port, spec, queue))
              for r in range(world)]
     for p in procs:
@@ -332,11 +312,7 @@ def _fmt(res: dict) -> tuple[str, str, str, str, str]:
 
 
 def main() -> None:
-    if "MALLOC_MMAP_THRESHOLD_" not in os.environ:
-        # Every block above 64 KiB gets its own mapping, returned on free: RSS then follows the
-        # live tensors (glibc would otherwise reuse freed heap memory unseen by the peak).
-        env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
-        os.execve(sys.executable, [sys.executable] + sys.argv, env)
+    follow_live_tensors()
     warnings.filterwarnings("ignore")
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny sizes, one rep (smoke test)")

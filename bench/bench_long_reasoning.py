@@ -2,14 +2,14 @@
 
 1. Packed against padded micro-batches: one optimizer step (forward and backward of every
    micro-batch, then the update) of a small Qwen2-shaped policy on the same samples, whose
-   lengths follow a long tail (log-normal, median ~400 tokens, clipped to [64, 2000], the longest
-   2000), both layouts with the same trainer.micro_batch_tokens. Time: process CPU time, one
+   lengths follow a long tail (the quantiles of a log-normal of median 400 tokens, clipped to
+   [64, 2000], one of 2000), both layouts with the same trainer.micro_batch_tokens. Time: process CPU time, one
    thread, best of --reps. Target: packed <= 0.6x padded.
 2. Context parallelism: the activation memory of one rank in one update of a single long
    sequence, CP=2 against CP=1 (the same model, the same sample). Peak: the RSS high-water mark
    during the second update (the optimizer's state exists after the first) minus the RSS before
-   it, glibc's mmap threshold fixed at 64 KiB so that RSS follows the live tensors; the larger
-   rank counts. Target: CP=2 <= 0.55x CP=1.
+   it, glibc's mmap threshold fixed at 64 KiB so that RSS follows the live tensors
+   (megatron_entropy/testing/memory.py); the larger rank counts. Target: CP=2 <= 0.55x CP=1.
 3. The fused log-prob/entropy op (hidden states x output layer, chunked) at --op-tokens tokens x
    152k vocabulary, bf16, forward and backward: its peak memory beyond its inputs (hidden
    [T, H] and the weight [V, H]) against one chunk's fp32 logits plus those inputs. Target:
@@ -23,100 +23,37 @@ from __future__ import annotations
 
 import argparse
 import math
-import multiprocessing as mp
-import os
-import queue as queue_mod
 import random
-import socket
-import sys
+import statistics
 import time
-import traceback
 import warnings
-from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 # Imported once here (~5 s), not in every forked case.
 from megatron.core import parallel_state as ps  # noqa: F401
 
 from megatron_entropy.ops.logprob_entropy import (FUSED_CPU_CHUNK_ELEMENTS,
                                                   fused_linear_logprob_entropy)
+from megatron_entropy.testing.memory import follow_live_tensors, reset_peak, status_kb
+from megatron_entropy.testing.ranks import run_distributed
+
+CASE_LIMIT_S = 7200.0  # one case may take this long on a busy machine
 
 VOCAB = 151936  # Qwen2.5's
 MODEL = dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=65536)
 
 
-# ----------------------------------------------------------------------------- measurement
-
-
-def _status_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
-def _reset_peak() -> int:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return _status_kb("VmRSS")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(fn: Callable, rank: int, world: int, port: int, args: tuple, out) -> None:
-    try:
-        torch.set_num_threads(1)  # spin-waits of a shared machine would be billed as CPU time
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world)
-        out.put((rank, fn(*args)))
-    except BaseException:  # noqa: BLE001 - reported in the table
-        out.put((rank, {"error": traceback.format_exc(limit=4).strip().splitlines()[-1]}))
-
-
-def run(fn: Callable, world: int, *args: Any) -> list[dict]:
-    """``fn(*args)`` on ``world`` forked gloo ranks, each with one thread; results by rank."""
-    ctx = mp.get_context("fork")
-    out = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(fn, r, world, port, args, out))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    results: dict[int, dict] = {}
-    try:
-        while len(results) < world:
-            try:
-                rank, res = out.get(timeout=7200)
-            except queue_mod.Empty:
-                raise RuntimeError("a rank did not report within 2 hours") from None
-            results[rank] = res
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    return [results[r] for r in range(world)]
-
-
 # ----------------------------------------------------------------------------- the policy
 
 
-def long_tail_lengths(n: int, median: int, longest: int, seed: int) -> list[int]:
-    """``n`` sample lengths: log-normal around ``median`` (sigma 0.6) in [64, longest], one of
-    them ``longest``."""
-    rng = random.Random(seed)
-    lengths = [min(max(round(math.exp(rng.gauss(math.log(median), 0.6))), 64), longest)
-               for _ in range(n - 1)]
-    lengths.insert(rng.randrange(n), longest)
+def long_tail_lengths(n: int, median: int, longest: int) -> list[int]:
+    """``n`` sample lengths on the quantiles of a log-normal around ``median`` (sigma 0.6),
+    clipped to [64, longest], the last one ``longest`` (a reproducible long tail), shuffled."""
+    normal = statistics.NormalDist()
+    lengths = [min(max(round(median * math.exp(0.6 * normal.inv_cdf((i + 0.5) / (n - 1)))),
+                       64), longest) for i in range(n - 1)] + [longest]
+    random.Random(0).shuffle(lengths)
     return lengths
 
 
@@ -176,9 +113,9 @@ def _update_peak(context: int, length: int, model: dict) -> dict:
     samples = samples_of([length])
     actor.recompute(samples)
     actor.update(samples, step=1)  # the optimizer's state now exists
-    base = _reset_peak()
+    base = reset_peak()
     actor.update(samples, step=2)
-    return {"peak_mb": (_status_kb("VmHWM") - base) / 1024}
+    return {"peak_mb": (status_kb("VmHWM") - base) / 1024}
 
 
 def _op_peak(tokens: int, hidden: int) -> dict:
@@ -187,12 +124,12 @@ def _op_peak(tokens: int, hidden: int) -> dict:
     w = (torch.randn(VOCAB, hidden, generator=g) * 0.05).to(torch.bfloat16).requires_grad_()
     targets = torch.randint(0, VOCAB, (tokens,), generator=g)
     inputs_mb = (h.numel() + w.numel()) * 2 / 2 ** 20
-    base = _reset_peak()
+    base = reset_peak()
     t0 = time.process_time()
     logp, entropy = fused_linear_logprob_entropy(h, w, targets, vocab_size=VOCAB, group=None,
                                                  temperature=1.0, chunk_tokens=4096)
     (logp.sum() - 1e-3 * entropy.sum()).backward()
-    peak_mb = (_status_kb("VmHWM") - base) / 1024
+    peak_mb = (status_kb("VmHWM") - base) / 1024
     rows = max(64, FUSED_CPU_CHUNK_ELEMENTS // VOCAB)
     chunk_mb = rows * VOCAB * 4 / 2 ** 20
     return {"peak_mb": peak_mb, "bound_mb": chunk_mb + inputs_mb, "chunk_mb": chunk_mb,
@@ -208,11 +145,7 @@ def _row(name: str, ours: str, base: str, ratio: float, target: float, what: str
 
 
 def main() -> None:
-    if "MALLOC_MMAP_THRESHOLD_" not in os.environ:
-        # Every block above 64 KiB gets its own mapping, returned on free: RSS then follows the
-        # live tensors (glibc would otherwise reuse freed heap memory unseen by the peak).
-        env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
-        os.execve(sys.executable, [sys.executable] + sys.argv, env)
+    follow_live_tensors()
     warnings.filterwarnings("ignore")
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="small sizes, one rep (smoke test)")
@@ -227,18 +160,15 @@ def main() -> None:
         args.reps, args.samples, args.budget, args.cp_tokens = 1, 8, 1024, 512
         args.op_tokens, args.op_hidden = 1024, 32
     lengths = long_tail_lengths(args.samples, 100 if args.quick else 400,
-                                500 if args.quick else 2000, seed=0)
+                                500 if args.quick else 2000)
     print(f"samples: {len(lengths)}, lengths median {sorted(lengths)[len(lengths) // 2]}, "
           f"max {max(lengths)}, total {sum(lengths)}; micro_batch_tokens {args.budget}; "
           f"model {MODEL}", flush=True)
-    padded, packed = (run(_update_time, 1, layout, lengths, args.budget, args.reps)[0]
-                      for layout in ("padded", "packed"))
-    cp1 = run(_update_peak, 1, 1, args.cp_tokens, MODEL)
-    cp2 = run(_update_peak, 2, 2, args.cp_tokens, MODEL)
-    op = run(_op_peak, 1, args.op_tokens, args.op_hidden)[0]
-    for res in (padded, packed, *cp1, *cp2, op):
-        if "error" in res:
-            raise SystemExit(f"a case failed: {res['error']}")
+    padded, packed = (run_distributed(_update_time, 1, layout, lengths, args.budget, args.reps,
+                                      timeout=CASE_LIMIT_S)[0] for layout in ("padded", "packed"))
+    cp1 = run_distributed(_update_peak, 1, 1, args.cp_tokens, MODEL, timeout=CASE_LIMIT_S)
+    cp2 = run_distributed(_update_peak, 2, 2, args.cp_tokens, MODEL, timeout=CASE_LIMIT_S)
+    op = run_distributed(_op_peak, 1, args.op_tokens, args.op_hidden, timeout=CASE_LIMIT_S)[0]
     peak1, peak2 = max(r["peak_mb"] for r in cp1), max(r["peak_mb"] for r in cp2)
     print("| measure | ours | against | ratio | target | what |")
     print("| --- | --- | --- | --- | --- | --- |")

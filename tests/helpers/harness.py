@@ -130,6 +130,32 @@ def study_cli(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def killed_run_resumes_bit_identical(cfg_path: Path, cfg: dict, run_dir: Path, steps: int,
+                                     extra: tuple = ()) -> None:
+    """The scheme of the kill-and-resume tests: ``cfg`` (saved at ``cfg_path``, its runs under
+    ``run_dir``) as a CLI run of 2 ranks ("victim", ``extra`` overrides) is SIGKILLed after its
+    first step while the same config runs uninterrupted in forked ranks ("ref"); run again, the
+    victim finishes and its metrics equal the reference's step for step (all but times)."""
+    threads = {"OMP_NUM_THREADS": "1"}  # the forked reference's: the same kernels
+    victim = train_cli(cfg_path, "logging.name=victim", *extra, "--nproc", "2",
+                       log=run_dir / "victim.log", **threads)
+    metrics = run_dir / "victim" / "metrics.jsonl"
+    assert kill_after_first_step(victim, metrics, run_dir / "victim.log",
+                                 lambda: run_distributed(train_from_dict, 2, cfg, timeout=300)
+                                 ) < steps
+    resumed = train_cli(cfg_path, "logging.name=victim", *extra, "--nproc", "2",
+                        log=run_dir / "resumed.log", **threads)
+    assert resumed.wait(timeout=300) == 0, (run_dir / "resumed.log").read_text()[-3000:]
+    assert "resumed from" in (run_dir / "resumed.log").read_text()
+    got, want = metrics_rows(run_dir / "victim"), metrics_rows(run_dir / "ref")
+    assert [r["step"] for r in got] == list(range(1, steps + 1))
+    assert all(r["grad_norm"] > 0 for r in want)
+    for g, w in zip(got, want):
+        g = {k: v for k, v in g.items() if not k.startswith(STABLE)}
+        w = {k: v for k, v in w.items() if not k.startswith(STABLE)}
+        assert g == w, f"step {g['step']} differs"
+
+
 @contextmanager
 def hung_server() -> Iterator[str]:
     """The URL of a server that takes connections and never answers (a hung one)."""

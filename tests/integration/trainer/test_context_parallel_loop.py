@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import (STABLE, kill_after_first_step, metrics_rows, run_distributed, train_cli,
+from harness import (killed_run_resumes_bit_identical, metrics_rows, run_distributed,
                      train_from_dict)
 from serving_model import make_tp2_model
 from tolerance import rounding_tol, transformer_terms
@@ -69,24 +69,8 @@ def test_killed_context_parallel_run_resumes_bit_identical(model_dir, tmp_path):
     cfg = _config(model_dir, tmp_path, "ref", steps, 2)
     cfg_path = tmp_path / "c.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg))
-    threads = {"OMP_NUM_THREADS": "1"}  # the forked reference's: the same kernels
-    victim = train_cli(cfg_path, "logging.name=victim", "--nproc", "2",
-                       log=tmp_path / "victim.log", **threads)
-    metrics = tmp_path / "victim" / "metrics.jsonl"
-    kill_after_first_step(victim, metrics, tmp_path / "victim.log",
-                          lambda: run_distributed(train_from_dict, 2, cfg, timeout=300))
+    killed_run_resumes_bit_identical(cfg_path, cfg, tmp_path, steps)
     assert "(TP=1, PP=1, CP=2, DP=1)" in (tmp_path / "victim.log").read_text()
-    resumed = train_cli(cfg_path, "logging.name=victim", "--nproc", "2",
-                        log=tmp_path / "resumed.log", **threads)
-    assert resumed.wait(timeout=300) == 0, (tmp_path / "resumed.log").read_text()[-3000:]
-    assert "resumed from" in (tmp_path / "resumed.log").read_text()
-    got, want = metrics_rows(tmp_path / "victim"), metrics_rows(tmp_path / "ref")
-    assert [r["step"] for r in got] == list(range(1, steps + 1))
-    assert all(r["grad_norm"] > 0 for r in want)
-    for g, w in zip(got, want):
-        g = {k: v for k, v in g.items() if not k.startswith(STABLE)}
-        w = {k: v for k, v in w.items() if not k.startswith(STABLE)}
-        assert g == w, f"step {g['step']} differs"
 
 
 def test_context_parallelism_refuses_shared_prompt_rows(model_dir, tmp_path, capsys):

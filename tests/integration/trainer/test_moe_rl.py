@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import (STABLE, kill_after_first_step, metrics_rows, run_distributed, train_cli,
+from harness import (killed_run_resumes_bit_identical, metrics_rows, run_distributed,
                      train_from_dict)
 
 from megatron_entropy.testing.toy_models import save_tiny_hf_model, save_tokenizer
@@ -69,24 +69,7 @@ def test_killed_ep2_run_resumes_bit_identical(moe_model, tmp_path):
     cfg = _config(moe_model, tmp_path, "ref")
     cfg_path = tmp_path / "c.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg))
-    threads = {"OMP_NUM_THREADS": "1"}
-    victim = train_cli(cfg_path, "logging.name=victim", "--nproc", "2", log=tmp_path / "victim.log",
-                  **threads)
-    metrics = tmp_path / "victim" / "metrics.jsonl"
-    assert kill_after_first_step(victim, metrics, tmp_path / "victim.log",
-                                 lambda: run_distributed(train_from_dict, 2, cfg, timeout=300)
-                                 ) < steps
-    resumed = train_cli(cfg_path, "logging.name=victim", "--nproc", "2", log=tmp_path / "resumed.log",
-                   **threads)
-    assert resumed.wait(timeout=300) == 0, (tmp_path / "resumed.log").read_text()[-3000:]
-    assert "resumed from" in (tmp_path / "resumed.log").read_text()
-    got, want = metrics_rows(tmp_path / "victim"), metrics_rows(tmp_path / "ref")
-    assert [r["step"] for r in got] == list(range(1, steps + 1))
-    assert all(r["grad_norm"] > 0 for r in want)
-    for g, w in zip(got, want):
-        g = {k: v for k, v in g.items() if not k.startswith(STABLE)}
-        w = {k: v for k, v in w.items() if not k.startswith(STABLE)}
-        assert g == w, f"step {g['step']} differs"
+    killed_run_resumes_bit_identical(cfg_path, cfg, tmp_path, steps)
 
 
 @pytest.mark.parametrize("section,key,value,error", [
