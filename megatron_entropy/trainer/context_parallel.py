@@ -9,9 +9,9 @@ by the rank that holds the position predicting it.
 
 Everything downstream of the log-probs and entropies (the loss and its token counts in every
 aggregation mode, sequence-level ratios, Cov means, top-k and draws at either scope, token
-rules, metrics) needs the whole micro-batch: ``gather_token_stats`` all-gathers the ranks'
-[N_r, 2] statistics (one small collective per micro-batch forward, the only one CP adds to
-them), so every CP rank holds the micro-batch's [N] exactly as at CP = 1 and computes the same
+rules, the entropy methods' vocab statistics, metrics) needs the whole micro-batch:
+``gather_token_stats`` all-gathers the ranks' [N_r, 2] statistics (one small collective per
+micro-batch forward, the only one CP adds to them; ``gather_rows`` any other per-token values), so every CP rank holds the micro-batch's [N] exactly as at CP = 1 and computes the same
 loss. The gather's backward hands each rank the gradient of its own tokens only (not the sum of
 the ranks' identical ones): every rank's loss is the whole loss, and each token's gradient must
 reach the model once; the data-parallel x CP grad reduce then sums the ranks' parameter
@@ -101,12 +101,20 @@ class _GatherTokens(torch.autograd.Function):
         return grad[owner == ctx.rank], None, None
 
 
-def gather_token_stats(logp: Tensor, entropy: Tensor, mb: MicroBatch,
-                       group: dist.ProcessGroup) -> tuple[Tensor, Tensor]:
-    """This CP rank's [N_r] log-probs and entropies -> the micro-batch's [N] (module
+def gather_rows(values: Tensor, mb: MicroBatch, group: dist.ProcessGroup) -> Tensor:
+    """This CP rank's [N_r, ...] per-response-token values -> the micro-batch's [N, ...] (module
     docstring); as they are where the micro-batch is not sharded."""
     if mb.stat_owner is None:
+        return values
+    flat = values.reshape(values.shape[0], -1)
+    out = _GatherTokens.apply(flat, mb.stat_owner.to(values.device), group)
+    return out.reshape(out.shape[0], *values.shape[1:])
+
+
+def gather_token_stats(logp: Tensor, entropy: Tensor, mb: MicroBatch,
+                       group: dist.ProcessGroup) -> tuple[Tensor, Tensor]:
+    """This CP rank's [N_r] log-probs and entropies -> the micro-batch's [N] (one gather)."""
+    if mb.stat_owner is None:
         return logp, entropy
-    both = _GatherTokens.apply(torch.stack([logp, entropy.to(logp.dtype)], dim=1),
-                               mb.stat_owner.to(logp.device), group)
+    both = gather_rows(torch.stack([logp, entropy.to(logp.dtype)], dim=1), mb, group)
     return both[:, 0], both[:, 1].to(entropy.dtype)

@@ -26,6 +26,7 @@ from megatron_entropy.ops.vocab_stats import (vocab_parallel_entropy_change,
                                               vocab_parallel_min_p_shift,
                                               vocab_parallel_top_p_entropy)
 from megatron_entropy.trainer.batch import MicroBatch, Sample
+from megatron_entropy.trainer.context_parallel import gather_rows
 from megatron_entropy.trainer.entropy_change import lemma_metrics
 
 if TYPE_CHECKING:  # the actor imports this module
@@ -71,7 +72,8 @@ def vocab_token_stats(actor: "Actor", model, output: Tensor, mb: MicroBatch,
             out[name] = z.detach()
         else:
             raise ValueError(f"unknown vocab statistic {name!r}")
-    return out
+    # Context parallelism: this rank's tokens' values -> the micro-batch's.
+    return {n: gather_rows(v, mb, actor.ps.get_context_parallel_group()) for n, v in out.items()}
 
 
 def stats_fn(actor: "Actor", names: Sequence[str], logprobs: bool = True

@@ -36,20 +36,20 @@ def _step_worker(tensor: int, pipeline: int, context: int, layout: str, initial:
     the metrics and every sample's log-probs and entropies."""
     from megatron.core import parallel_state as ps
 
-    from megatron_entropy.algorithms.settings import RolloutCorrectionSettings
-    from megatron_entropy.algorithms.token_rules import TokenRuleSettings
     from megatron_entropy.config import AlgorithmConfig, TrainerConfig
 
     trainer = TrainerConfig(lr=1e-2, steps=1, grad_clip=0.0, adam_eps=1.0, weight_decay=0.0,
                             micro_batch_tokens=BUDGET, mini_batches_per_step=2, ppo_epochs=2,
                             seed=5, micro_batch_layout=layout)
-    rules = TokenRuleSettings(**algorithm.pop("token_rules", {}))
-    correction = RolloutCorrectionSettings(**algorithm.pop("rollout_correction", {}))
+    defaults = AlgorithmConfig()
+    # nested sections (token_rules, rollout_correction, siren, ...) from their dicts
+    sections = {k: type(getattr(defaults, k))(**v) for k, v in algorithm.items()
+                if isinstance(v, dict)}
+    correction = sections.get("rollout_correction", defaults.rollout_correction)
     settings = AlgorithmConfig(**{"kl_cov_ratio": 0.1, "kl_cov_coef": 1.0,
                                   "clip_cov_ratio": 0.2, "clip_cov_lb": -100.0,
                                   "clip_cov_ub": 100.0, "logprob_impl": "fused",
-                                  "token_rules": rules, "rollout_correction": correction,
-                                  **algorithm})
+                                  **algorithm, **sections})
     actor = tiny_actor(tensor, pipeline, settings, trainer, TEMPERATURE, initial=initial,
                        context=context, **{"seq_length": 128, **(options or {})})
     assert ps.get_context_parallel_world_size() == context
@@ -80,6 +80,9 @@ CASES = {
         high_entropy_minority=True, high_entropy_scope="global"))),
     "rollout correction (mis)": ("padded", dict(loss="kl_cov", cov_scope="global",
                                                 rollout_correction=dict(mode="mis"))),
+    # an entropy method whose loss term reads the training forward's vocab statistics (the
+    # top-p entropy, with gradient)
+    "SIREN": ("packed", dict(loss="ppo_clip", siren=dict(enabled=True, coef=0.5))),
 }
 # Metrics that say which tokens a rule took (ratios of counts: the same tokens, exactly).
 COUNTS = ("selected_frac", "entropy_rule/pg_token_frac", "rollout_corr/masked_frac")
