@@ -14,16 +14,20 @@ from tiny_models import random_samples
 from tolerance import update_tol
 
 from megatron_entropy.trainer.batch import pack_micro_batches
+from megatron_entropy.trainer.packing import packed_micro_batches
 
-CASES = [("kl_cov", "global", None), ("clip_cov", "global", None),
-         ("ppo_clip", "micro_batch", None), ("kl_cov", "micro_batch", "tis")]
+CASES = [("kl_cov", "global", None, "padded"), ("clip_cov", "global", None, "padded"),
+         ("ppo_clip", "micro_batch", None, "padded"), ("kl_cov", "micro_batch", "tis", "padded"),
+         ("kl_cov", "global", None, "packed")]
 
 
 def test_inserted_tokens_are_out_of_every_layouts_mask():
     samples = random_samples(0, shared_prompts=True, inserted=True)
     assert any(s.loss_mask and 0 in s.loss_mask for s in samples)
-    for layout in ("padded", "shared_prompt"):
-        for mb in pack_micro_batches(samples, 64, layout=layout):
+    layouts = [pack_micro_batches(samples, 64, layout=layout)
+               for layout in ("padded", "shared_prompt")]
+    for mbs in layouts + [packed_micro_batches(samples, 64)]:
+        for mb in mbs:
             for b, i in enumerate(mb.sample_ids):
                 s = samples[i]
                 want = torch.zeros(mb.mask.shape[1])
@@ -33,14 +37,15 @@ def test_inserted_tokens_are_out_of_every_layouts_mask():
                 assert (mb.advantages[b][want == 0] == 0).all()
 
 
-@pytest.mark.parametrize("loss,scope,correction", CASES,
-                         ids=[f"{a}-{b}{'-' + c if c else ''}" for a, b, c in CASES])
+@pytest.mark.parametrize("loss,scope,correction,layout", CASES,
+                         ids=[f"{a}-{b}{'-' + c if c else ''}-{d}" for a, b, c, d in CASES])
 def test_inserted_tokens_get_no_gradient_and_stay_out_of_the_cov_population(loss, scope,
-                                                                               correction):
+                                                                               correction, layout):
     """Old and engine log-probs moved by 3 nats on the inserted tokens only: were those tokens in
     the loss, their ratio, KL-Cov's |logp - old logp| and tis's weight would change; were they in
     the Cov population (global scope: the recompute's log-probs choose), its means and top-k."""
     extra = {"correction": {"mode": correction}} if correction else {}
+    extra["layout"] = layout
     ((w, m, w0),) = run_distributed(update_worker, 1, loss, scope, "recompute", inserted=True,
                                     **extra)
     ((ws, ms, _),) = run_distributed(update_worker, 1, loss, scope, "recompute", inserted=True,
