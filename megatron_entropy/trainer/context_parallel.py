@@ -20,6 +20,7 @@ gradients, each from its own tokens (and, through the attention's K/V gather, fr
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import torch
@@ -106,7 +107,8 @@ def gather_rows(values: Tensor, mb: MicroBatch, group: dist.ProcessGroup) -> Ten
     docstring); as they are where the micro-batch is not sharded."""
     if mb.stat_owner is None:
         return values
-    flat = values.reshape(values.shape[0], -1)
+    # (math.prod, not -1: a rank may hold no response token, and -1 cannot size 0 rows)
+    flat = values.reshape(values.shape[0], math.prod(values.shape[1:]))
     out = _GatherTokens.apply(flat, mb.stat_owner.to(values.device), group)
     return out.reshape(out.shape[0], *values.shape[1:])
 
