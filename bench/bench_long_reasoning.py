@@ -17,6 +17,7 @@
 
     PYTHONPATH=. python bench/bench_long_reasoning.py            # the full run (~10-30 min)
     PYTHONPATH=. python bench/bench_long_reasoning.py --quick    # small sizes (smoke test)
+    PYTHONPATH=. python bench/bench_long_reasoning.py --only op  # one case (run them at once)
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from megatron_entropy.ops.logprob_entropy import (FUSED_CPU_CHUNK_ELEMENTS,
 from megatron_entropy.testing.memory import follow_live_tensors, reset_peak, status_kb
 from megatron_entropy.testing.ranks import run_distributed
 
+CASES = ("update", "cp", "op")
 CASE_LIMIT_S = 7200.0  # one case may take this long on a busy machine
 
 VOCAB = 151936  # Qwen2.5's
@@ -155,6 +157,8 @@ def main() -> None:
     ap.add_argument("--cp-tokens", type=int, default=8192, help="the CP case's sequence")
     ap.add_argument("--op-tokens", type=int, default=32768)
     ap.add_argument("--op-hidden", type=int, default=128)
+    ap.add_argument("--only", nargs="+", choices=CASES, default=list(CASES),
+                    help="the cases to measure (each its own process: run them at once)")
     args = ap.parse_args()
     if args.quick:
         args.reps, args.samples, args.budget, args.cp_tokens = 1, 8, 1024, 512
@@ -164,27 +168,32 @@ def main() -> None:
     print(f"samples: {len(lengths)}, lengths median {sorted(lengths)[len(lengths) // 2]}, "
           f"max {max(lengths)}, total {sum(lengths)}; micro_batch_tokens {args.budget}; "
           f"model {MODEL}", flush=True)
-    padded, packed = (run_distributed(_update_time, 1, layout, lengths, args.budget, args.reps,
-                                      timeout=CASE_LIMIT_S)[0] for layout in ("padded", "packed"))
-    cp1 = run_distributed(_update_peak, 1, 1, args.cp_tokens, MODEL, timeout=CASE_LIMIT_S)
-    cp2 = run_distributed(_update_peak, 2, 2, args.cp_tokens, MODEL, timeout=CASE_LIMIT_S)
-    op = run_distributed(_op_peak, 1, args.op_tokens, args.op_hidden, timeout=CASE_LIMIT_S)[0]
-    peak1, peak2 = max(r["peak_mb"] for r in cp1), max(r["peak_mb"] for r in cp2)
     print("| measure | ours | against | ratio | target | what |")
-    print("| --- | --- | --- | --- | --- | --- |")
-    print(_row("update, packed / padded", f"{packed['cpu_s']:.2f} s", f"{padded['cpu_s']:.2f} s",
-               packed["cpu_s"] / padded["cpu_s"], 0.6,
-               f"CPU time of one update of the same {len(lengths)} samples; micro-batches "
-               f"{packed['micro_batches']} / {padded['micro_batches']}, tokens with padding "
-               f"{packed['tokens']} / {padded['tokens']}"))
-    print(_row("activation memory per rank, CP=2 / CP=1", f"{peak2:.0f} MB", f"{peak1:.0f} MB",
-               peak2 / peak1, 0.55, f"peak beyond the weights and optimizer in one update of "
-               f"one {args.cp_tokens}-token sequence"))
-    print(_row(f"entropy op peak, {args.op_tokens} x {VOCAB}", f"{op['peak_mb']:.0f} MB",
-               f"{op['bound_mb']:.0f} MB", op["peak_mb"] / op["bound_mb"], 1.2,
-               f"fused op, bf16, H={args.op_hidden}, fwd+bwd ({op['cpu_s']:.0f} s CPU); "
-               f"against one chunk's fp32 logits ({op['chunk_mb']:.0f} MB) + the inputs "
-               f"({op['inputs_mb']:.0f} MB)"))
+    print("| --- | --- | --- | --- | --- | --- |", flush=True)
+    if "update" in args.only:
+        padded, packed = (run_distributed(_update_time, 1, layout, lengths, args.budget,
+                                          args.reps, timeout=CASE_LIMIT_S)[0]
+                          for layout in ("padded", "packed"))
+        print(_row("update, packed / padded", f"{packed['cpu_s']:.2f} s",
+                   f"{padded['cpu_s']:.2f} s", packed["cpu_s"] / padded["cpu_s"], 0.6,
+                   f"CPU time of one update of the same {len(lengths)} samples; micro-batches "
+                   f"{packed['micro_batches']} / {padded['micro_batches']}, tokens with padding "
+                   f"{packed['tokens']} / {padded['tokens']}"), flush=True)
+    if "cp" in args.only:
+        cp1 = run_distributed(_update_peak, 1, 1, args.cp_tokens, MODEL, timeout=CASE_LIMIT_S)
+        cp2 = run_distributed(_update_peak, 2, 2, args.cp_tokens, MODEL, timeout=CASE_LIMIT_S)
+        peak1, peak2 = max(r["peak_mb"] for r in cp1), max(r["peak_mb"] for r in cp2)
+        print(_row("activation memory per rank, CP=2 / CP=1", f"{peak2:.0f} MB",
+                   f"{peak1:.0f} MB", peak2 / peak1, 0.55, "peak beyond the weights and "
+                   f"optimizer in one update of one {args.cp_tokens}-token sequence"), flush=True)
+    if "op" in args.only:
+        op = run_distributed(_op_peak, 1, args.op_tokens, args.op_hidden,
+                             timeout=CASE_LIMIT_S)[0]
+        print(_row(f"entropy op peak, {args.op_tokens} x {VOCAB}", f"{op['peak_mb']:.0f} MB",
+                   f"{op['bound_mb']:.0f} MB", op["peak_mb"] / op["bound_mb"], 1.2,
+                   f"fused op, bf16, H={args.op_hidden}, fwd+bwd ({op['cpu_s']:.0f} s CPU); "
+                   f"against one chunk's fp32 logits ({op['chunk_mb']:.0f} MB) + the inputs "
+                   f"({op['inputs_mb']:.0f} MB)"), flush=True)
 
 
 if __name__ == "__main__":
