@@ -68,26 +68,26 @@ def encode(items: list[Worked], tokenizer) -> list[tuple[list[int], list[int]]]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "chains_model")
-    ap.add_argument("--hidden", type=int, default=128)
-    ap.add_argument("--ffn", type=int, default=384)
-    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=64)
+    ap.add_argument("--ffn", type=int, default=192)
+    ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--vocab", type=int, default=300)
-    ap.add_argument("--num-train", type=int, default=100_000)
-    ap.add_argument("--full-steps", type=int, default=24,
+    ap.add_argument("--num-train", type=int, default=30_000)
+    ap.add_argument("--full-steps", type=int, default=12,
                     help="chains up to this many additions are trained on whole")
-    ap.add_argument("--prefix-lines", type=int, default=16,
+    ap.add_argument("--prefix-lines", type=int, default=12,
                     help="lines kept of the longer chains")
-    ap.add_argument("--batch-size", type=int, default=32)
-    ap.add_argument("--lr", type=float, default=2e-3)
-    ap.add_argument("--warmup", type=int, default=100)
-    ap.add_argument("--max-steps", type=int, default=4000)
-    ap.add_argument("--eval-every", type=int, default=250)
-    ap.add_argument("--eval-problems", type=int, default=16)
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--warmup", type=int, default=50)
+    ap.add_argument("--max-steps", type=int, default=1400)
+    ap.add_argument("--eval-every", type=int, default=700)
+    ap.add_argument("--eval-problems", type=int, default=4)
     ap.add_argument("--target-acc", type=float, default=0.5,
                     help="stop once greedy accuracy on whole validation chains reaches this")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=1234)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -98,6 +98,8 @@ def main() -> None:
                                       cfg.max_steps, cfg.max_start, cfg.max_step, cfg.seed)
     items = training_items(args, {p.question for p in val})
     tokenizer, model, pad_id, _ = tokenizer_and_model(items[:5000], args)
+    # RoPE's frequencies do not depend on it: the config states what the RL runs reach
+    model.config.max_position_embeddings = tokenizer.model_max_length = 4096
     examples = encode(items, tokenizer)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"tokenizer: {len(tokenizer)} tokens; model: {n_params / 1e6:.2f}M parameters; "

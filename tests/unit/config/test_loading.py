@@ -287,3 +287,23 @@ def test_a_relative_path_that_exists_nowhere_says_where_it_was_looked_for(tmp_pa
                                            r"file's folder, else from the working directory, "
                                            f"{tmp_path}\\)"):
         read_rows("nope.jsonl")
+
+
+def test_every_cpu_example_ships_its_model():
+    """Each example whose policy lives under examples/ finds it there (weights, config and
+    tokenizer), and the long-response one asks for packed rows and CP=2 on the chains task."""
+    from pathlib import Path
+
+    import yaml
+
+    repo = Path(__file__).resolve().parents[3]
+    shipped = {p.name: yaml.safe_load(p.read_text())["model"]["hf_path"]
+               for p in (repo / "examples").glob("*.yaml")}
+    local = {name: path for name, path in shipped.items() if path.startswith("examples/")}
+    assert "long_reasoning.yaml" in local
+    for name, path in local.items():
+        for part in ("config.json", "model.safetensors", "tokenizer.json"):
+            assert (repo / path / part).is_file(), f"{name}: {path}/{part}"
+    cfg = load_config(repo / "examples" / "long_reasoning.yaml")
+    assert (cfg.data.task, cfg.parallel.context, cfg.trainer.micro_batch_layout) == \
+        ("chains", 2, "packed")
