@@ -28,7 +28,7 @@ import torch
 from megatron_entropy.config import ChainsConfig
 from megatron_entropy.data.chains import ChainProblem, train_val_chain_problems
 from megatron_entropy.data.dataset import DEFAULT_PROMPT_SUFFIX, render_prompt
-from pretrain_quickstart_model import (rewards_of, save, tokenizer_and_model,
+from pretrain_quickstart_model import (common_arguments, rewards_of, save, tokenizer_and_model,
                                        train_on_examples)
 
 
@@ -67,28 +67,15 @@ def encode(items: list[Worked], tokenizer) -> list[tuple[list[int], list[int]]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "chains_model")
-    ap.add_argument("--hidden", type=int, default=64)
-    ap.add_argument("--ffn", type=int, default=192)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--kv-heads", type=int, default=2)
-    ap.add_argument("--vocab", type=int, default=300)
-    ap.add_argument("--num-train", type=int, default=30_000)
+    common_arguments(ap, Path(__file__).parent / "chains_model", hidden=64, ffn=192, layers=2,
+                     vocab=300, num_train=30_000, batch_size=16, lr=3e-3, warmup=50,
+                     max_steps=1400, eval_every=700, eval_problems=4, threads=1)
     ap.add_argument("--full-steps", type=int, default=12,
                     help="chains up to this many additions are trained on whole")
     ap.add_argument("--prefix-lines", type=int, default=12,
                     help="lines kept of the longer chains")
-    ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--warmup", type=int, default=50)
-    ap.add_argument("--max-steps", type=int, default=1400)
-    ap.add_argument("--eval-every", type=int, default=700)
-    ap.add_argument("--eval-problems", type=int, default=4)
     ap.add_argument("--target-acc", type=float, default=0.5,
                     help="stop once greedy accuracy on whole validation chains reaches this")
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--seed", type=int, default=1234)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     started = time.time()

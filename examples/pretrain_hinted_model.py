@@ -34,7 +34,7 @@ from megatron_entropy.data.dataset import load_tokenizer
 from megatron_entropy.data.hinted import (direct_solution, hinted_splits, hinted_worked_solution,
                                           mode_accuracy, solution_mode)
 from megatron_entropy.rewards import math_rewards
-from pretrain_quickstart_model import save, train_on_examples
+from pretrain_quickstart_model import (common_arguments, save, train_on_examples)
 from pretrain_study_model import Worked, prepare, sample_responses, token_entropies
 
 
@@ -68,20 +68,9 @@ def start_report(out_dir: Path, problems, tokenizer, n: int, max_new_tokens: int
 def hinted_arguments(ap: argparse.ArgumentParser, out: Path) -> None:
     """The options this script shares with examples/pretrain_tool_model.py: the model, the
     training and when it stops (``out``: the default folder)."""
-    ap.add_argument("--out", type=Path, default=out)
-    ap.add_argument("--hidden", type=int, default=64)
-    ap.add_argument("--ffn", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=3)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--kv-heads", type=int, default=2)
-    ap.add_argument("--vocab", type=int, default=400)
-    ap.add_argument("--num-train", type=int, default=50_000)
-    ap.add_argument("--batch-size", type=int, default=48)
-    ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--warmup", type=int, default=100)
-    ap.add_argument("--max-steps", type=int, default=3000)
-    ap.add_argument("--eval-every", type=int, default=100)
-    ap.add_argument("--eval-problems", type=int, default=256)
+    common_arguments(ap, out, hidden=64, ffn=256, layers=3, vocab=400, num_train=50_000,
+                     batch_size=48, lr=3e-3, warmup=100, max_steps=3000, eval_every=100,
+                     eval_problems=256, threads=2)
     ap.add_argument("--held-out", type=int, default=1024,
                     help="validation (and as many test) problems of the RL config kept out")
     ap.add_argument("--target-worked", type=float, default=0.45,
@@ -89,8 +78,6 @@ def hinted_arguments(ap: argparse.ArgumentParser, out: Path) -> None:
                          "this and the direct mode copies the guess --target-copy of the time")
     ap.add_argument("--target-copy", type=float, default=0.8)
     ap.add_argument("--report-samples", type=int, default=4, help="samples per problem at the end")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--seed", type=int, default=1234)
 
 
 def main() -> None:

@@ -196,28 +196,39 @@ def train_on_examples(model, examples, pad_id: int, args, rng: random.Random, st
     return step, acc
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "quickstart_model")
-    ap.add_argument("--hidden", type=int, default=128)
-    ap.add_argument("--ffn", type=int, default=384)
-    ap.add_argument("--layers", type=int, default=4)
+def common_arguments(ap: argparse.ArgumentParser, out: Path, *, hidden: int, ffn: int,
+                     layers: int, vocab: int, num_train: int, batch_size: int, lr: float,
+                     warmup: int, max_steps: int, eval_every: int, eval_problems: int,
+                     threads: int, threads_help: str | None = None) -> None:
+    """The options every pretrain script has (the model's shape, the data's size, the schedule,
+    threads and seed), at the script's own defaults."""
+    ap.add_argument("--out", type=Path, default=out)
+    ap.add_argument("--hidden", type=int, default=hidden)
+    ap.add_argument("--ffn", type=int, default=ffn)
+    ap.add_argument("--layers", type=int, default=layers)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--kv-heads", type=int, default=2)
-    ap.add_argument("--vocab", type=int, default=400)
-    ap.add_argument("--num-train", type=int, default=200_000)
-    ap.add_argument("--batch-size", type=int, default=64)
-    ap.add_argument("--lr", type=float, default=2e-3)
-    ap.add_argument("--warmup", type=int, default=200)
-    ap.add_argument("--max-steps", type=int, default=20_000)
-    ap.add_argument("--eval-every", type=int, default=100)
-    ap.add_argument("--eval-problems", type=int, default=256)
+    ap.add_argument("--vocab", type=int, default=vocab)
+    ap.add_argument("--num-train", type=int, default=num_train)
+    ap.add_argument("--batch-size", type=int, default=batch_size)
+    ap.add_argument("--lr", type=float, default=lr)
+    ap.add_argument("--warmup", type=int, default=warmup)
+    ap.add_argument("--max-steps", type=int, default=max_steps)
+    ap.add_argument("--eval-every", type=int, default=eval_every)
+    ap.add_argument("--eval-problems", type=int, default=eval_problems)
+    ap.add_argument("--threads", type=int, default=threads, help=threads_help)
+    ap.add_argument("--seed", type=int, default=1234)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    common_arguments(ap, Path(__file__).parent / "quickstart_model", hidden=128, ffn=384,
+                     layers=4, vocab=400, num_train=200_000, batch_size=64, lr=2e-3, warmup=200,
+                     max_steps=20_000, eval_every=100, eval_problems=256, threads=2)
     ap.add_argument("--held-out", type=int, default=1024,
                     help="validation problems of the RL config kept out of training")
     ap.add_argument("--target-acc", type=float, default=0.3,
                     help="stop once greedy validation accuracy reaches this")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--seed", type=int, default=1234)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     started = time.time()

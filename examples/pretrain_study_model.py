@@ -33,8 +33,8 @@ from megatron_entropy.data.sums import (generate_sum_problems, train_val_sum_pro
 from megatron_entropy.rewards import math_rewards
 from megatron_entropy.rollout.base import SamplingParams
 from megatron_entropy.rollout.inprocess import InProcessEngine
-from pretrain_quickstart_model import (encode_examples, save, tokenizer_and_model,
-                                       train_on_examples)
+from pretrain_quickstart_model import (common_arguments, encode_examples, save,
+                                       tokenizer_and_model, train_on_examples)
 
 
 class Worked:
@@ -150,13 +150,10 @@ def held_out_digest(problems) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "study_model")
-    ap.add_argument("--hidden", type=int, default=128)
-    ap.add_argument("--ffn", type=int, default=384)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--kv-heads", type=int, default=2)
-    ap.add_argument("--vocab", type=int, default=400)
+    common_arguments(ap, Path(__file__).parent / "study_model", hidden=128, ffn=384, layers=4,
+                     vocab=400, num_train=100_000, batch_size=64, lr=2e-3, warmup=200,
+                     max_steps=20_000, eval_every=100, eval_problems=256, threads=1,
+                     threads_help="the shipped model was trained on one thread")
     sums = SumsConfig()
     ap.add_argument("--min-terms", type=int, default=sums.min_terms)
     ap.add_argument("--max-terms", type=int, default=sums.max_terms)
@@ -166,13 +163,6 @@ def main() -> None:
     ap.add_argument("--more-prob", type=float, default=0.5,
                     help="chance that a solution line with 2 (or 3) numbers takes one more")
     ap.add_argument("--max-numbers", type=int, default=4, help="most numbers on one line")
-    ap.add_argument("--num-train", type=int, default=100_000)
-    ap.add_argument("--batch-size", type=int, default=64)
-    ap.add_argument("--lr", type=float, default=2e-3)
-    ap.add_argument("--warmup", type=int, default=200)
-    ap.add_argument("--max-steps", type=int, default=20_000)
-    ap.add_argument("--eval-every", type=int, default=100)
-    ap.add_argument("--eval-problems", type=int, default=256)
     ap.add_argument("--held-out", type=int, default=1024,
                     help="validation problems of the RL config kept out of training")
     ap.add_argument("--target-acc", type=float, default=0.3,
@@ -181,9 +171,6 @@ def main() -> None:
     ap.add_argument("--measure", type=Path, default=None, metavar="MODEL_DIR",
                     help="train nothing: print the T=1 report of this HF model folder (e.g. an RL "
                          "run exported with tools/convert_mcore_to_hf.py)")
-    ap.add_argument("--threads", type=int, default=1,
-                    help="the shipped model was trained on one thread")
-    ap.add_argument("--seed", type=int, default=1234)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     started = time.time()
