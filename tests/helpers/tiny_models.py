@@ -91,8 +91,8 @@ def tiny_actor(tensor: int, pipeline: int, algorithm, trainer, temperature: floa
     chunks = build_trainable_model(arch, model, ParallelConfig(tensor=tensor, pipeline=pipeline,
                                                                context=context),
                                    distributed_optimizer=distributed_optimizer)
-    if initial is not None:
-        load_full_state_dict(chunks[0], initial)
+    if initial is not None:  # LoRA adapters keep their own (seeded) initialisation
+        load_full_state_dict(chunks[0], initial, strict=not model.lora.enabled)
     optimizer, scheduler = build_optimizer(chunks, trainer, model.dtype, distributed_optimizer)
     return Actor(arch, chunks, optimizer, scheduler, algorithm, trainer, temperature)
 

@@ -3,7 +3,7 @@ mini-batches of updates) at CP=2 gives every sample the log-probs and entropies,
 tokens, reports the losses and makes the update that CP=1 makes, up to rounding: PPO-clip,
 Clip-Cov and KL-Cov at both Cov scopes, GSPO (a sequence split over the CP ranks is one
 sequence-level ratio) and the 80/20 rule, on padded and packed micro-batches, and with TP=2 x
-CP=2 and PP=2 x CP=2."""
+CP=2, PP=2 x CP=2 and LoRA adapters."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ from actor_updates import UPDATES, drift_engine_logprobs, rounding_paths
 from harness import run_distributed
 from tiny_models import hf_weights, initial_weights_worker, random_samples, tiny_actor
 from tolerance import rounding_tol, update_tol
+
+from megatron_entropy.models.lora_settings import LoraSettings
 
 TEMPERATURE = 0.1  # entropies spread over nats: a token that saw the wrong keys shows
 SAMPLES = dict(groups=4, per_group=2, response_len=(6, 40))
@@ -167,3 +169,15 @@ def test_context_parallel_in_bf16(initial):
     assert 0 < logp_gap(two, one) <= 2 * logp_gap(one, fp32)
     assert 0 < update_gap(two, one) <= 2 * update_gap(one, fp32)
     assert update_gap(one, fp32) < 0.2 * update_gap(one, (None, one[0]))  # the step moved
+
+
+def test_context_parallel_with_lora(initial):
+    """LoRA adapters (the base frozen) under CP=2: every CP rank draws the same adapters, their
+    gradients are reduced over DP x CP, and the step's merged weights equal CP=1's."""
+    options = dict(lora=LoraSettings(rank=4, alpha=8.0))
+    algorithm = dict(loss="kl_cov", cov_scope="global")
+    (want,) = run_distributed(_step_worker, 1, 1, 1, 1, "packed", initial, dict(algorithm),
+                              SAMPLES, options)
+    got = run_distributed(_step_worker, 2, 1, 1, 2, "packed", initial, dict(algorithm), SAMPLES,
+                          options)
+    _assert_same_step(got[0], want, "CP=2, LoRA")
