@@ -133,7 +133,7 @@ class WeightSyncConfig(Settings):
                      "that every server reloads (vLLM, SGLang); broadcast: buckets broadcast to "
                      "the servers' ranks over a process group (SGLang); adapters: a LoRA "
                      "policy's adapters alone, a PEFT folder the servers load on their base "
-                     "(vLLM, model.lora); auto: in_place for rollout.engine=inprocess, else "
+                     "(vLLM, SGLang; model.lora); auto: in_place for rollout.engine=inprocess, else "
                      "disk (each of them sends a LoRA policy's weights with its adapters "
                      "merged in)")
     bucket_mb: int = _f(512, ge=1, help=(

@@ -64,7 +64,7 @@ def validate(cfg: Config) -> None:
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 # The weight-sync strategies each engine has the endpoints for (rollout/base.py).
 SYNCED_BY = {"inprocess": ("in_place",), "vllm": ("disk", "adapters"),
-             "sglang": ("disk", "broadcast")}
+             "sglang": ("disk", "broadcast", "adapters")}
 
 
 def _check_weight_sync(cfg: Config) -> None:
@@ -86,7 +86,8 @@ def _check_weight_sync(cfg: Config) -> None:
                           "alone to servers that serve the base from model.hf_path: set "
                           "model.lora.rank and model.hf_path (an HF folder with the weights), "
                           "or another strategy")
-    if strategy == "adapters" and cfg.model.lora.rank > VLLM_LORA_RANKS[-1]:
+    if (strategy == "adapters" and r.engine == "vllm"
+            and cfg.model.lora.rank > VLLM_LORA_RANKS[-1]):
         raise ConfigError(f"model.lora.rank={cfg.model.lora.rank}: vLLM serves LoRA adapters up "
                           f"to rank {VLLM_LORA_RANKS[-1]}; use rollout.weight_sync.strategy=disk")
 

@@ -57,7 +57,7 @@ def check_lora_model(lora: LoraSettings, is_moe: bool, tensor: int = 1,
     """What adapters on this model cannot do, as one line naming the key (the trainer's start
     checks it before any rank starts): a mixture-of-experts model's expert adapters under
     tensor parallelism, or synced alone (``adapter_sync``: PEFT has no per-expert form that
-    vLLM loads)."""
+    vLLM or SGLang loads)."""
     experts = [t for t in lora.targets if t in EXPERT_TARGETS] if lora.enabled and is_moe else []
     if experts and tensor > 1:
         raise UnsupportedModelError(
@@ -67,6 +67,6 @@ def check_lora_model(lora: LoraSettings, is_moe: bool, tensor: int = 1,
     if experts and adapter_sync:
         raise UnsupportedModelError(
             "rollout.weight_sync.strategy=adapters: a mixture-of-experts model's expert "
-            "adapters have no PEFT form that vLLM loads; use rollout.weight_sync.strategy="
+            "adapters have no PEFT form that vLLM or SGLang loads; use rollout.weight_sync.strategy="
             f"disk (the adapters merged into the weights) or leave {experts} out of "
             "model.lora.targets")

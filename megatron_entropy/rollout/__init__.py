@@ -20,8 +20,9 @@ def engine_is_shared(engine_name: str) -> bool:
 
 def build_engine(rollout_cfg, hf_dir: Union[str, Path], run_dir: Union[str, Path],
                  lora: Optional[LoraSettings] = None) -> RolloutEngine:
-    """The engine ``rollout.engine`` names, serving the model in ``hf_dir``; vLLM servers serve
-    LoRA adapters of ``lora``'s rank too when the weight sync sends the adapters alone."""
+    """The engine ``rollout.engine`` names, serving the model in ``hf_dir``; vLLM and SGLang
+    servers serve LoRA adapters of ``lora``'s shape too when the weight sync sends the adapters
+    alone."""
     # Only the chosen engine's module loads: transformers for one, aiohttp for the others.
     if rollout_cfg.engine == "inprocess":
         import torch
@@ -40,8 +41,10 @@ def build_engine(rollout_cfg, hf_dir: Union[str, Path], run_dir: Union[str, Path
             server = lora_serving(server, lora.rank)
         return VLLMEngine(server, str(hf_dir), str(run_dir))
     if rollout_cfg.engine == "sglang":
-        from megatron_entropy.rollout.server.sglang import SGLangEngine
+        from megatron_entropy.rollout.server.sglang import SGLangEngine, lora_serving
 
-        return SGLangEngine(rollout_cfg.server, str(hf_dir), str(run_dir),
-                            rollout_cfg.weight_sync)
+        server = rollout_cfg.server
+        if rollout_cfg.weight_sync.strategy == "adapters":
+            server = lora_serving(server, lora)
+        return SGLangEngine(server, str(hf_dir), str(run_dir), rollout_cfg.weight_sync)
     raise ValueError(f"rollout.engine={rollout_cfg.engine!r}: choose inprocess, vllm or sglang")

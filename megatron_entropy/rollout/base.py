@@ -5,7 +5,7 @@ The trainer talks to it only from data-parallel leader ranks. New weights come t
 trainer's weight-sync strategies (megatron_entropy/weight_sync), each of which calls the
 endpoints its protocol here declares: ``LoadsTensors`` (in place: the in-process engine),
 ``ReloadsFolders`` (disk: vLLM and SGLang servers), ``TakesBroadcasts`` (broadcast: SGLang),
-``LoadsAdapters`` (adapters: a LoRA policy's, vLLM servers).
+``LoadsAdapters`` (adapters: a LoRA policy's, vLLM and SGLang servers).
 Rollouts generated ahead of the trainer (trainer/async_rollouts.py) need ``GeneratesAhead``
 (the server engines).
 """

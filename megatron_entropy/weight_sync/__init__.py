@@ -7,7 +7,7 @@ named as ``rollout.weight_sync.strategy`` names it:
   which the servers reload;
 - ``broadcast`` (SGLang): buckets broadcast to the servers' ranks from the first stage's
   leader, in stage order;
-- ``adapters`` (vLLM, ``model.lora``): a LoRA policy's adapters alone, as a PEFT folder the
+- ``adapters`` (vLLM, SGLang; ``model.lora``): a LoRA policy's adapters alone, as a PEFT folder the
   servers load on their base. Every other strategy sends a LoRA policy's weights with its
   adapters merged in (the bridge's export merges them).
 

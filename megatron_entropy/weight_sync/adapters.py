@@ -1,5 +1,5 @@
 """Adapters: a LoRA policy's adapters alone, to an engine that serves LoRA on its base
-(``rollout.weight_sync.strategy=adapters``; vLLM). The base never changes, so only the adapters move:
+(``rollout.weight_sync.strategy=adapters``; vLLM, SGLang). The base never changes, so only the adapters move:
 megabytes where a merged sync moves the whole model.
 
 Each stage streams its own adapters (TP-gathered, as PEFT names them: models/lora_export.py) to

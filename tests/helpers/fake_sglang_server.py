@@ -39,7 +39,25 @@ source states it
   (ids, log-probs, weight version); an unknown rid is a no-op; the answer is HTTP 200 with an
   empty body;
   ``/health``, ``/health_generate``, ``/get_model_info`` and ``/model_info`` (with the
-  weight version; ``/weight_version`` is 404, as on 0.5.15), ``/get_server_info``.
+  weight version; ``/weight_version`` is 404, as on 0.5.15), ``/get_server_info`` (with the LoRA
+  server args).
+- LoRA serving (``--enable-lora`` with ``--max-lora-rank``, ``--lora-target-modules`` (names or
+  ``all``), ``--max-loras-per-batch``, ``--max-loaded-loras``, ``--lora-paths NAME=PATH``; without
+  initial adapters both the rank and the modules must be given, as SGLang's server args check):
+  ``/load_lora_adapter`` {lora_name, lora_path} loads a PEFT folder (adapter_config.json,
+  adapter_model.safetensors) and answers {success, error_message, loaded_adapters}, 400 when it
+  fails: LoRA not enabled, a name that is loaded ("... because it is already loaded"), a rank
+  above --max-lora-rank or modules outside --lora-target-modules (both "incompatible with the
+  current LoRA memory pool configuration"; modules compared as SGLang normalises them: q/k/v ->
+  qkv_proj, gate/up -> gate_up_proj), DoRA; more than --max-loaded-loras loaded evicts the least
+  recently used. ``/unload_lora_adapter`` {lora_name}: 400 for a name not loaded; new requests
+  naming it are refused at once, and it is dropped once the requests using it finished.
+  ``/generate`` with ``lora_path`` (a loaded adapter's name, one per prompt or one for all):
+  each linear module the adapter targets adds (alpha / r) B A x to its output (rsLoRA: alpha /
+  sqrt(r)), as SGLang's LoRA layers do beside the base GEMM; a name not loaded is HTTP 400
+  {error: {message: "The following requested LoRA adapters are not loaded: ..."}} (SGLang's
+  LoRARegistry.acquire); without --enable-lora the key is ignored, as SGLang ignores it.
+  ``/update_weight_version`` {new_version}: the version later answers carry.
 - SIGTERM ends it (aiohttp's graceful exit), as a real 0.5.15 CPU server drains and exits
   within ~7 s of one, also after batched requests.
 Test knobs (not SGLang's): ``--token-delay-s`` slows decoding; ``--request-log`` appends every
@@ -74,6 +92,7 @@ import os
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Optional
@@ -92,6 +111,12 @@ SAMPLING_KEYS_0_5_2 = (
     "logit_bias")
 SAMPLING_KEYS_NEW = ("stop_regex", "sampling_seed")  # 0.5.3+
 PAUSE_MODES = ("abort", "retract", "in_place")
+# SGLang's LoRA module names as its memory pool keeps them (lora/utils.py
+# get_normalized_target_modules): q/k/v share qkv_proj, gate/up share gate_up_proj.
+LORA_POOL_NAMES = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
+                   "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PEFT_PREFIX = "base_model.model."
 # SGLang's FINISH_ABORT().to_json(): every abort answer (abort request, pause mode abort).
 ABORTED = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
 
@@ -153,13 +178,19 @@ class PlainQwen2:
         self.params = {k: v.float() for f in files for k, v in load_file(str(f)).items()}
         # Tied embeddings: the head is the embedding (one tensor, as transformers shares it).
         self.head = self.params.get("lm_head.weight", self.params["model.embed_tokens.weight"])
+        # The adapter of the forward running now: module -> (A [r, in], B [out, r], scale).
+        self.lora: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = {}
 
     def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.params[name] * x
 
     def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        return F.linear(x, self.params[name + ".weight"], self.params.get(name + ".bias"))
+        out = F.linear(x, self.params[name + ".weight"], self.params.get(name + ".bias"))
+        if name in self.lora:  # beside the base GEMM, as SGLang's LoRA layers add it
+            a, b, scale = self.lora[name]
+            out = out + scale * F.linear(F.linear(x, a), b)
+        return out
 
     def _mlp(self, h: torch.Tensor, pre: str) -> torch.Tensor:
         return self._linear(F.silu(self._linear(h, pre + "gate_proj"))
@@ -177,10 +208,12 @@ class PlainQwen2:
                 out[rows] += weights[..., j][rows, None] * self._mlp(h[rows], f"{pre}experts.{e}.")
         return out
 
-    def __call__(self, ids: torch.Tensor, cache: Optional[list]
+    def __call__(self, ids: torch.Tensor, cache: Optional[list], lora: Optional[dict] = None
                  ) -> tuple[torch.Tensor, list]:
         """The last position's logits [V] for ``ids`` [1, T] after ``cache`` (None: none),
-        and the cache extended by them."""
+        and the cache extended by them, with the LoRA adapter ``lora`` (module -> A, B, scale;
+        None: the base)."""
+        self.lora = lora or {}
         past = 0 if cache is None else cache[0][0].shape[2]
         cache = cache or [None] * self.layers
         t = ids.shape[1]
@@ -215,6 +248,43 @@ class PlainQwen2:
             x = x + (self._moe(h, pre + "mlp.") if self.moe else self._mlp(h, pre + "mlp."))
         x = self._norm(x[:, -1], "model.norm.weight")
         return F.linear(x, self.head)[0], cache
+
+
+def pool_names(modules: Any) -> set[str]:
+    """Target modules as SGLang's LoRA memory pool names them (``all``: every one)."""
+    if modules == "all" or modules == ["all"]:
+        modules = LORA_MODULES
+    return {LORA_POOL_NAMES.get(m.split(".")[-1], m.split(".")[-1]) for m in modules}
+
+
+class Adapter:
+    """A PEFT LoRA adapter folder as SGLang's LoRAConfig and LoRAAdapter read it: r, lora_alpha,
+    target_modules, use_rslora/use_dora from adapter_config.json; lora_A/lora_B per module from
+    adapter_model.safetensors."""
+
+    def __init__(self, path: str, model: PlainQwen2):
+        folder = Path(path)
+        config_file = folder / "adapter_config.json"
+        if not config_file.is_file():  # LoRAConfig reads it first
+            raise ValueError(f"Can't find 'adapter_config.json' at '{path}'")
+        cfg = json.loads(config_file.read_text())
+        self.path, self.r, self.targets = path, int(cfg["r"]), cfg["target_modules"]
+        self.dora = bool(cfg.get("use_dora"))
+        alpha = float(cfg["lora_alpha"])
+        scale = alpha / self.r ** 0.5 if cfg.get("use_rslora") else alpha / self.r
+        tensors = load_file(str(folder / "adapter_model.safetensors"))
+        self.weights: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = {}
+        for key, a in tensors.items():
+            if not key.endswith(".lora_A.weight"):
+                continue
+            module = key.removeprefix(PEFT_PREFIX).removesuffix(".lora_A.weight")
+            b = tensors[key.replace(".lora_A.", ".lora_B.")]
+            base = model.params.get(module + ".weight")
+            if base is None or a.shape != (self.r, base.shape[1]) \
+                    or b.shape != (base.shape[0], self.r):
+                raise ValueError(f"{key}: no module of the base model takes an adapter of shapes "
+                                 f"{tuple(a.shape)} and {tuple(b.shape)}")
+            self.weights[module] = (a.float(), b.float(), scale)
 
 
 class RequestState:
@@ -261,6 +331,31 @@ class FakeSGLang:
         self.die_on_sync = False
         self.abort_next = 0
         self.requests: dict[str, RequestState] = {}  # by rid, while they wait or run
+        # LoRA serving: loaded adapters by name, least recently used first; requests using each.
+        self.adapters: OrderedDict[str, Adapter] = OrderedDict()
+        self.adapter_users: dict[str, int] = {}
+        args.enable_lora = args.enable_lora or bool(args.lora_paths)  # as SGLang sets it
+        self.lora_rank = args.max_lora_rank
+        self.lora_modules = args.lora_target_modules
+        if args.enable_lora and not args.lora_paths and not (self.lora_rank
+                                                             and self.lora_modules):
+            raise SystemExit("When no initial --lora-paths is provided, you need to specify both "
+                             "--max-lora-rank and --lora-target-modules for LoRA "
+                             "initialization.")
+        if args.max_loaded_loras is not None and args.max_loaded_loras < \
+                args.max_loras_per_batch:
+            raise SystemExit("max_loaded_loras should be greater than or equal to "
+                             "max_loras_per_batch.")
+        initial = [Adapter(p.split("=", 1)[-1], self.model) for p in args.lora_paths]
+        # Inferred from the initial adapters where not given (SGLang's LoRAManager).
+        self.lora_rank = self.lora_rank or max((a.r for a in initial), default=0)
+        self.lora_modules = self.lora_modules or sorted(
+            {m for a in initial for m in a.targets})
+        for spec, adapter in zip(args.lora_paths, initial):
+            name = spec.split("=", 1)[0] if "=" in spec else spec
+            error = self.admit(name, adapter)
+            if error:
+                raise SystemExit(error)
         self.unperturbed: Optional[dict[str, torch.Tensor]] = None  # before /fake/perturb
         # /fake/perturb with after_requests: (answers still to send, scale, seed).
         self.perturb_later: Optional[tuple[int, float, int]] = None
@@ -268,6 +363,31 @@ class FakeSGLang:
         self.update_delay = 0.0  # seconds /update_weights_from_disk takes (/fake/update_delay)
 
     # --------------------------------------------------------------------------- helpers
+
+    def admit(self, name: str, adapter: Adapter) -> str:
+        """Register ``adapter`` as ``name`` (SGLang's LoRAManager.validate_new_adapter, then
+        the registry's LRU eviction past --max-loaded-loras); the error, or ""."""
+        if name in self.adapters:
+            return f"Failed to load LoRA adapter {name} because it is already loaded"
+        if adapter.dora:
+            return (f"Failed to load {name} because LoRA serving currently doesn't support "
+                    "DoRA adapters")
+        if adapter.r > self.lora_rank or not pool_names(adapter.targets) <= pool_names(
+                self.lora_modules):
+            return (f"LoRA adapter {name} with rank {adapter.r} is incompatible with the "
+                    "current LoRA memory pool configuration. Please ensure that the LoRA "
+                    "adapter's rank is within the configured `--max-lora-rank` and that the "
+                    "target modules are included in `--lora-target-modules`.")
+        self.adapters[name] = adapter
+        self.adapter_users.setdefault(name, 0)
+        limit = self.args.max_loaded_loras
+        while limit is not None and len(self.adapters) > limit:
+            evicted, _ = self.adapters.popitem(last=False)
+            print(f"Unloading least recently used LoRA adapter '{evicted}'", flush=True)
+        return ""
+
+    def loaded_adapters(self) -> dict[str, str]:
+        return {name: a.path for name, a in self.adapters.items()}
 
     def log_request(self, path: str, body: Any) -> None:
         if self.args.request_log:
@@ -348,7 +468,8 @@ class FakeSGLang:
     # ------------------------------------------------------------------------ generation
 
     def sample_one(self, prompt: list[int], p: dict, want_logprobs: bool,
-                   state: RequestState, logprob_start: int = -1) -> dict:
+                   state: RequestState, logprob_start: int = -1,
+                   lora: Optional[dict] = None) -> dict:
         t0 = time.time()
         generator = None
         if p["sampling_seed"] is not None:
@@ -379,7 +500,7 @@ class FakeSGLang:
                         past, inputs = None, torch.tensor([prompt + out_ids])
                         state.retractions += 1
                 with self.compute:
-                    logits, past = self.model(inputs, past)
+                    logits, past = self.model(inputs, past, lora)
                 if greedy:
                     lp = torch.log_softmax(logits, -1)
                     token = int(torch.argmax(logits))
@@ -471,6 +592,7 @@ class FakeSGLang:
             if not isinstance(start, int) or isinstance(start, bool):
                 raise BadRequest(f"logprob_start_len: invalid type: {start!r}")
             p = self.check_sampling(body.get("sampling_params"))
+            names = self.lora_names(body.get("lora_path"), len(batch))
         except BadRequest as e:
             return web.json_response({"error": {"message": str(e)}}, status=400)
         except UnknownSamplingKey as e:
@@ -479,6 +601,11 @@ class FakeSGLang:
         rid = body.get("rid")
         state = RequestState(rid if isinstance(rid, str) else uuid.uuid4().hex)
         self.requests[state.rid] = state
+        # Each prompt's adapter weights, held from here (an unload waits for this request).
+        loras = [self.adapters[n].weights if n is not None else None for n in names]
+        for name in names:
+            if name is not None:
+                self.adapter_users[name] += 1
         try:
             self.waiting += 1
             try:
@@ -502,10 +629,10 @@ class FakeSGLang:
                     self.warmed_up = True
                 loop = asyncio.get_running_loop()
                 outs = []
-                for prompt in batch:
+                for prompt, lora in zip(batch, loras):
                     for _ in range(p["n"]):
                         outs.append(await loop.run_in_executor(None, self.sample_one, prompt, p,
-                                                               rl, state, start))
+                                                               rl, state, start, lora))
             finally:
                 self.running -= 1
             if self.perturb_later is not None:
@@ -515,7 +642,27 @@ class FakeSGLang:
                     await loop.run_in_executor(None, self.perturb, scale, seed)
         finally:
             self.requests.pop(state.rid, None)
+            for name in names:
+                if name is not None:
+                    self.adapter_users[name] -= 1
         return web.json_response(outs[0] if single and p["n"] == 1 else outs)
+
+    def lora_names(self, lora_path: Any, prompts: int) -> list[Optional[str]]:
+        """The adapter of each prompt: ``lora_path`` names loaded adapters (one for all, or one
+        per prompt), each then the most recently used; without --enable-lora it is ignored."""
+        if lora_path is None or not self.args.enable_lora:
+            return [None] * prompts
+        names = lora_path if isinstance(lora_path, list) else [lora_path] * prompts
+        if len(names) != prompts or not all(n is None or isinstance(n, str) for n in names):
+            raise BadRequest(f"lora_path: invalid value {lora_path!r} for {prompts} prompts")
+        missing = [n for n in names if n is not None and n not in self.adapters]
+        if missing:
+            raise BadRequest(f"The following requested LoRA adapters are not loaded: "
+                             f"{missing[0]}\nLoaded adapters: {self.adapters.keys()}.")
+        for n in names:
+            if n is not None:
+                self.adapters.move_to_end(n)
+        return names
 
     async def abort_request(self, request: web.Request) -> web.Response:
         body = await request.json()
@@ -667,6 +814,61 @@ class FakeSGLang:
         return web.json_response({"success": False, "message": "The group to be destroyed does "
                                   "not exist."}, status=400)
 
+    # ------------------------------------------------------------------------ LoRA adapters
+
+    def lora_answer(self, ok: bool, error: str = "") -> web.Response:
+        """LoadLoRAAdapterReqOutput / UnloadLoRAAdapterReqOutput; 400 when it failed."""
+        return web.json_response({"success": ok, "error_message": error,
+                                  "loaded_adapters": self.loaded_adapters() if ok else None},
+                                 status=200 if ok else 400)
+
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.log_request("/load_lora_adapter", body)
+        bad = missing_fields(body, ("lora_name", "lora_path"))
+        if bad is not None:
+            return bad
+        if not self.args.enable_lora:
+            return self.lora_answer(False, "LoRA is not enabled. Please set `--enable-lora` to "
+                                           "enable LoRA.")
+        try:
+            adapter = await asyncio.get_running_loop().run_in_executor(
+                None, Adapter, body["lora_path"], self.model)
+        except (ValueError, OSError) as e:
+            return self.lora_answer(False, str(e))
+        error = self.admit(body["lora_name"], adapter)
+        return self.lora_answer(not error, error)
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.log_request("/unload_lora_adapter", body)
+        bad = missing_fields(body, ("lora_name",))
+        if bad is not None:
+            return bad
+        name = body["lora_name"]
+        if not self.args.enable_lora:
+            return self.lora_answer(False, "LoRA is not enabled. Please set `--enable-lora` to "
+                                           "enable LoRA.")
+        if name not in self.adapters:
+            return self.lora_answer(False, f"LoRA with name {name} does not exist. Loaded "
+                                           f"LoRAs: {self.adapters.keys()}")
+        # Unregistered first (new requests naming it are refused), dropped once unused.
+        del self.adapters[name]
+        while self.adapter_users.get(name, 0):
+            await asyncio.sleep(0.01)
+        self.adapter_users.pop(name, None)
+        return self.lora_answer(True)
+
+    async def update_weight_version(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.log_request("/update_weight_version", body)
+        bad = missing_fields(body, ("new_version",))
+        if bad is not None:
+            return bad
+        self.weight_version = body["new_version"]
+        return web.json_response({"success": True, "message": f"Weight version updated to "
+                                  f"{self.weight_version}", "new_version": self.weight_version})
+
     # ------------------------------------------------------------------------ the rest
 
     async def pause_generation(self, request: web.Request) -> web.Response:
@@ -727,6 +929,11 @@ class FakeSGLang:
     async def server_info(self, request: web.Request) -> web.Response:
         return web.json_response({"model_path": self.model_path, "tp_size": 1, "dp_size": 1,
                                   "weight_version": self.weight_version,
+                                  "enable_lora": self.args.enable_lora,
+                                  "max_lora_rank": self.lora_rank or None,
+                                  "lora_target_modules": self.lora_modules or None,
+                                  "max_loras_per_batch": self.args.max_loras_per_batch,
+                                  "max_loaded_loras": self.args.max_loaded_loras,
                                   "version": self.version, "internal_states": [{}]})
 
     async def fake_knob(self, request: web.Request) -> web.Response:
@@ -779,6 +986,9 @@ class FakeSGLang:
                             self.update_weights_from_distributed)
         app.router.add_post("/destroy_weights_update_group", self.destroy_weights_update_group)
         app.router.add_post("/abort_request", self.abort_request)
+        app.router.add_post("/load_lora_adapter", self.load_lora_adapter)
+        app.router.add_post("/unload_lora_adapter", self.unload_lora_adapter)
+        app.router.add_post("/update_weight_version", self.update_weight_version)
         app.router.add_post("/pause_generation", self.pause_generation)
         app.router.add_post("/continue_generation", self.continue_generation)
         app.router.add_route("GET", "/flush_cache", self.flush_cache)
@@ -806,6 +1016,12 @@ def main() -> None:
     ap.add_argument("--request-log", default=None)
     ap.add_argument("--sync-noise", type=float, default=0.0)
     ap.add_argument("--exit-after", default=None, help="exit once this path was answered")
+    ap.add_argument("--enable-lora", action="store_true")
+    ap.add_argument("--max-lora-rank", type=int, default=None)
+    ap.add_argument("--lora-target-modules", nargs="*", default=None)
+    ap.add_argument("--max-loras-per-batch", type=int, default=8)
+    ap.add_argument("--max-loaded-loras", type=int, default=None)
+    ap.add_argument("--lora-paths", nargs="*", default=[])
     args = ap.parse_args()
     torch.set_num_threads(1)
     server = FakeSGLang(args)

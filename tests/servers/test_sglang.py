@@ -29,36 +29,10 @@ from megatron_entropy.rollout.server.errors import RequestRejected, ServerError
 from megatron_entropy.rollout.server.partial import version_runs
 from megatron_entropy.rollout.server.sglang import SGLangEngine, weight_sync_address
 from megatron_entropy.runtime.seeds import sample_seed
-from fake_sglang import fake_command, greedy_reference, make_cfg, start_fake
+from fake_sglang import fake_command, greedy_reference, make_cfg, post, requests_of, start_fake
 from serving_model import push_weights, reference
 
 PROMPTS = [[5, 6, 7, 8], [40, 41], [100, 7, 3, 9, 12]]
-
-
-def post(url: str, body: dict) -> tuple[int, object]:
-    """(HTTP status, body) of a POST: decoded JSON, or the text of a plain-text answer."""
-    import urllib.request
-
-    def decoded(raw: bytes) -> object:
-        try:
-            return json.loads(raw or b"null")
-        except ValueError:
-            return raw.decode()
-
-    req = urllib.request.Request(url, data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, decoded(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, decoded(e.read())
-
-
-def requests_of(log: Path, path: str) -> list[dict]:
-    if not log.is_file():
-        return []
-    rows = [json.loads(line) for line in log.read_text().splitlines()]
-    return [r["body"] for r in rows if r["path"] == path]
 
 
 def assert_follows(engine, model, prompts=PROMPTS, n_new=8) -> None:

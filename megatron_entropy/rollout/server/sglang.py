@@ -35,12 +35,26 @@ prefixes stay cached):
   weights until the next sync re-forms the group with it; until then it gets no requests. The
   group's master listens on loopback when every server is on this host, else on the address of
   the interface that routes to the first server (``rollout.weight_sync.master_addr`` overrides).
+- ``adapters`` (a LoRA policy, weight_sync/adapters.py): servers with SGLang's LoRA serving on
+  (``lora_serving``: ``--enable-lora``, ``--max-lora-rank``, ``--lora-target-modules``, as SGLang's
+  LoRA docs ask of servers that load adapters after their start) load each version's PEFT folder
+  with ``/load_lora_adapter`` {lora_name, lora_path} under a name of its own,
+  ``policy-lora-v{N}``, then ``/update_weight_version`` and ``/unload_lora_adapter`` of the
+  previous name. A new name per version, not unload + load of one name: SGLang refuses to load a
+  name that is loaded (``LoRAManager.validate_new_adapter``), and its unload waits for the
+  requests that use the name (``LoRARegistry.wait_for_unload``), so with one name a failed load
+  would leave the servers with no adapter under it; with a name per version the new adapter is
+  loaded next to the old, whose unload then cannot fail a request of ours (none use it). Every
+  ``/generate`` names the adapter in ``lora_path`` (a loaded adapter's name, despite the key;
+  one that is not loaded is answered 400). A restarted server loads the newest folder at its
+  start (``--lora-paths NAME=PATH``).
 Every answer's ``meta_info.weight_version`` must be the version last synced.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import ipaddress
 import logging
 import socket
@@ -55,6 +69,7 @@ from torch.distributed.distributed_c10d import (Backend, PrefixStore, _new_proce
                                                 _world, rendezvous)
 
 from megatron_entropy.config import ServerConfig, WeightSyncConfig
+from megatron_entropy.models.lora_settings import TARGETS, LoraSettings
 from megatron_entropy.rollout.base import Completion, SamplingParams
 from megatron_entropy.rollout.server.engine import ServerEngine
 from megatron_entropy.rollout.server.errors import RequestRejected, ServerError
@@ -69,6 +84,7 @@ log = logging.getLogger(__name__)
 FINISH_REASONS = ("stop", "length", "abort")
 FIRST_VERSION_WITH_SEED = (0, 5, 3)
 INITIAL_VERSION = "initial"  # what a launched server holds before the first sync
+LORA_NAME = "policy-lora"  # the policy's adapters: version N loaded as "policy-lora-vN"
 
 
 def _version_tuple(text: str) -> tuple[int, ...]:
@@ -129,6 +145,19 @@ def server_argv(c: ServerConfig, model_dir: str, port: int,
     return compose_argv(c, argv, "--context-length", model_dir, port, weight_version)
 
 
+def lora_serving(c: ServerConfig, lora: LoraSettings) -> ServerConfig:
+    """The server settings with SGLang's LoRA serving on, for adapters of ``lora``'s rank on its
+    targets' HF modules, loaded after the start: one adapter per batch (every request names the
+    current version's), two loaded at once (the new version beside the old until its unload)."""
+    modules = sorted(m for t in lora.targets for m in TARGETS[t])
+    flags = ["--enable-lora", "--max-lora-rank", str(lora.rank), "--lora-target-modules",
+             *modules, "--max-loras-per-batch", "1", "--max-loaded-loras", "2"]
+    # A launch_command replaces the whole command line, extra_args too: it gets them itself.
+    if c.launch_command:
+        return dataclasses.replace(c, launch_command=[*c.launch_command, *flags])
+    return dataclasses.replace(c, extra_args=[*c.extra_args, *flags])
+
+
 class SGLangEngine(ServerEngine):
     """SGLang servers: ``/generate`` per sample, weights from disk or by broadcast."""
 
@@ -138,6 +167,10 @@ class SGLangEngine(ServerEngine):
 
     def __init__(self, server_cfg: ServerConfig, hf_dir: str, run_dir: str,
                  weight_sync: Optional[WeightSyncConfig] = None):
+        # The newest adapters (strategy adapters), name and folder: what a (re)started server
+        # loads, and, once every server loaded them, what requests name.
+        self.adapter: Optional[tuple[str, str]] = None
+        self.adapter_served: Optional[str] = None
         super().__init__(server_cfg, hf_dir, run_dir, launch_version=INITIAL_VERSION)
         # The broadcast's process group: its backend and this node's address.
         self.weight_sync = weight_sync or WeightSyncConfig()
@@ -182,8 +215,11 @@ class SGLangEngine(ServerEngine):
             params["stop_token_ids"] = list(sampling.stop_token_ids)
         if seed is not None and self._sends_seed:
             params["sampling_seed"] = seed
-        return {"input_ids": prompt, "sampling_params": params, "return_logprob": True,
-                "logprob_start_len": -1}
+        payload = {"input_ids": prompt, "sampling_params": params, "return_logprob": True,
+                   "logprob_start_len": -1}
+        if self.adapter_served is not None:
+            payload["lora_path"] = self.adapter_served
+        return payload
 
     def _resume(self, payload: dict, prefix: Completion) -> "dict | str":
         """The request that generates the rest of a sample aborted after ``prefix``."""
@@ -282,6 +318,35 @@ class SGLangEngine(ServerEngine):
                 "model_path": str(folder), "flush_cache": True,
                 "abort_all_requests": False, "weight_version": v}, targets=stale),
                 "/update_weights_from_disk")
+
+    def load_adapter(self, folder: Path, version: int) -> None:
+        """Every server that does not hold version ``version`` loads the PEFT adapter folder
+        ``folder`` (on its base) as ``policy-lora-v{version}``, takes ``version`` as its weight
+        version and unloads the previous version's adapters; every request names the new ones
+        from now on."""
+        v, name = str(version), f"{LORA_NAME}-v{version}"
+        previous = self.adapter_served  # "policy-lora-vM": held by servers at version M
+        # A launched server that restarts from now on loads this folder (_command).
+        self.adapter, self.pool.launch_version = (name, str(folder)), v
+        with self.weight_update(version) as targets:
+            stale = [s for s in targets if s.weight_version != v]
+            self._check(self.pool.call_all("/load_lora_adapter", {
+                "lora_name": name, "lora_path": str(folder)}, targets=stale),
+                "/load_lora_adapter")
+            self.adapter_served = name
+            self._check(self.pool.call_all("/update_weight_version", {"new_version": v},
+                                           targets=stale), "/update_weight_version")
+            holders = [s for s in stale if previous is not None
+                       and f"{LORA_NAME}-v{s.weight_version}" == previous]
+            if holders:
+                self._check(self.pool.call_all("/unload_lora_adapter", {"lora_name": previous},
+                                               targets=holders), "/unload_lora_adapter")
+
+    def _command(self, port: int, model_dir: str) -> list[str]:
+        """A (re)started server also loads the newest adapters, if there are any."""
+        argv = super()._command(port, model_dir)
+        return argv + ["--lora-paths", f"{self.adapter[0]}={self.adapter[1]}"] \
+            if self.adapter else argv
 
     FLUSH_TRIES = 3  # an idle server may refuse a flush once, right after a request returned
     FLUSH_AGAIN_S = 0.5

@@ -62,7 +62,7 @@ def test_an_old_key_beside_its_new_one_is_refused():
                           "which rollout.engine=inprocess does not take: use in_place (or auto)"),
     ("sglang", "in_place", "rollout.weight_sync.strategy=in_place copies tensors into the "
                            "in-process engine's model, which rollout.engine=sglang does not "
-                           "take: use disk or broadcast (or auto)")])
+                           "take: use disk or broadcast or adapters (or auto)")])
 def test_a_strategy_the_engine_cannot_take_is_refused_at_load(engine, strategy, why):
     with pytest.raises(ConfigError) as e:
         load_config(overrides=[f"rollout.engine={engine}",
