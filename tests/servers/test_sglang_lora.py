@@ -9,6 +9,8 @@ the fake give peft's log-probs."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -16,8 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_entropy.models.lora_settings import LoraSettings
+from megatron_entropy.rollout.base import SamplingParams
+from megatron_entropy.rollout.server.sglang import SGLangEngine, lora_serving
 from megatron_entropy.trainer.weight_check import tolerances
-from fake_sglang import fake_command, post, requests_of, start_fake
+from fake_sglang import fake_command, make_cfg, post, requests_of, start_fake
 from serving_model import make_served_model, reference
 
 PROMPT = [5, 6, 7, 8]
@@ -109,6 +114,47 @@ def test_the_fake_serves_adapters_as_sglang_does(base, tmp_path):
         for p in (proc, plain):
             p.terminate()
             p.wait(30)
+
+
+ATTENTION = ["k_proj", "o_proj", "q_proj", "v_proj"]  # linear_qkv and linear_proj in HF names
+
+
+def _assert_each_server_serves(engine: SGLangEngine, model) -> None:
+    """Each server's sampled tokens have ``model``'s log-probs (a peft model), at fp32
+    rounding."""
+    sampling = SamplingParams(max_new_tokens=8, seed=0)
+    for replica, rows in engine.generate_on_each_replica([PROMPT], sampling).items():
+        completion = rows[0][0]
+        expected, tol = reference(model, PROMPT, completion.token_ids)
+        assert _drift(completion.logprobs, expected) <= tol, replica
+
+
+def test_each_version_loads_under_its_name_and_a_restarted_server_loads_the_newest(base,
+                                                                                   tmp_path):
+    log = tmp_path / "requests.jsonl"
+    v1 = _peft_adapter(base, tmp_path / "v1", 4, ATTENTION, seed=1)
+    v2 = _peft_adapter(base, tmp_path / "v2", 4, ATTENTION, seed=2)
+    cfg = lora_serving(make_cfg(launch=2, base_port=32880,
+                                launch_command=fake_command(log=str(log))),
+                       LoraSettings(rank=4, targets=["linear_qkv", "linear_proj"]))
+    engine = SGLangEngine(cfg, str(base), str(tmp_path))
+    try:
+        engine.load_adapter(tmp_path / "v1", 1)
+        _assert_each_server_serves(engine, v1)
+        victim = engine.pool.servers[1]
+        os.kill(victim.process.pid, signal.SIGKILL)
+        victim.process.wait()
+        engine.generate([PROMPT], SamplingParams(max_new_tokens=2))  # restarts it
+        assert victim.restarts == 1 and victim.weight_version == "1"
+        _assert_each_server_serves(engine, v1)  # it started with --lora-paths
+        engine.load_adapter(tmp_path / "v2", 2)
+        _assert_each_server_serves(engine, v2)
+        assert [b["lora_name"] for b in requests_of(log, "/load_lora_adapter")] == \
+            ["policy-lora-v1"] * 2 + ["policy-lora-v2"] * 2
+        assert [b["lora_name"] for b in requests_of(log, "/unload_lora_adapter")] == \
+            ["policy-lora-v1"] * 2
+    finally:
+        engine.shutdown()
 
 
 def _config(base: Path, run_dir: Path, log: Path) -> dict:
