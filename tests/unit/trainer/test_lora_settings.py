@@ -1,5 +1,6 @@
 """``model.lora``'s settings and the checks around a LoRA run: bad keys named, the adapter
-sync only where the engine serves adapters, vLLM's LoRA ranks, and what a resume refuses."""
+sync only where the engine serves adapters, vLLM's LoRA ranks, SGLang's LoRA flags, and what a
+resume refuses."""
 
 from __future__ import annotations
 
@@ -72,6 +73,26 @@ def test_vllm_lora_serving_takes_the_next_rank_it_is_built_for():
         load_config(overrides=["rollout.engine=vllm", "rollout.server.launch=1",
                                "model.hf_path=m", "model.lora.rank=600",
                                "rollout.weight_sync.strategy=adapters"])
+
+
+def test_sglang_lora_serving_flags_follow_model_lora():
+    from megatron_entropy.config import ServerConfig
+    from megatron_entropy.rollout.server.sglang import lora_serving
+
+    lora = LoraSettings(rank=16, targets=["linear_qkv", "linear_fc2"])
+    flags = ["--enable-lora", "--max-lora-rank", "16", "--lora-target-modules", "down_proj",
+             "k_proj", "q_proj", "v_proj", "--max-loras-per-batch", "1", "--max-loaded-loras",
+             "2"]
+    assert lora_serving(ServerConfig(extra_args=["--tp", "2"]), lora).extra_args == \
+        ["--tp", "2", *flags]
+    # A launch_command replaces the whole command line: the flags go onto it.
+    cfg = lora_serving(ServerConfig(launch_command=["serve", "{model}"]), lora)
+    assert cfg.launch_command == ["serve", "{model}", *flags] and cfg.extra_args == []
+    # SGLang's --max-lora-rank has no list of ranks: vLLM's largest does not bound it.
+    cfg = load_config(overrides=["rollout.engine=sglang", "rollout.server.launch=1",
+                                 "model.hf_path=m", "model.lora.rank=600",
+                                 "rollout.weight_sync.strategy=adapters"])
+    assert cfg.rollout.weight_sync.strategy_for("sglang") == "adapters"
 
 
 def _identity(**changes) -> dict:
