@@ -131,3 +131,43 @@ def push_weights(engine, named_tensors, version: int, run_dir, bucket_mb: int = 
                                       bucket_mb=bucket_mb)
     cfg = RolloutConfig(engine=kind, server=engine.cfg, weight_sync=weight_sync)
     return build_weight_sync(cfg, engine, engine.hf_dir, run_dir).push(named_tensors, version)
+
+
+def check_adapter_syncs(run_dir, base: Path, limit: float) -> None:
+    """A LoRA run's syncs with strategy adapters (its metrics): every one the same bytes, under
+    a fifth of the whole model's, and the weight check and the rollouts' log-probs within
+    ``limit`` of the trainer's after each."""
+    import torch
+    import transformers
+
+    from harness import metrics_rows
+
+    rows = metrics_rows(run_dir)
+    adapter_bytes = rows[0]["weight_sync/bytes"]
+    for r in rows:  # the run stops if a weight check fails; these are its numbers
+        print(f"step {r['step']}: adapters sync {r['weight_sync/bytes'] / 2**10:.0f} KiB in "
+              f"{r['weight_sync/seconds']:.2f} s; weight check drift "
+              f"{r['weight_check/drift_mean']:.2e}, rollout drift {r['rollout/logprob_drift']:.2e}")
+        assert r["weight_sync/bytes"] == adapter_bytes
+        assert r["weight_check/drift_mean"] <= limit and r["rollout/logprob_drift"] <= limit
+    model_bytes = sum(p.numel() * 4 for p in transformers.AutoModelForCausalLM.from_pretrained(
+        base, dtype=torch.float32).parameters())
+    assert adapter_bytes < model_bytes / 5
+
+
+def exported_peft(run_dir: Path, base: Path, out: Path):
+    """The run's last checkpoint exported by ``convert mcore-to-peft`` (a fresh process, as a
+    user runs it) into ``out``, loaded with peft on the HF base."""
+    import subprocess
+    import sys
+
+    import torch
+    import transformers
+    from peft import PeftModel
+
+    done = subprocess.run([sys.executable, "-m", "megatron_entropy.cli", "convert",
+                           "mcore-to-peft", "--ckpt", str(Path(run_dir) / "checkpoints"),
+                           "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    hf = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    return PeftModel.from_pretrained(hf, out).eval()

@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -20,10 +20,11 @@ import torch
 
 from megatron_entropy.models.lora_settings import LoraSettings
 from megatron_entropy.rollout.base import SamplingParams
+from megatron_entropy.rollout.server.partial import version_runs
 from megatron_entropy.rollout.server.sglang import SGLangEngine, lora_serving
 from megatron_entropy.trainer.weight_check import tolerances
 from fake_sglang import fake_command, make_cfg, post, requests_of, start_fake
-from serving_model import make_served_model, reference
+from serving_model import check_adapter_syncs, exported_peft, make_served_model, reference
 
 PROMPT = [5, 6, 7, 8]
 
@@ -157,6 +158,46 @@ def test_each_version_loads_under_its_name_and_a_restarted_server_loads_the_newe
         engine.shutdown()
 
 
+def test_requests_aborted_at_a_sync_resume_on_the_new_version_s_adapters(base, tmp_path):
+    """rollout.inflight_at_sync=abort: our requests in flight at an adapter sync are aborted
+    and resumed after it, naming the new version's adapters (the previous ones are unloaded
+    by then, and SGLang refuses a name that is not loaded)."""
+    log = tmp_path / "requests.jsonl"
+    _peft_adapter(base, tmp_path / "v1", 4, ATTENTION, seed=1)
+    v2 = _peft_adapter(base, tmp_path / "v2", 4, ATTENTION, seed=2)
+    cfg = lora_serving(make_cfg(launch=1, base_port=32900,
+                                launch_command=fake_command(delay=0.05, log=str(log))),
+                       LoraSettings(rank=4, targets=["linear_qkv", "linear_proj"]))
+    engine = SGLangEngine(cfg, str(base), str(tmp_path))
+    try:
+        engine.load_adapter(tmp_path / "v1", 1)
+        engine.pool.inflight_at_sync = "abort"
+        result: dict = {}
+        rollout = threading.Thread(target=lambda: result.update(out=engine.generate(
+            [PROMPT, [9, 8, 7]], SamplingParams(temperature=0.0, max_new_tokens=12))))
+        rollout.start()
+        while engine.pool.dispatch.inflight_total < 2 and rollout.is_alive():
+            time.sleep(0.02)
+        time.sleep(0.2)  # a few tokens each
+        engine.load_adapter(tmp_path / "v2", 2)
+        rollout.join(timeout=120)
+        assert "out" in result  # the rollout did not fail
+        runs = [version_runs(c) for row in result["out"] for c in row]
+        assert any([v for v, _ in r] == ["1", "2"] for r in runs), runs
+        resumed = [b for b in requests_of(log, "/generate")
+                   if b["input_ids"] not in (PROMPT, [9, 8, 7])]
+        assert resumed and {b["lora_path"] for b in resumed} == {"policy-lora-v2"}
+        for row in result["out"]:  # the tokens after the sync are v2's
+            c = row[0]
+            head = version_runs(c)[0][1] if version_runs(c)[0][0] == "1" else 0
+            prompt = PROMPT if c is result["out"][0][0] else [9, 8, 7]
+            if head < len(c.token_ids):
+                expected, tol = reference(v2, prompt + c.token_ids[:head], c.token_ids[head:])
+                assert _drift(c.logprobs[head:], expected) <= tol
+    finally:
+        engine.shutdown()
+
+
 def _config(base: Path, run_dir: Path, log: Path) -> dict:
     return {
         "model": {"hf_path": str(base), "dtype": "fp32", "seq_length": 256,
@@ -177,25 +218,12 @@ def _config(base: Path, run_dir: Path, log: Path) -> dict:
 
 
 def test_adapter_sync_serves_the_trainers_adapters(base, tmp_path):
-    import transformers
-    from peft import PeftModel
-
-    from harness import metrics_rows, run_distributed, train_from_dict
+    from harness import run_distributed, train_from_dict
 
     log = tmp_path / "requests.jsonl"
     run_distributed(train_from_dict, 1, _config(base, tmp_path, log), timeout=900)
-    rows = metrics_rows(tmp_path / "adapters")
-    limit = tolerances("fp32", "fp32")[0]  # fp32 actor, fp32 fake: rounding only
-    adapter_bytes = rows[0]["weight_sync/bytes"]
-    for r in rows:  # the run stops if a weight check fails; these are its numbers
-        print(f"step {r['step']}: adapters sync {r['weight_sync/bytes'] / 2**10:.0f} KiB in "
-              f"{r['weight_sync/seconds']:.2f} s; weight check drift "
-              f"{r['weight_check/drift_mean']:.2e}, rollout drift {r['rollout/logprob_drift']:.2e}")
-        assert r["weight_sync/bytes"] == adapter_bytes
-        assert r["weight_check/drift_mean"] <= limit and r["rollout/logprob_drift"] <= limit
-    model_bytes = sum(p.numel() * 4 for p in transformers.AutoModelForCausalLM.from_pretrained(
-        base, dtype=torch.float32).parameters())
-    assert adapter_bytes < model_bytes / 5
+    # fp32 actor, fp32 fake: rounding only
+    check_adapter_syncs(tmp_path / "adapters", base, tolerances("fp32", "fp32")[0])
     # Each version under its own name, the previous one unloaded once the new one serves;
     # every request after the first load names the version loaded last.
     loads = [b["lora_name"] for b in requests_of(log, "/load_lora_adapter")]
@@ -210,12 +238,7 @@ def test_adapter_sync_serves_the_trainers_adapters(base, tmp_path):
 
     # The run's exported adapters, served by the fake, give peft's log-probs on the HF base.
     peft_dir = tmp_path / "peft"
-    done = subprocess.run([sys.executable, "-m", "megatron_entropy.cli", "convert",
-                           "mcore-to-peft", "--ckpt", str(tmp_path / "adapters" / "checkpoints"),
-                           "--out", str(peft_dir)], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    trained = PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(
-        base, dtype=torch.float32), peft_dir).eval()
+    trained = exported_peft(tmp_path / "adapters", base, peft_dir)
     proc, url = start_fake(base, 32860, extra=("--lora-paths", f"trained={peft_dir}"))
     try:
         ids, served = _served(url, "trained")

@@ -7,18 +7,16 @@ adapters; a merged sync of the same policy (``disk``) moves the whole model inst
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import urllib.request
 from pathlib import Path
 
 import pytest
-import torch
 
 from megatron_entropy.config import ServerConfig
 from megatron_entropy.rollout.server.vllm import LORA_NAME, VLLMEngine, lora_serving
 from megatron_entropy.trainer.weight_check import tolerances
-from serving_model import make_served_model, reference_logprobs
+from serving_model import (check_adapter_syncs, exported_peft, make_served_model,
+                           reference_logprobs)
 
 VENV_PYTHON = Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"
 PROMPT = [5, 6, 7, 8]
@@ -77,35 +75,16 @@ def _drift(a: list[float], b: list[float]) -> float:
 
 
 def test_adapter_sync_serves_the_trainers_adapters(served, tmp_path):
-    import transformers
-    from peft import PeftModel
-
-    from harness import metrics_rows, run_distributed, train_from_dict
+    from harness import run_distributed, train_from_dict
 
     base, url = served
     run_distributed(train_from_dict, 1, _config(base, url, tmp_path, "adapters", "adapters"),
                     timeout=900)
-    rows = metrics_rows(tmp_path / "adapters")
     limit = tolerances("bf16", "fp32")[0]  # the weight check's: bf16 serving, fp32 actor
-    adapter_bytes = rows[0]["weight_sync/bytes"]
-    for r in rows:  # the run stops if a weight check fails; these are its numbers
-        print(f"step {r['step']}: adapters sync {r['weight_sync/bytes'] / 2**10:.0f} KiB in "
-              f"{r['weight_sync/seconds']:.2f} s; weight check drift "
-              f"{r['weight_check/drift_mean']:.2e}, rollout drift {r['rollout/logprob_drift']:.2e}")
-        assert r["weight_sync/bytes"] == adapter_bytes
-        assert r["weight_check/drift_mean"] <= limit and r["rollout/logprob_drift"] <= limit
-    model_bytes = sum(p.numel() * 4 for p in transformers.AutoModelForCausalLM.from_pretrained(
-        base, dtype=torch.float32).parameters())
-    assert adapter_bytes < model_bytes / 5
+    check_adapter_syncs(tmp_path / "adapters", base, limit)
 
     # The server's answers with the adapters are peft's on the HF base with the run's adapters.
-    peft_dir = tmp_path / "peft"
-    done = subprocess.run([sys.executable, "-m", "megatron_entropy.cli", "convert",
-                           "mcore-to-peft", "--ckpt", str(tmp_path / "adapters" / "checkpoints"),
-                           "--out", str(peft_dir)], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    hf = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    trained = PeftModel.from_pretrained(hf, peft_dir).eval()
+    trained = exported_peft(tmp_path / "adapters", base, tmp_path / "peft")
     ids, served_logprobs = _complete(url, LORA_NAME)
     assert _drift(served_logprobs, reference_logprobs(trained, PROMPT, ids)) <= limit
     # ... and the adapters matter: the base's log-probs of the same tokens are far from them.

@@ -1,4 +1,5 @@
-"""Rollouts from SGLang servers (0.5.x native HTTP API), with weight sync from disk or by broadcast.
+"""Rollouts from SGLang servers (0.5.x native HTTP API), with weight sync from disk, by broadcast
+or of a LoRA policy's adapters alone.
 
 Generation: one ``/generate`` request per sample (``input_ids``, ``sampling_params`` with n = 1,
 ``return_logprob``), so each sample has its own seed, goes to the least-loaded server and can be
@@ -159,7 +160,8 @@ def lora_serving(c: ServerConfig, lora: LoraSettings) -> ServerConfig:
 
 
 class SGLangEngine(ServerEngine):
-    """SGLang servers: ``/generate`` per sample, weights from disk or by broadcast."""
+    """SGLang servers: ``/generate`` per sample, weights from disk, by broadcast or a LoRA
+    policy's adapters alone."""
 
     kind = "sglang"
     generate_path = "/generate"
@@ -184,7 +186,7 @@ class SGLangEngine(ServerEngine):
         if self.router is None:
             self._eos = eos_token_ids(self.hf_dir)
             self.pool.aborts = AbortApi(
-                with_id=lambda payload, rid: {**payload, "rid": rid},
+                with_id=self._with_id,
                 abort_calls=lambda rids: [("/abort_request", {"rid": rid}) for rid in rids],
                 resume=self._resume)
 
@@ -220,6 +222,15 @@ class SGLangEngine(ServerEngine):
         if self.adapter_served is not None:
             payload["lora_path"] = self.adapter_served
         return payload
+
+    def _with_id(self, payload: dict, rid: str) -> dict:
+        """What is sent for ``payload`` under our id ``rid``, naming the adapters served now: a
+        request aborted at a sync goes out again after it, when the previous version's adapters
+        are unloaded (SGLang would refuse their name)."""
+        sent = {**payload, "rid": rid}
+        if self.adapter_served is not None:
+            sent["lora_path"] = self.adapter_served
+        return sent
 
     def _resume(self, payload: dict, prefix: Completion) -> "dict | str":
         """The request that generates the rest of a sample aborted after ``prefix``."""
