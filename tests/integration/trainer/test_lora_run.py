@@ -197,7 +197,7 @@ def test_resume_on_another_base_is_refused(tmp_path):
 
 def test_expert_adapters_refused_before_any_rank_starts(tmp_path):
     """A mixture-of-experts policy's expert adapters under tensor parallelism, or synced alone
-    to vLLM: one line naming the key, exit 2, from the model's files before any rank starts or
+    to vLLM or SGLang: one line naming the key, exit 2, from the model's files before any rank starts or
     any server is asked (none listens here), and no run folder left."""
     import yaml
 
@@ -206,10 +206,13 @@ def test_expert_adapters_refused_before_any_rank_starts(tmp_path):
     model = save_tiny_hf_model("qwen3_moe", tmp_path / "moe")
     save_tokenizer(model)
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(_config(model, tmp_path / "runs", "run")))
+    synced_alone = ["rollout.server.urls=[http://127.0.0.1:9]",
+                    "rollout.weight_sync.strategy=adapters"]
     for overrides, key in ((["parallel.tensor=2"], "model.lora.targets"),
-                           (["rollout.engine=vllm", "rollout.server.urls=[http://127.0.0.1:9]",
-                             "rollout.weight_sync.strategy=adapters"],
-                            "rollout.weight_sync.strategy=adapters")):
+                           (["rollout.engine=vllm", *synced_alone],
+                            "rollout.weight_sync.strategy=adapters: a mixture-of-experts"),
+                           (["rollout.engine=sglang", *synced_alone],
+                            "rollout.weight_sync.strategy=adapters: a mixture-of-experts")):
         proc = train_cli(tmp_path / "c.yaml", *overrides, log=tmp_path / "refused.log")
         assert proc.wait(timeout=300) == 2
         log = (tmp_path / "refused.log").read_text()
