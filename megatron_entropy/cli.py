@@ -19,6 +19,7 @@ from typing import Callable, Iterator, Mapping, Optional
 from megatron_entropy import __version__
 from megatron_entropy.config import ConfigError, load_config
 from megatron_entropy.models.arch import UnsupportedModelError, load_arch
+from megatron_entropy.models.hf_names import check_hf_checkpoint, hf_weight_files
 from megatron_entropy.models.lora_settings import check_lora_model
 from megatron_entropy.models.tokenizer_files import tokenizer_problem
 from megatron_entropy.runtime import (ParallelLayoutError, check_layout, detect_launch_env,
@@ -259,7 +260,6 @@ def _train_command(args: argparse.Namespace) -> int:
     fewest = min_world_size(p.tensor, p.pipeline, p.expert, p.context)
     if launch.launcher == "single":  # ranks this command starts: their threads, before torch
         apply_thread_defaults(args.nproc or fewest)
-    silence_harmless_warnings()
     _check_model(cfg)  # before any rank starts
     nproc = (args.nproc or fewest) if launch.launcher == "single" else launch.world_size
     check_layout(nproc, p.tensor, p.pipeline, p.expert, p.context)
@@ -271,6 +271,8 @@ def _train_command(args: argparse.Namespace) -> int:
     with _run_folder_lock(cfg.run_dir, launch.rank) as start:  # none for a bad start above
         if launch.launcher == "single" and nproc > 1:
             return _spawn_local(args, nproc, cfg.run_dir, start)
+        # In a process that trains: `--nproc`'s launcher needs no torch (seconds of imports).
+        silence_harmless_warnings()
         from megatron_entropy.trainer.loop import train
 
         train(cfg)
@@ -326,10 +328,6 @@ def _check_model(cfg) -> None:
     """The model the run will train, checked from its files before any rank starts: its
     architecture against parallel.tensor/pipeline, (HF weights) every tensor's name and shape
     against config.json, from the safetensors headers only, and the tokenizer's files."""
-    from megatron_entropy.models.bridge import check_hf_checkpoint
-    from megatron_entropy.models.hf_io import hf_weight_files
-    from megatron_entropy.models.megatron_checkpoint import read_arch
-
     m = cfg.model
     key = "model.megatron_ckpt" if m.megatron_ckpt else "model.hf_path"
     if not (m.megatron_ckpt or m.hf_path):
@@ -337,6 +335,9 @@ def _check_model(cfg) -> None:
                           "converted checkpoint)")
     try:
         if m.megatron_ckpt:
+            # A dist checkpoint's module loads torch: only for a run that starts from one.
+            from megatron_entropy.models.megatron_checkpoint import read_arch
+
             arch = read_arch(m.megatron_ckpt)
         else:
             arch = load_arch(m.hf_path)

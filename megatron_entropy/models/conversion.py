@@ -31,11 +31,11 @@ from torch.distributed.checkpoint.planner import (SavePlan, TensorWriteData, Wri
 from tqdm import tqdm
 
 from megatron_entropy.models.arch import ModelArch, load_arch
-from megatron_entropy.models.bridge import (check_hf_checkpoint, hf_tensor_specs, hf_to_megatron,
-                                            layer_param_names, megatron_to_hf, weight_map)
+from megatron_entropy.models.bridge import hf_tensor_specs, hf_to_megatron, megatron_to_hf
 from megatron_entropy.models.builder import DTYPES, build_gpt_model
-from megatron_entropy.models.hf_io import (hf_weight_files, open_hf_slices, save_hf_weights,
-                                           temp_sibling)
+from megatron_entropy.models.hf_io import open_hf_slices, save_hf_weights, temp_sibling
+from megatron_entropy.models.hf_names import (check_hf_checkpoint, hf_weight_files,
+                                              layer_param_names, weight_map)
 from megatron_entropy.models.megatron_checkpoint import (ARCH_FILE, HF_SUBDIR, CheckpointError,
                                                          check_checkpoint_files, read_arch,
                                                          resolve_checkpoint_dir,

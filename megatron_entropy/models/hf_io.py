@@ -16,6 +16,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from megatron_entropy.models.hf_names import hf_weight_files
+
 # Files that describe the model but are not weights; copied along with exported weights.
 HF_METADATA_FILES = ("config.json", "generation_config.json", "tokenizer.json",
                      "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
@@ -235,32 +237,6 @@ def write_weight_files(named_tensors: Iterable[tuple[str, torch.Tensor]], folder
         os.replace(folder / f".{stem}.part-{i:05d}.safetensors", folder / final)
         weight_map.update({name: final for name in names})
     return weight_map, total_bytes
-
-
-def hf_weight_files(hf_dir: Union[str, Path]) -> dict[str, Path]:
-    """Tensor name -> safetensors file, from the index or the single file; clear error if absent."""
-    hf_dir = Path(hf_dir)
-    index = hf_dir / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = {name: hf_dir / f for name, f in weight_map.items()}
-        missing = sorted({str(p) for p in files.values() if not p.is_file()})
-        if missing:
-            raise FileNotFoundError(f"{index} lists shards that do not exist: {missing[:3]}")
-        for path in sorted(set(files.values())):
-            with _open_safetensors(path):  # reads the header: a truncated shard raises here
-                pass
-        return files
-    single = hf_dir / "model.safetensors"
-    if single.is_file():
-        with _open_safetensors(single) as f:
-            return {name: single for name in f.keys()}
-    shards = sorted(p.name for p in hf_dir.glob("*.safetensors"))
-    if shards:
-        raise FileNotFoundError(f"{str(hf_dir)!r} has {len(shards)} safetensors shards "
-                                f"({shards[0]}, ...) but no model.safetensors.index.json")
-    raise FileNotFoundError(f"no safetensors weights in {str(hf_dir)!r} (expected model.safetensors "
-                            "or model.safetensors.index.json)")
 
 
 def iter_hf_tensors(hf_dir: Union[str, Path], names: Optional[Iterable[str]] = None

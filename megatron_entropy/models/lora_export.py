@@ -20,15 +20,14 @@ from typing import Iterable, Iterator, Optional, Union
 import torch
 
 from megatron_entropy.models.arch import ModelArch, UnsupportedModelError
-from megatron_entropy.models.bridge import (check_hf_checkpoint, hf_tensor_specs, hf_to_megatron,
-                                            local_spec_name, megatron_param_names,
-                                            megatron_to_hf, weight_map)
+from megatron_entropy.models.bridge import hf_tensor_specs, hf_to_megatron, megatron_to_hf
 from megatron_entropy.models.builder import DTYPES
 from megatron_entropy.models.conversion import (cast_checked, iter_checkpoint_tensors,
                                                 peak_rss_bytes, prepare_output, replace_output,
                                                 single_process_megatron, stacked_global_name)
-from megatron_entropy.models.hf_io import (TensorSpec, hf_weight_files, open_hf_slices,
-                                           save_hf_weights)
+from megatron_entropy.models.hf_io import TensorSpec, open_hf_slices, save_hf_weights
+from megatron_entropy.models.hf_names import (check_hf_checkpoint, hf_weight_files,
+                                              local_spec_name, megatron_param_names, weight_map)
 from megatron_entropy.models.lora import (SUFFIX, LoraAdapter, fingerprint_difference,
                                           is_adapter_param)
 from megatron_entropy.models.lora_settings import TARGETS

@@ -19,8 +19,8 @@ from typing import Union
 import torch.distributed as dist
 
 from megatron_entropy.models.arch import load_arch
-from megatron_entropy.models.bridge import check_hf_checkpoint
 from megatron_entropy.models.hf_io import copy_hf_metadata, write_weight_files, write_weight_index
+from megatron_entropy.models.hf_names import check_hf_checkpoint
 from megatron_entropy.rollout.base import ReloadsFolders
 from megatron_entropy.weight_sync.base import VersionFolders, WeightSync
 from megatron_entropy.weight_sync.stream import StageStream

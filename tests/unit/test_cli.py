@@ -1,10 +1,13 @@
 """`--help` of every command (and of each sub-command) is plain text: no reStructuredText
 markup (double backquotes, roles) from the docstrings it is built from; a bad `--nproc` is one
-line; how `--nproc`'s launcher reports the way its ranks ended."""
+line; how `--nproc`'s launcher reports the way its ranks ended; the launcher loads no torch."""
 
 from __future__ import annotations
 
+import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -106,3 +109,35 @@ def test_messages_point_the_right_way(tmp_path, capsys, monkeypatch):
                         "turns on the cores, slower than fewer ranks (docs/performance.md)")
     assert "is in use by" in lines[1]
     assert cli.finished_summary(tmp_path, 1).startswith("finished: 1 step; last checkpoint")
+
+
+# `python -m megatron_entropy.cli ARGS` as a user starts it; at exit, the modules it loaded.
+_LOADED_AT_EXIT = """
+import atexit, json, runpy, sys
+atexit.register(lambda: print(json.dumps(sorted(sys.modules)), file=sys.stderr))
+sys.argv = ["megatron-entropy", *sys.argv[1:]]
+runpy.run_module("megatron_entropy.cli", run_name="__main__")
+"""
+
+
+def test_the_launcher_checks_the_model_without_torch(tmp_path):
+    """`train --nproc 2` checks the config and the model's files (every tensor's name and shape
+    from the safetensors headers, the tokenizer) before any rank starts, without loading torch
+    (seconds of imports the launcher, which trains nothing itself, does not need): here the
+    run folder is held by another trainer, the last check before the ranks would start."""
+    from megatron_entropy.runtime import run_lock
+
+    config = _config(tmp_path, Path(__file__).parents[2] / "examples" / "quickstart_model")
+    (tmp_path / "runs" / "run").mkdir(parents=True)
+    held = run_lock.acquire(tmp_path / "runs" / "run" / "train.lock", "run folder")
+    try:
+        done = subprocess.run([sys.executable, "-c", _LOADED_AT_EXIT, "train", str(config),
+                               "--nproc", "2"], capture_output=True, text=True, timeout=120)
+    finally:
+        run_lock.release(held)
+    err = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and "is in use by host" in err[-2], done.stderr[-2000:]
+    loaded = set(json.loads(err[-1]))
+    assert {"megatron_entropy.models.hf_names", "megatron_entropy.models.tokenizer_files"} \
+        <= loaded
+    assert "torch" not in loaded
