@@ -4,14 +4,12 @@ line; how `--nproc`'s launcher reports the way its ranks ended; the launcher loa
 
 from __future__ import annotations
 
-import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from cli_modules import cli_modules
 from megatron_entropy.cli import _commands, _launcher_exit_code, main
 
 MARKUP = re.compile(r"``|:(func|class|mod|meth|attr):`")
@@ -111,15 +109,6 @@ def test_messages_point_the_right_way(tmp_path, capsys, monkeypatch):
     assert cli.finished_summary(tmp_path, 1).startswith("finished: 1 step; last checkpoint")
 
 
-# `python -m megatron_entropy.cli ARGS` as a user starts it; at exit, the modules it loaded.
-_LOADED_AT_EXIT = """
-import atexit, json, runpy, sys
-atexit.register(lambda: print(json.dumps(sorted(sys.modules)), file=sys.stderr))
-sys.argv = ["megatron-entropy", *sys.argv[1:]]
-runpy.run_module("megatron_entropy.cli", run_name="__main__")
-"""
-
-
 def test_the_launcher_checks_the_model_without_torch(tmp_path):
     """`train --nproc 2` checks the config and the model's files (every tensor's name and shape
     from the safetensors headers, the tokenizer) before any rank starts, without loading torch
@@ -131,13 +120,10 @@ def test_the_launcher_checks_the_model_without_torch(tmp_path):
     (tmp_path / "runs" / "run").mkdir(parents=True)
     held = run_lock.acquire(tmp_path / "runs" / "run" / "train.lock", "run folder")
     try:
-        done = subprocess.run([sys.executable, "-c", _LOADED_AT_EXIT, "train", str(config),
-                               "--nproc", "2"], capture_output=True, text=True, timeout=120)
+        loaded, err = cli_modules("train", str(config), "--nproc", "2", code=2)
     finally:
         run_lock.release(held)
-    err = done.stderr.strip().splitlines()
-    assert done.returncode == 2 and "is in use by host" in err[-2], done.stderr[-2000:]
-    loaded = set(json.loads(err[-1]))
+    assert "is in use by host" in err[-1], err
     assert {"megatron_entropy.models.hf_names", "megatron_entropy.models.tokenizer_files"} \
         <= loaded
     assert "torch" not in loaded

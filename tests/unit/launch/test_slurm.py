@@ -2,17 +2,17 @@
 the scripts themselves), URL files, waiting for servers, the server command."""
 
 import http.server
-import json
 import os
 import re
 import shlex
 import subprocess
-import sys
 import threading
 from pathlib import Path
 
 import pytest
 import torch
+
+from cli_modules import cli_modules
 
 from megatron_entropy.cli import main as cli_main
 from megatron_entropy.config import ConfigError, load_config
@@ -315,21 +315,9 @@ def test_the_cli_fronts_the_slurm_helpers_and_conversion(argv, flags, capsys):
     assert done.value.code == 0 and argv[0] in capsys.readouterr().out
 
 
-# Run as the sbatch scripts run it (python -m megatron_entropy.cli slurm ...); at exit, the
-# modules it loaded.
-_LOADED_AT_EXIT = """
-import atexit, json, runpy, sys
-atexit.register(lambda: print(json.dumps(sorted(sys.modules)), file=sys.stderr))
-sys.argv = ["megatron-entropy", *sys.argv[1:]]
-runpy.run_module("megatron_entropy.cli", run_name="__main__")
-"""
-
-
 def _slurm_helper_modules(*args: str, code: int) -> set[str]:
-    done = subprocess.run([sys.executable, "-c", _LOADED_AT_EXIT, "slurm", *args],
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == code, done.stderr[-2000:]
-    loaded = set(json.loads(done.stderr.splitlines()[-1]))
+    """Run as the sbatch scripts run it (python -m megatron_entropy.cli slurm ...)."""
+    loaded, _ = cli_modules("slurm", *args, code=code)
     assert "megatron_entropy.launch.slurm" in loaded
     return loaded
 
