@@ -15,11 +15,11 @@ from helpers.metrics_table import undocumented_metrics
 @pytest.mark.slow
 def test_quick_study_trains_logs_modes_and_evaluates_each_run_on_the_test_split(tmp_path):
     out = tmp_path / "out"
-    # The quick preset, shortened further: 2 arms, 3 steps of 8 prompts x 4 samples, 16
+    # The quick preset, shortened further: 2 arms, 2 steps of 8 prompts x 4 samples, 16
     # validation and 8 test problems (x 4 samples).
     done = study_cli("examples/study_hinted.yaml", "--quick", "--out", str(out), "--losses",
-                     "grpo,kl_cov", "trainer.steps=3", "trainer.save_interval=3",
-                     "trainer.val_interval=3", "data.prompts_per_step=8", "rollout.n_samples=4",
+                     "grpo,kl_cov", "trainer.steps=2", "trainer.save_interval=2",
+                     "trainer.val_interval=2", "data.prompts_per_step=8", "rollout.n_samples=4",
                      "data.hinted.num_val=16", "data.hinted.num_test=8")
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     assert "[2/2] kl_cov-seed1: eval in" in done.stdout
@@ -28,7 +28,7 @@ def test_quick_study_trains_logs_modes_and_evaluates_each_run_on_the_test_split(
         run = out / "runs" / name
         rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
         train = [r for r in rows if "modes/direct_frac" in r]
-        assert len(train) == 3 and "val/modes/direct_frac" in rows[0]
+        assert len(train) == 2 and "val/modes/direct_frac" in rows[0]
         for r in train:
             assert r["modes/direct_frac"] + r["modes/worked_frac"] + r["modes/tool_frac"] \
                 + r["modes/other_frac"] == pytest.approx(1.0)
