@@ -13,8 +13,8 @@ from harness import init_megatron, run_distributed
 from tiny_models import FAMILIES, save_tiny_hf_model
 
 from megatron_entropy.models.arch import load_arch
-from megatron_entropy.models.bridge import (WeightMap, hf_tensor_specs, hf_to_megatron,
-                                            megatron_param_names, megatron_to_hf, weight_map)
+from megatron_entropy.models.bridge import hf_tensor_specs, hf_to_megatron, megatron_to_hf
+from megatron_entropy.models.hf_names import WeightMap, megatron_param_names, weight_map
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("family", list(FAMILIES) + ["qwen2_tied"])
