@@ -66,14 +66,16 @@ def _openmp_settings(output: str) -> dict[str, str]:
 @pytest.mark.parametrize("user", [{}, {"OMP_NUM_THREADS": "3", "OMP_WAIT_POLICY": "ACTIVE"}])
 def test_one_process_run_loads_openmp_with_the_defaults(tmp_path, user):
     """At one process the run is this process: the defaults must be in place before torch
-    loads OpenMP. The model folder is missing, so the command stops (exit 2) right after
-    loading torch to check it."""
+    loads OpenMP. The model is a dist checkpoint, an empty folder, so the command stops (exit
+    2) right after loading torch to read it (an HF model folder is checked without torch)."""
     config = _config(tmp_path, str(tmp_path / "no_model"))
-    out = subprocess.run([sys.executable, "-m", "megatron_entropy.cli", "train", str(config)],
+    (tmp_path / "no_checkpoint").mkdir()
+    out = subprocess.run([sys.executable, "-m", "megatron_entropy.cli", "train", str(config),
+                          "model.hf_path=", f"model.megatron_ckpt={tmp_path / 'no_checkpoint'}"],
                          env=_env(OMP_DISPLAY_ENV="VERBOSE", **user), cwd=tmp_path,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2, out.stderr
-    assert "no_model" in out.stderr
+    assert "no_checkpoint records no architecture" in out.stderr, out.stderr
     seen = _openmp_settings(out.stdout + out.stderr)
     if user:
         assert {k: seen[k] for k in THREAD_VARS} == user
