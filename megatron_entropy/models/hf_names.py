@@ -212,8 +212,8 @@ def hf_weight_files(hf_dir: Union[str, Path]) -> dict[str, Path]:
     if shards:
         raise FileNotFoundError(f"{str(hf_dir)!r} has {len(shards)} safetensors shards "
                                 f"({shards[0]}, ...) but no model.safetensors.index.json")
-    raise FileNotFoundError(f"no safetensors weights in {str(hf_dir)!r} (expected model.safetensors "
-                            "or model.safetensors.index.json)")
+    raise FileNotFoundError(f"no safetensors weights in {str(hf_dir)!r} (expected "
+                            "model.safetensors or model.safetensors.index.json)")
 
 
 def safetensors_header(path: Path) -> dict[str, dict]:

@@ -260,8 +260,8 @@ def test_a_signal_to_the_group_during_start_up_is_one_line_and_leaves_nothing(tm
     """Ctrl-C (SIGINT to the terminal's process group: the launcher and its ranks) or SIGTERM
     early in start-up (the config and the model's files checked, then seconds of torch and
     Megatron imports, before start-up can be interrupted; the ranks have the signals blocked
-    still: the signal acts where the checks end, or once the imports have) or while the tokenizer, the prompts, the policy and the engine
-    load (from rank 0's first start-up line on: seconds of start-up are left; the line that
+    still: the signal acts where the checks end, or once the imports have) or while the
+    tokenizer, the prompts, the policy and the engine load (from rank 0's first start-up line on: seconds of start-up are left; the line that
     comes just before the engine's weights left ~0.2 s, which a busy machine's start-up could
     finish before the signal came)."""
     launcher, log = _launch(tmp_path, nproc, {})
