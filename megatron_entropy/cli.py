@@ -349,8 +349,7 @@ def _check_model(cfg) -> None:
             if not Path(m.megatron_ckpt or m.hf_path).exists() else ""
         raise ConfigError(f"{key}: {e.args[0] if isinstance(e, KeyError) else e}{where}") \
             from None
-    arch.check_parallel(cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.expert,
-                        cfg.parallel.context)
+    arch.check_parallel(cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.expert)
     check_lora_model(m.lora, arch.is_moe, cfg.parallel.tensor,
                      adapter_sync=cfg.rollout.weight_sync.strategy == "adapters")
     # The tokenizer and chat template come from hf_path, else the checkpoint's hf/ folder.

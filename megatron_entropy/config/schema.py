@@ -481,7 +481,7 @@ class TrainerConfig(Settings):
         "auto", help="rows of a micro-batch (the same function up to rounding): 'padded' one per "
                      "sample; 'shared_prompt' a prompt once and its responses (local spec, no CP); "
                      "'packed' samples back to back, each seeing itself (local spec or TE); 'auto' "
-                     "= packed or shared_prompt, the cheaper per mini-batch, on dense models")
+                     "= packed or shared_prompt, the cheaper per mini-batch (MoE: packed)")
     distributed_optimizer: Union[bool, Literal["auto"]] = _f(
         "auto", help="Megatron's distributed optimizer: fp32 main weights and Adam moments "
                      "sharded over DP (x CP) ranks; 'auto' = on where DP x CP > 1")

@@ -258,7 +258,7 @@ def make_plan(cfg: Config, arch: ModelArch, nodes: int, arch_source: str = "",
                 gpu_memory_gb=c.gpu_memory_gb, layout=None, tensor=p.tensor, pipeline=p.pipeline,
                 expert=p.expert, context=p.context)
     try:
-        arch.check_parallel(p.tensor, p.pipeline, p.expert, p.context)
+        arch.check_parallel(p.tensor, p.pipeline, p.expert)
         plan.layout = job_layout(cfg, [f"node{i}" for i in range(nodes)])
     except (UnsupportedModelError, ParallelLayoutError, NotEnoughNodesError, ConfigError) as e:
         plan.problems.append(str(e))

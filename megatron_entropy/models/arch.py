@@ -76,14 +76,8 @@ class ModelArch:
     def padded_vocab_size(self) -> int:
         return int(math.ceil(self.vocab_size / VOCAB_PAD_MULTIPLE) * VOCAB_PAD_MULTIPLE)
 
-    def check_parallel(self, tensor: int, pipeline: int, expert: int = 1,
-                       context: int = 1) -> None:
-        """Raise naming the config key if this model cannot be split TP x PP x EP x CP."""
-        if context > 1 and self.is_moe:
-            raise UnsupportedModelError(
-                f"parallel.context={context} with a mixture-of-experts model: its routing is "
-                "recorded and replayed a whole sequence at a time, and Megatron folds the "
-                "experts over the context-parallel ranks; use parallel.context=1")
+    def check_parallel(self, tensor: int, pipeline: int, expert: int = 1) -> None:
+        """Raise naming the config key if this model cannot be split TP x PP x EP."""
         if expert > 1 and not self.is_moe:
             raise UnsupportedModelError(
                 f"parallel.expert={expert} needs a mixture-of-experts model; {self.architecture} "

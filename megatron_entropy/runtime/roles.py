@@ -33,15 +33,20 @@ class Roles:
     expert_dp_rank: int = 0
     # Context parallelism: the CP ranks of a replica hold the same weights; CP rank 0's send them.
     cp_rank: int = 0
+    # Expert parallelism under CP: Megatron carves the EP groups out of DP x CP, so a CP rank
+    # other than 0 may hold experts that a CP rank 0 of its EP group needs; whether its EP group
+    # holds a CP rank 0 (which then gathers the experts over it).
+    ep_group_has_cp_leader: bool = False
 
     @classmethod
     def here(cls, shared_engine: bool) -> Roles:
         """This rank's roles (parallel state initialised) with a shared or per-replica engine."""
+        cp_rank = ps.get_context_parallel_rank()
         return cls(rank=dist.get_rank(), dp_rank=ps.get_data_parallel_rank(),
                    dp_size=ps.get_data_parallel_world_size(), replica_leader=is_replica_leader(),
                    shared_engine=shared_engine,
                    expert_dp_rank=ps.get_expert_data_parallel_rank(),
-                   cp_rank=ps.get_context_parallel_rank())
+                   cp_rank=cp_rank, ep_group_has_cp_leader=_ep_group_has_cp_leader(cp_rank))
 
     @property
     def rank0(self) -> bool:
@@ -57,12 +62,26 @@ class Roles:
         """Takes part in gathering the full weights an engine is sent: every model-parallel rank
         of DP replica 0 for a shared engine (and, with expert parallelism, of the replicas that
         hold the rest of its experts: ``relays_experts``), of every replica else; of CP rank 0
-        only (the other CP ranks hold the same weights)."""
-        if self.cp_rank != 0:
+        (the other CP ranks hold the same dense weights; with expert parallelism those whose EP
+        group holds a CP rank 0 relay their experts)."""
+        if self.cp_rank != 0 and not self.ep_group_has_cp_leader:
             return False
         return self.expert_dp_rank == 0 if self.shared_engine else True
 
     @property
     def relays_experts(self) -> bool:
-        """Feeds a shared engine only by handing its experts to DP replica 0's ranks."""
-        return self.shared_engine and self.feeds_engine and self.dp_rank != 0
+        """Feeds an engine only by handing its experts to other ranks of its EP group (DP
+        replica 0's for a shared engine; its EP group's CP rank 0 under CP)."""
+        return self.feeds_engine and (self.cp_rank != 0
+                                      or self.shared_engine and self.dp_rank != 0)
+
+
+def _ep_group_has_cp_leader(cp_rank: int) -> bool:
+    """Whether this rank's expert-parallel group holds a CP rank 0 (EP x CP > 1: one small
+    all-gather over the EP group; else whether this rank is one)."""
+    group = ps.get_expert_model_parallel_group()
+    if ps.get_context_parallel_world_size() == 1 or dist.get_world_size(group) == 1:
+        return cp_rank == 0
+    ranks: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(ranks, cp_rank, group=group)
+    return 0 in ranks

@@ -120,8 +120,10 @@ class MicroBatch:
     # (each sequence padded to what context parallelism divides).
     cu_seqlens: Optional[torch.Tensor] = None
     cu_seqlens_padded: Optional[torch.Tensor] = None
-    # Context parallelism: [N] the CP rank that computes each response token's statistics.
+    # Context parallelism: [N] the CP rank that computes each response token's statistics, and
+    # [S / CP] the columns of the whole (CP-padded) rows that this rank's tokens are.
     stat_owner: Optional[torch.Tensor] = None
+    cp_columns: Optional[torch.Tensor] = None
 
     @property
     def num_tokens(self) -> int:

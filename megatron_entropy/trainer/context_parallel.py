@@ -74,7 +74,8 @@ def shard_micro_batch(mb: MicroBatch, rank: int, cp: int, pad_id: int = 0) -> Mi
         local = torch.where(at >= 0, row * local_width + at, local)
     own = owner == rank
     return replace(mb, tokens=tokens[:, mine], position_ids=positions[:, mine],
-                   flat_positions=local[own], targets=mb.targets[own], stat_owner=owner)
+                   flat_positions=local[own], targets=mb.targets[own], stat_owner=owner,
+                   cp_columns=torch.tensor(mine, dtype=torch.long))
 
 
 class _GatherTokens(torch.autograd.Function):

@@ -151,8 +151,7 @@ class Trainer:
                 raise ValueError("set model.hf_path (an HF model folder) or model.megatron_ckpt")
             self.arch = load_arch(m.hf_path)
             self.hf_dir = m.hf_path
-        self.arch.check_parallel(cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.expert,
-                                 cfg.parallel.context)
+        self.arch.check_parallel(cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.expert)
         if self.arch.is_moe and cfg.algorithm.old_logprobs == "engine":
             raise ConfigError("algorithm.old_logprobs=engine: a mixture-of-experts policy's "
                               "updates replay the routing its recompute records; use "

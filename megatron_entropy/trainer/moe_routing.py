@@ -23,13 +23,26 @@ each router reads its routing map [tokens, experts] (tokens in Megatron's [S, B]
   whose loss is 0 x its output: no gradient, no metric, no routing record. In an update its
   routers run in eval mode, so no router loss is attached, in the forward and in the backward's
   re-forward alike (re-forwards come in the order of the forwards, as for REPLAY_BACKWARD).
+  The CP ranks of a DP replica run the same micro-batches, so they run their fillers together.
+* Rows: a padded row holds one sample, a packed row several back to back (``cu_seqlens_padded``
+  says where each starts). Under context parallelism a rank's forward sees its chunks of every
+  row (``MicroBatch.cp_columns``, trainer/context_parallel.py): the recompute all-gathers the
+  CP ranks' routing to record each sample whole (every CP rank holds the same records), and an
+  update replays the columns of the record its rank holds.
 * Expert load: tokens routed to each expert over the step's update forwards (real tokens, summed
-  over DP), per layer; the router's losses as Megatron's tracker holds them.
+  over DP x CP), per layer; the router's losses as Megatron's tracker holds them.
 * The load-balancing loss's gradient scale: with ``calculate_per_token_loss`` Megatron scales a
   micro-batch's aux-loss gradient by its token count and expects ``finalize_model_grads`` to divide
   by the step's; this trainer's losses arrive normalised (trainer/model_setup.py), so for the
   schedule's duration the scale is divided by the step's routed tokens over DP: the aux loss
   then enters as its token-weighted mean over micro-batches and DP ranks, times its coefficient.
+  Under context parallelism Megatron counts a micro-batch's tokens per expert over TP x CP and
+  each CP rank's loss is its own tokens' share (the shares add up to the CP = 1 loss); the
+  divisor is the routed tokens over DP x CP (each CP rank's own ``mb.tokens``), which gives
+  CP = 1's gradient (measured, tests/integration/trainer/test_moe_routing.py; over DP alone the
+  aux loss's gradient came out CP times CP = 1's). CP pads each row (each packed sequence) to a
+  multiple of 2 x CP; those tokens are routed, like the padded layout's own padding, so the aux
+  loss equals CP = 1's where no such padding is added.
 """
 
 from __future__ import annotations
@@ -70,8 +83,10 @@ def with_fillers(micro_batches: list[MicroBatch]) -> list[MicroBatch]:
         return micro_batches
     count = torch.tensor([len(micro_batches)], dtype=torch.long, device=device())
     dist.all_reduce(count, op=dist.ReduceOp.MAX, group=ps.get_expert_model_parallel_group())
-    # Sequence parallelism splits the sequence over TP: one token per TP rank.
-    length = ps.get_tensor_model_parallel_world_size()
+    # Sequence parallelism splits the sequence over TP: one token per TP rank, and under context
+    # parallelism a token for each of the rank's two chunks.
+    length = ps.get_tensor_model_parallel_world_size() * (
+        2 if ps.get_context_parallel_world_size() > 1 else 1)
     empty = torch.zeros(0, dtype=torch.long)
     fillers = [MicroBatch(tokens=torch.zeros(1, length, dtype=torch.long),
                           position_ids=torch.arange(length).view(1, length),
@@ -169,23 +184,55 @@ class MoeRouting:
             self._maps = None
 
     def _layout(self, mb: MicroBatch, samples: Sequence[Sample]
-                ) -> tuple[int, int, list[int], torch.Tensor]:
-        """S, B, each row's length and the [S, B] mask of real tokens of ``mb``."""
-        S, B = mb.tokens.shape[1], mb.tokens.shape[0]
-        lengths = [samples[sid].length for sid in mb.sample_ids]
+                ) -> tuple[int, int, list[tuple[int, int, int]], torch.Tensor]:
+        """S, B of the whole rows (under context parallelism: all CP ranks' columns), where
+        each sample lies in them, (row, first column, length), and the [S, B] mask of real
+        tokens: a padded row is one sample, a packed row several back to back."""
+        B = mb.tokens.shape[0]
+        S = mb.tokens.shape[1] * (1 if mb.cp_columns is None
+                                  else ps.get_context_parallel_world_size())
+        starts = ([0] * B if mb.cu_seqlens_padded is None
+                  else mb.cu_seqlens_padded[:-1].tolist())
+        rows = range(B) if mb.cu_seqlens_padded is None else [0] * len(mb.sample_ids)
+        spans = [(b, int(start), samples[sid].length)
+                 for b, start, sid in zip(rows, starts, mb.sample_ids)]
         real = torch.zeros(S, B, dtype=torch.bool)
-        for b, n in enumerate(lengths):
-            real[:n, b] = True
-        return S, B, lengths, real
+        for b, start, n in spans:
+            real[start:start + n, b] = True
+        return S, B, spans, real
 
-    def _targets(self, routings: Sequence[torch.Tensor], lengths: Sequence[int], S: int,
-                 B: int) -> torch.Tensor:
-        """[layers, S, B, k] the rows' recorded experts; padding positions route to the first k
-        experts (right padding: no real token attends to them)."""
+    @staticmethod
+    def _local(mb: MicroBatch, whole: torch.Tensor, dim: int) -> torch.Tensor:
+        """This CP rank's columns (dim ``dim``) of a tensor over the whole rows."""
+        if mb.cp_columns is None:
+            return whole
+        return whole.index_select(dim, mb.cp_columns.cpu())
+
+    def _targets(self, routings: Sequence[torch.Tensor], spans: Sequence[tuple[int, int, int]],
+                 S: int, B: int) -> torch.Tensor:
+        """[layers, S, B, k] the samples' recorded experts; padding positions route to the
+        first k experts (no real token attends to them: right padding, or a packed sequence's
+        own end)."""
         target = torch.arange(self.topk).expand(len(self.routers), S, B, self.topk).clone()
-        for b, (r, n) in enumerate(zip(routings, lengths)):
-            target[:, :n, b] = r.long()
+        for r, (b, start, n) in zip(routings, spans):
+            target[:, start:start + n, b] = r.long()
         return target
+
+    def _whole_rows(self, mb: MicroBatch, local: torch.Tensor, S: int) -> torch.Tensor:
+        """[layers, S / CP, B, k] of this CP rank's columns -> [layers, S, B, k] of the whole
+        rows, from every CP rank (one all-gather of each; as it is without CP)."""
+        if mb.cp_columns is None:
+            return local
+        group = ps.get_context_parallel_group()
+        cp = dist.get_world_size(group)
+        parts = [torch.empty_like(local) for _ in range(cp)]
+        columns = [torch.empty_like(mb.cp_columns) for _ in range(cp)]
+        dist.all_gather(parts, local.contiguous(), group=group)
+        dist.all_gather(columns, mb.cp_columns, group=group)
+        whole = local.new_zeros(local.shape[0], S, *local.shape[2:])
+        for part, cols in zip(parts, columns):
+            whole[:, cols] = part
+        return whole
 
     def _engine_routing(self, sample: Sample) -> Optional[torch.Tensor]:
         """This stage's layers of the engine's routing of ``sample``, [layers, length, k]."""
@@ -231,13 +278,13 @@ class MoeRouting:
     def record(self, mb: MicroBatch, samples: Sequence[Sample]) -> Iterator[None]:
         """Around the recompute's forward of ``mb``: each sample's routing is stored (with R3
         the engine's, replayed) and compared with the engine's where every row has it."""
-        S, B, lengths, real = self._layout(mb, samples)
+        S, B, spans, real = self._layout(mb, samples)
         engine = [self._engine_routing(samples[sid]) for sid in mb.sample_ids]
         known = all(e is not None for e in engine)
         if self.mode == "rollout" and not known:
             raise RuntimeError("rollout.routing_replay=rollout needs the engine's routing of "
                                "every sample (the in-process engine returns it for MoE models)")
-        target = self._targets(engine, lengths, S, B) if known else None
+        target = self._local(mb, self._targets(engine, spans, S, B), 1) if known else None
         if self.mode == "rollout":
             self._start_replay(target)
         try:
@@ -246,12 +293,12 @@ class MoeRouting:
         finally:
             if self.mode == "rollout":
                 self._stop_replay(backward=False)
-        per_layer = [self._top_experts(m).view(S, B, self.topk) for m in maps]
-        for b, (sid, n) in enumerate(zip(mb.sample_ids, lengths)):
-            samples[sid].routing = torch.stack([t[:n, b] for t in per_layer]).to(
-                torch.int16).cpu()
+        local = torch.stack([self._top_experts(m).view(-1, B, self.topk) for m in maps])
+        whole = self._whole_rows(mb, local, S).to(torch.int16).cpu()
+        for sid, (b, start, n) in zip(mb.sample_ids, spans):
+            samples[sid].routing = whole[:, start:start + n, b].clone()
         if known:
-            self.rollout_mismatch += self._mismatch(maps, target, real)
+            self.rollout_mismatch += self._mismatch(maps, target, self._local(mb, real, 0))
 
     @contextlib.contextmanager
     def update(self, mb: MicroBatch, samples: Sequence[Sample]) -> Iterator[None]:
@@ -261,8 +308,9 @@ class MoeRouting:
         if any(r is None for r in recorded):
             raise RuntimeError("an MoE update needs the recompute's routing of every sample "
                                "(Actor.recompute records it)")
-        S, B, lengths, real = self._layout(mb, samples)
-        target = self._targets(recorded, lengths, S, B)
+        S, B, spans, real = self._layout(mb, samples)
+        target = self._local(mb, self._targets(recorded, spans, S, B), 1)
+        real = self._local(mb, real, 0)
         if self.replay:
             self._start_replay(target)
         self._filler = False
@@ -316,7 +364,7 @@ class MoeRouting:
         """For one optimizer step's schedule: the aux-loss gradient scale (module docstring)."""
         tokens = torch.tensor([float(sum(mb.tokens.numel() for mb in micro_batches
                                          if not is_filler(mb)))], dtype=torch.float64)
-        dist.all_reduce(tokens, group=ps.get_data_parallel_group())
+        dist.all_reduce(tokens, group=ps.get_data_parallel_group(with_context_parallel=True))
         original = MoEAuxLossAutoScaler.set_loss_scale
         divisor = max(float(tokens), 1.0)
         MoEAuxLossAutoScaler.set_loss_scale = staticmethod(
@@ -327,10 +375,12 @@ class MoeRouting:
             MoEAuxLossAutoScaler.set_loss_scale = staticmethod(original)
 
     def metrics(self) -> dict[str, float]:
-        """The step's routing metrics on every rank: pairs, losses and loads summed over DP and
-        then over the PP stages (each holds its own layers); resets the counts and Megatron's
-        loss tracker."""
-        dp, pp = ps.get_data_parallel_group(), ps.get_pipeline_model_parallel_group()
+        """The step's routing metrics on every rank: pairs, losses and loads summed over DP x CP
+        (a CP rank counts its own tokens, and its router losses are its tokens' share of the
+        micro-batch's, which Megatron's tracker holds unreduced) and then over the PP stages
+        (each holds its own layers); resets the counts and Megatron's loss tracker."""
+        dp, pp = (ps.get_data_parallel_group(with_context_parallel=True),
+                  ps.get_pipeline_model_parallel_group())
         tracker = moe_utils.get_moe_layer_wise_logging_tracker()
         losses = [tracker[n]["values"].detach().double().sum().cpu() if n in tracker
                   else torch.zeros((), dtype=torch.float64) for n in self.losses]
@@ -341,7 +391,8 @@ class MoeRouting:
             load[n - 1] = self.load[i]
         dist.all_reduce(per_dp, group=dp)
         dist.all_reduce(load, group=dp)
-        forwards = float(per_dp[4])  # the same on every stage
+        # the same on every stage; every CP rank ran each forward
+        forwards = float(per_dp[4]) / ps.get_context_parallel_world_size()
         per_pp = torch.cat([per_dp[:4], per_dp[5:], torch.tensor(
             [float(len(self.routers))], dtype=torch.float64)])
         dist.all_reduce(per_pp, group=pp)

@@ -169,28 +169,27 @@ def resolve_layouts(setting: str, arch: Optional[ModelArch], model_chunks: list,
                     context: int = 1) -> Layouts:
     """Which layouts ``setting`` (auto, padded, shared_prompt, packed) allows this policy; a
     layout it cannot serve is a ConfigError naming the key. Shared-prompt rows need an
-    attention that takes their explicit mask (the local spec's) and no context parallelism;
-    packed rows (and CP) an attention that takes packed sequences (the local spec's SDPA or
-    Transformer Engine's). A mixture-of-experts policy records and replays its routing a
-    sample's row at a time, so it takes padded rows."""
+    attention that takes their explicit mask (the local spec's) and no context parallelism,
+    and a mixture-of-experts policy (whose routing is recorded and replayed a sample at a time)
+    takes none; packed rows (and CP) an attention that takes packed sequences (the local spec's
+    SDPA or Transformer Engine's)."""
     moe = arch is not None and arch.is_moe
     chunks = bool(model_chunks)
     why_not = {
         "shared_prompt": "a mixture-of-experts policy records and replays its routing a "
-                         "sample's row at a time" if moe else
+                         "sample at a time, and a shared-prompt row's prompt tokens are "
+                         "several samples'" if moe else
                          "context parallelism splits sequences, not shared-prompt rows"
                          if context > 1 else
                          None if chunks and takes_explicit_masks(model_chunks) else
                          "the model's attention is not the local spec's (Transformer "
                          "Engine's causal kernels take no explicit mask)",
-        "packed": "a mixture-of-experts policy records and replays its routing a sample's row "
-                  "at a time" if moe else
-                  None if chunks and takes_packed_sequences(model_chunks) else
+        "packed": None if chunks and takes_packed_sequences(model_chunks) else
                   "the model's attention takes no packed sequences (neither the local spec's "
                   "SDPA nor Transformer Engine's)",
         "padded": None,
     }
-    if context > 1 and why_not["packed"] and not moe:
+    if context > 1 and why_not["packed"]:
         raise ConfigError(f"parallel.context={context}: {why_not['packed']}")
     if setting != "auto":
         if why_not.get(setting):

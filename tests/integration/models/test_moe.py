@@ -193,10 +193,3 @@ def test_expert_parallel_size_is_checked_against_the_model(tmp_path):
     dense = load_arch(write_config("qwen3", tmp_path / "dense"))
     with pytest.raises(UnsupportedModelError, match="parallel.expert=2 needs a mixture"):
         dense.check_parallel(1, 1, expert=2)
-
-
-def test_context_parallelism_is_refused_for_a_mixture_of_experts_model(tmp_path):
-    """Its routing is recorded and replayed a whole sequence at a time (trainer/moe_routing.py)."""
-    arch = load_arch(write_config("qwen3_moe", tmp_path))
-    with pytest.raises(UnsupportedModelError, match=r"parallel\.context=2 with a mixture"):
-        arch.check_parallel(1, 1, context=2)

@@ -58,6 +58,23 @@ def test_ep2_run_syncs_every_expert_and_replay_removes_the_mismatch(moe_model, t
     assert all(r["moe/rollout_routing_mismatch"] == 0 for r in engine)
 
 
+def test_ep2_cp2_run_replays_the_engines_routing_chunk_by_chunk(moe_model, tmp_path):
+    """EP=2 x CP=2 on 2 ranks (the EP group is the CP pair) with R3, packed rows (auto): CP rank
+    0's engine routing travels with its samples to both CP ranks, the recompute replays each
+    rank's chunks of it and records what its routers chose, gathered whole, and every update
+    replays that: no (token, layer) pair routes elsewhere than the engine, and the engines
+    hold every trained expert (the weight check passes)."""
+    cfg = _config(moe_model, tmp_path, "cp", "rollout", 2)
+    cfg["parallel"]["context"] = 2
+    run_distributed(train_from_dict, 2, cfg, timeout=300)
+    rows = metrics_rows(tmp_path / "cp")
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["weight_check/replicas"] == 1 for r in rows)
+    assert all(r["moe/routing_mismatch"] == 0 and r["moe/rollout_routing_mismatch"] == 0
+               for r in rows)
+    assert all(r["moe/aux_loss"] > 0 for r in rows)
+
+
 @pytest.mark.slow
 def test_killed_ep2_run_resumes_bit_identical(moe_model, tmp_path):
     """The dense test_killed_run_resumes_bit_identical's scheme: a CLI run at EP=2 (its
@@ -76,15 +93,16 @@ def test_killed_ep2_run_resumes_bit_identical(moe_model, tmp_path):
     # the updates replay the routing the recompute records; the engine's log-probs skip it
     ("algorithm", "old_logprobs", "engine",
      r"algorithm\.old_logprobs=engine: a mixture-of-experts policy's updates replay"),
-    # the routing is recorded and replayed a sample's row at a time (auto, which every other
-    # MoE test runs, resolves to padded rows)
+    # the routing is recorded and replayed a sample at a time, and a shared-prompt row's prompt
+    # tokens are several samples' (auto, which every other MoE test here runs, resolves to
+    # packed rows)
     ("trainer", "micro_batch_layout", "shared_prompt",
      r"trainer\.micro_batch_layout=shared_prompt: a mixture-of-experts policy"),
 ], ids=["engine_old_logprobs", "shared_prompt_rows"])
 def test_a_moe_policy_refuses_what_skips_its_routing_record(moe_model, tmp_path, section, key,
                                                             value, error):
-    """An MoE policy's updates replay the routing its recompute records, a sample's row at a
-    time: a setting that skips the record or packs several samples into a row stops the start-up
+    """An MoE policy's updates replay the routing its recompute records, a sample at a time: a
+    setting that skips the record or shares prompt tokens between samples stops the start-up
     with one error naming the key, and no checkpoint is written."""
     cfg = _config(moe_model, tmp_path, key, replay="none", steps=1)
     cfg["parallel"]["expert"] = 1

@@ -41,10 +41,11 @@ def moe8_dir(tmp_path_factory):
 
 def _moe_actor(hf_dir, expert: int, replay: str = "none", aux: float = 1e-2, lr: float = 1e-2,
                recompute: bool = False, pipeline: int = 1, micro_batch_tokens: int = 48,
-               algorithm: Optional[dict] = None):
-    """Inside a rank: Megatron at EP=``expert`` x PP=``pipeline``, the tiny MoE from its HF
-    weights and its Actor (KL-Cov unless ``algorithm`` says otherwise; 2 epochs x 2 mini-batches
-    a step); returns (actor, this stage's full weights before)."""
+               algorithm: Optional[dict] = None, context: int = 1, layout: str = "auto"):
+    """Inside a rank: Megatron at EP=``expert`` x PP=``pipeline`` x CP=``context``, the tiny MoE
+    from its HF weights and its Actor (KL-Cov unless ``algorithm`` says otherwise; 2 epochs x 2
+    mini-batches a step; micro-batches in ``layout``); returns (actor, this stage's full weights
+    before)."""
     from megatron_entropy.config import (AlgorithmConfig, ModelConfig, ParallelConfig,
                                          TrainerConfig)
     from megatron_entropy.models.bridge import load_hf_weights
@@ -52,7 +53,7 @@ def _moe_actor(hf_dir, expert: int, replay: str = "none", aux: float = 1e-2, lr:
     from megatron_entropy.trainer.actor import Actor
     from megatron_entropy.trainer.model_setup import build_optimizer, build_trainable_model
 
-    init_megatron(pipeline=pipeline, expert=expert)
+    init_megatron(pipeline=pipeline, expert=expert, context=context)
     arch = load_arch(hf_dir)
     chunks = build_trainable_model(
         arch, ModelConfig(dtype="fp32", transformer_impl="local", seq_length=64,
@@ -63,8 +64,7 @@ def _moe_actor(hf_dir, expert: int, replay: str = "none", aux: float = 1e-2, lr:
     # adam_eps = 1: updates proportional to the gradients (see test_actor.py).
     trainer = TrainerConfig(lr=lr, steps=1, grad_clip=0.0, adam_eps=1.0, weight_decay=0.0,
                             micro_batch_tokens=micro_batch_tokens, mini_batches_per_step=2,
-                            ppo_epochs=2,
-                            seed=5)
+                            ppo_epochs=2, seed=5, micro_batch_layout=layout)
     optimizer, scheduler = build_optimizer(chunks, trainer)
     settings = AlgorithmConfig(**(algorithm or KL_COV))
     return Actor(arch, chunks, optimizer, scheduler, settings, trainer, 1.0,
@@ -74,28 +74,38 @@ def _moe_actor(hf_dir, expert: int, replay: str = "none", aux: float = 1e-2, lr:
 def _moe_update_worker(hf_dir, expert: int, replay: str = "none", aux: float = 1e-2,
                        lr: float = 1e-2, recompute: bool = False,
                        backward_replay: Optional[bool] = None, pipeline: int = 1,
-                       micro_batch_tokens: int = 48, algorithm: Optional[dict] = None):
-    """One RL step of ``_moe_actor`` on ``random_samples(0)`` split over the DP ranks; returns
-    this rank's weights after (global names: its experts), the metrics and the weights before.
-    ``backward_replay`` overrides whether the backward's re-forward replays (a test's control)."""
+                       micro_batch_tokens: int = 48, algorithm: Optional[dict] = None,
+                       context: int = 1, layout: str = "auto", multiple: int = 1):
+    """One RL step of ``_moe_actor`` on ``random_samples(0)`` (each sample cut to a multiple of
+    ``multiple`` tokens) split over the DP ranks; returns this rank's weights after (global
+    names: its experts), the metrics, the weights before and its samples' recorded routing. ``backward_replay`` overrides
+    whether the backward's re-forward replays (a test's control)."""
     from megatron_entropy.models.sharding import full_state_dict
     from megatron_entropy.trainer.rollouts import dp_share
 
     actor, initial = _moe_actor(hf_dir, expert, replay, aux, lr, recompute, pipeline,
-                                micro_batch_tokens, algorithm)
+                                micro_batch_tokens, algorithm, context, layout)
     if backward_replay is not None:
         actor.routing.backward_replay = backward_replay
-    mine = dp_share(random_samples(0))
+    mine = dp_share(_cut(random_samples(0), multiple))
     actor.recompute(mine)
     metrics = actor.update(mine, step=1)
     metrics["max_abs_logp"] = float(torch.cat([s.old_logprobs for s in mine]).abs().max())
-    return full_state_dict(actor.model[0]), metrics, initial
+    return full_state_dict(actor.model[0]), metrics, initial, [s.routing for s in mine]
+
+
+def _cut(samples: list, multiple: int) -> list:
+    """Each sample's prompt cut from its start so that its length is a multiple of
+    ``multiple`` (the prompts hold 4 tokens or more)."""
+    for s in samples:
+        s.prompt_ids = s.prompt_ids[s.length % multiple:]
+    return samples
 
 
 def _whole(results) -> tuple[dict, dict]:
     """Weights after and before over all ranks (each EP rank adds its experts)."""
     after, before = {}, {}
-    for w, _, w0 in results:
+    for w, _, w0, _ in results:
         after.update(w)
         before.update(w0)
     return after, before
@@ -175,6 +185,34 @@ def _assert_same_update(hf_dir, ref: list, got: list) -> None:
                                             abs=rounding_tol(m1["grad_norm"], path))
 
 
+@pytest.mark.parametrize("expert, micro_batch_tokens, layout", [
+    (2, 48, "padded"), (2, 48, "packed"), (4, 24, "padded")],
+    ids=["ep2-padded", "ep2-packed", "ep4-filler"])
+def test_context_parallel_equals_one_rank_with_experts_and_replay(moe_dir, expert,
+                                                                  micro_batch_tokens, layout):
+    """EP x CP=2 on 4 ranks (DP=2) with R2 replay against EP=1 x CP=1 on 2 ranks: the same DP
+    split (so the same micro-batches and Cov populations), the plainest reference, and EP=2
+    equals EP=1 is shown above. Each CP rank's forward sees chunks i and 3-i of every sequence:
+    the recompute's routing, gathered from both, is replayed chunk by chunk in the updates, and
+    the KL-Cov update, the routing, the expert loads, the aux loss and the gradient norm are
+    CP=1's up to rounding. At EP=2 Megatron's EP group is a replica's CP pair; at EP=4 it spans
+    both replicas, whose 2 and 1 micro-batches a mini-batch (24 tokens) need a filler, which both
+    CP ranks of the replica run. Samples cut to multiples of 2 x CP tokens: the aux loss routes
+    padding too, and CP adds none then."""
+    kw = dict(replay="recompute", micro_batch_tokens=micro_batch_tokens, layout=layout,
+              multiple=4)
+    ref = run_distributed(_moe_update_worker, 2, moe_dir, 1, **kw)
+    got = run_distributed(_moe_update_worker, 4, moe_dir, expert, context=2, timeout=300, **kw)
+    _assert_same_update(moe_dir, ref, got)
+    assert got[0][1]["selected_frac"] == ref[0][1]["selected_frac"] > 0
+    assert got[0][1]["moe/routing_mismatch"] == 0.0
+    for rank, (_, metrics, _, routing) in enumerate(got):
+        assert metrics == got[rank ^ 1][1], rank  # every rank reports the step's metrics
+        # and holds its replica's samples' routing whole, as CP=1 recorded it (discrete: the
+        # same experts for every token)
+        assert all(torch.equal(a, b) for a, b in zip(routing, ref[rank // 2][3], strict=True))
+
+
 def test_aux_loss_coefficient_acts_on_the_update(moe_dir):
     with_aux = _whole(run_distributed(_moe_update_worker, 1, moe_dir, 1, aux=1.0))[0]
     without = run_distributed(_moe_update_worker, 1, moe_dir, 1, aux=0.0)
@@ -186,8 +224,8 @@ def test_aux_loss_coefficient_acts_on_the_update(moe_dir):
 def test_routing_replay_routes_every_update_as_the_recompute(moe_dir):
     """Without replay the updated router sends some tokens elsewhere in the later updates; with
     replay (R2) the mismatch is zero by construction, and it changes the update."""
-    ((free, m_free, _),) = run_distributed(_moe_update_worker, 1, moe_dir, 1, lr=0.1)
-    ((replayed, m_replay, _),) = run_distributed(_moe_update_worker, 1, moe_dir, 1,
+    ((free, m_free, _, _),) = run_distributed(_moe_update_worker, 1, moe_dir, 1, lr=0.1)
+    ((replayed, m_replay, _, _),) = run_distributed(_moe_update_worker, 1, moe_dir, 1,
                                                  replay="recompute", lr=0.1)
     assert m_free["moe/routing_mismatch"] > 0
     assert m_replay["moe/routing_mismatch"] == 0.0
@@ -226,12 +264,14 @@ def _engine_samples(hf_dir, dtype: str) -> list:
             for i, (p, cs) in enumerate(zip(prompts, done)) for j, c in enumerate(cs)]
 
 
-def _rollout_replay_worker(hf_dir, expert: int, replay: str, engine_dtype: str):
-    """One RL step of ``_moe_actor`` on the engine's rollouts; returns the metrics, whether each
-    sample's recorded routing is the engine's, and |engine - recompute| per response token."""
+def _rollout_replay_worker(hf_dir, expert: int, replay: str, engine_dtype: str,
+                           context: int = 1):
+    """One RL step of ``_moe_actor`` (at CP=``context``) on the engine's rollouts; returns the
+    metrics, whether each sample's recorded routing is the engine's, and |engine - recompute|
+    per response token."""
     from megatron_entropy.trainer.rollouts import dp_share
 
-    actor, _ = _moe_actor(hf_dir, expert, replay)
+    actor, _ = _moe_actor(hf_dir, expert, replay, context=context)
     mine = dp_share(_engine_samples(hf_dir, engine_dtype))
     actor.recompute(mine)
     same = [torch.equal(s.routing, s.engine_routing) for s in mine]
@@ -249,20 +289,23 @@ def test_engine_routing_is_the_trainers_at_equal_precision(moe8_dir):
     assert metrics["moe/rollout_routing_mismatch"] == 0.0 and all(same)
 
 
-@pytest.mark.parametrize("expert", [1, 2])
-def test_rollout_replay_routes_as_the_engine(moe8_dir, expert):
+@pytest.mark.parametrize("expert, context", [(1, 1), (2, 1), (2, 2)],
+                         ids=["ep1", "ep2", "ep2-cp2"])
+def test_rollout_replay_routes_as_the_engine(moe8_dir, expert, context):
     """R3 with a bf16 engine and an fp32 trainer: without replay the trainer routes some
     (token, layer) pairs elsewhere than the engine; with it every sample's recorded routing is
     the engine's (the routing the trainer's routers produced, read off their output), the
-    updates replay it, and the recompute's log-probs change."""
+    updates replay it, and the recompute's log-probs change. At EP=2 x CP=2 (2 ranks, DP=1)
+    each CP rank replays its chunks of the engine's routing, and the record gathered from both
+    is the engine's whole."""
     free = run_distributed(_rollout_replay_worker, 1, moe8_dir, 1, "none", "bf16")[0]
     replayed = run_distributed(_rollout_replay_worker, expert, moe8_dir, expert, "rollout",
-                               "bf16")
+                               "bf16", context)
     assert free[0]["moe/rollout_routing_mismatch"] > 0 and not all(free[1])
     for metrics, same, _ in replayed:
         assert metrics["moe/rollout_routing_mismatch"] == 0.0 and all(same)
         assert metrics["moe/routing_mismatch"] == 0.0
-    drift_r3 = torch.cat([d for _, _, d in replayed])
+    drift_r3 = torch.cat([d for _, _, d in replayed[::context]])  # each DP rank's samples
     assert drift_r3.shape == free[2].shape and not torch.equal(drift_r3.sort().values,
                                                                 free[2].sort().values)
     assert not undocumented_metrics(k for k in free[0] if k.startswith("moe/"))
