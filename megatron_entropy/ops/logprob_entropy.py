@@ -49,8 +49,13 @@ __all__ = ["vocab_parallel_logprob_entropy", "fused_linear_logprob_entropy"]
 # per chunk needed ~10-30% less CPU time than 512 tokens). GPUs use ``chunk_tokens`` as given.
 CPU_CHUNK_ELEMENTS = 1 << 20
 # The fused path's chunk feeds a GEMM that streams the whole weight shard once per chunk, so it
-# keeps at least 64 rows; on CPU its buffers are capped at 32M elements (~220 tokens at 152k vocab).
+# keeps at least 64 rows; on CPU its logits buffer is capped at 32M elements (~220 tokens at 152k
+# vocab).
 FUSED_CPU_CHUNK_ELEMENTS = 1 << 25
+# The fused path holds one chunk-sized buffer (the GEMM's output, then the logits' gradient in
+# place) and works through it a few rows at a time in small compute-dtype scratch: on CPU rows of
+# at most CPU_CHUNK_ELEMENTS (cache-sized), on GPU this fraction of the chunk.
+GPU_SUB_BLOCKS = 16
 
 
 def _chunk_rows(chunk_tokens: int, n_real: int, device: torch.device, fused: bool = False) -> int:
@@ -59,6 +64,13 @@ def _chunk_rows(chunk_tokens: int, n_real: int, device: torch.device, fused: boo
             return max(1, min(chunk_tokens, max(64, FUSED_CPU_CHUNK_ELEMENTS // n_real)))
         return max(1, min(chunk_tokens, CPU_CHUNK_ELEMENTS // n_real))
     return chunk_tokens
+
+
+def _sub_rows(rows: int, n_real: int, device: torch.device) -> int:
+    """Rows per pass of the fused path's per-row work inside one chunk of ``rows`` rows."""
+    if device.type == "cpu":
+        return max(1, min(rows, CPU_CHUNK_ELEMENTS // max(1, n_real)))
+    return max(1, -(-rows // GPU_SUB_BLOCKS))
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -82,20 +94,27 @@ def _real_columns(vocab_size: Optional[int], local_vocab: int, rank: int, world:
 
 
 class _ChunkBuffers:
-    """Two [chunk, n_real] work buffers in the compute dtype, reused by every chunk of a call.
+    """Two [rows, n_real] work buffers in the compute dtype, reused by every chunk of a call.
 
     Fresh chunk-sized temporaries per chunk would cost an allocation each (and, on CPU, page
     faults on every new mapping); in-place ops on two buffers also avoid the slow mixed-dtype
     kernels (bf16 input, fp32 result) by copying the chunk once, then working in one dtype.
+    With ``in_place`` the caller's own buffer, when already in the compute dtype, is worked on
+    directly (its values are consumed) and only the scratch exists: the caller's buffer must
+    then be in the compute dtype.
     """
 
-    def __init__(self, rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.a = torch.empty(rows, cols, dtype=dtype, device=device)
+    def __init__(self, rows: int, cols: int, dtype: torch.dtype, device: torch.device,
+                 in_place: bool = False) -> None:
+        self.a = None if in_place else torch.empty(rows, cols, dtype=dtype, device=device)
         self.b = torch.empty(rows, cols, dtype=dtype, device=device)
 
     def load(self, z: Tensor) -> tuple[Tensor, Tensor]:
-        """(copy of z in the compute dtype, scratch of the same shape)."""
-        a, b = self.a[:z.shape[0]], self.b[:z.shape[0]]
+        """(z in the compute dtype: a copy, or z itself in place; scratch of the same shape)."""
+        b = self.b[:z.shape[0]]
+        if self.a is None:
+            return z, b
+        a = self.a[:z.shape[0]]
         a.copy_(z)
         return a, b
 
@@ -180,17 +199,17 @@ def _row_factors(total: Tensor, mean_shifted: Tensor, g_logp: Optional[Tensor],
 def _grad_chunk(z: Tensor, big_m: Tensor, alpha: Tensor, beta: Optional[Tensor],
                 at_target: Optional[Tensor], local_targets: Tensor, inv_t: float,
                 bufs: _ChunkBuffers) -> Tensor:
-    """d loss / d raw logits of one chunk [c, n_real], in the compute dtype (a buffer view),
-    from the chunk's rows of ``_row_factors``."""
+    """d loss / d raw logits of one chunk [c, n_real], in the compute dtype, from the chunk's
+    rows of ``_row_factors``: written over ``bufs.load(z)``'s copy of z (over z itself in place)."""
     d, e = bufs.load(z)
     d.sub_(big_m.unsqueeze(1))
     if inv_t != 1.0:
         d.mul_(inv_t)
-    torch.exp(d, out=e)
     if beta is not None:
+        torch.exp(d, out=e)
         grad = d.mul_(beta.unsqueeze(1)).add_(alpha.unsqueeze(1)).mul_(e)
     else:
-        grad = e.mul_(alpha.unsqueeze(1))
+        grad = d.exp_().mul_(alpha.unsqueeze(1))
     if at_target is not None:
         cols = local_targets.clamp(0, grad.shape[1] - 1).unsqueeze(1)
         grad.scatter_add_(1, cols, at_target.unsqueeze(1).to(grad.dtype))
@@ -201,9 +220,20 @@ def _rows(x: Optional[Tensor], sl: slice) -> Optional[Tensor]:
     return None if x is None else x[sl]
 
 
-def _buffers(rows: int, n_real: int, cdtype: torch.dtype, device: torch.device
-             ) -> Optional[_ChunkBuffers]:
-    return _ChunkBuffers(rows, n_real, cdtype, device) if n_real > 0 and rows > 0 else None
+def _buffers(rows: int, n_real: int, cdtype: torch.dtype, device: torch.device,
+             in_place: bool = False) -> Optional[_ChunkBuffers]:
+    return _ChunkBuffers(rows, n_real, cdtype, device, in_place) if n_real > 0 and rows > 0 \
+        else None
+
+
+def _fused_buffers(rows: int, n_real: int, hidden: Tensor, cdtype: torch.dtype
+                   ) -> tuple[Tensor, Optional[_ChunkBuffers], int]:
+    """The fused path's one chunk-sized buffer [rows, n_real] in the input dtype (the chunk's
+    logits, as the output layer would produce them, then their gradient in place), the small
+    scratch that its rows are worked through in, and the rows per pass of that scratch."""
+    sub = _sub_rows(rows, n_real, hidden.device)
+    return (hidden.new_empty(rows, n_real),
+            _buffers(sub, n_real, cdtype, hidden.device, in_place=hidden.dtype == cdtype), sub)
 
 
 class _VocabParallelLogprobEntropy(torch.autograd.Function):
@@ -278,14 +308,15 @@ class _FusedLinearLogprobEntropy(torch.autograd.Function):
         w = weight[:n_real]
 
         stats = torch.empty(num_tokens, 4, dtype=cdtype, device=hidden.device)
-        rows = min(chunk_tokens, num_tokens)
-        bufs = _buffers(rows, n_real, cdtype, hidden.device)
-        z_buf = hidden.new_empty(rows, n_real)
+        z_buf, bufs, sub = _fused_buffers(min(chunk_tokens, num_tokens), n_real, hidden, cdtype)
         for c0 in range(0, num_tokens, chunk_tokens):
             c1 = min(c0 + chunk_tokens, num_tokens)
             # The chunk's logits exactly as the output layer would produce them (input dtype).
             z = torch.mm(hidden[c0:c1], w.t(), out=z_buf[:c1 - c0])
-            _shard_stats(z, local_targets[c0:c1], owned[c0:c1], inv_t, bufs, stats[c0:c1])
+            for s0 in range(c0, c1, sub):
+                s1 = min(s0 + sub, c1)
+                _shard_stats(z[s0 - c0:s1 - c0], local_targets[s0:s1], owned[s0:s1], inv_t,
+                             bufs, stats[s0:s1])
         del bufs, z_buf
         ctx.no_tokens = num_tokens == 0
         if ctx.no_tokens:  # a zero gradient still flows (a context-parallel rank's share)
@@ -310,31 +341,36 @@ class _FusedLinearLogprobEntropy(torch.autograd.Function):
         n_real, step = ctx.n_real, ctx.chunk_tokens
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.zeros_like(hidden) if need_h else None
-        grad_w = torch.zeros_like(weight) if need_w else None
         if (g_logp is None and g_ent is None) or n_real == 0:
-            return grad_h, grad_w, None, None, None, None, None
+            return grad_h, torch.zeros_like(weight) if need_w else None, None, None, None, None, \
+                None
         w = weight[:n_real]
         # Low-precision weight grads accumulate over chunks in fp32 (one rounding at the end,
-        # as Megatron's single full-batch GEMM would have).
-        acc_w = w_part = None
-        if need_w:
-            acc_w = grad_w[:n_real] if weight.dtype == ctx.cdtype else \
-                torch.zeros(w.shape, dtype=ctx.cdtype, device=w.device)
-            if acc_w.dtype != weight.dtype:
-                w_part = torch.empty_like(w)  # one chunk's weight grad, before fp32 accumulation
+        # as Megatron's single full-batch GEMM would have); the returned copy in the input dtype
+        # is made once the chunk's buffers are freed.
+        acc_w = w_part = grad_w = None
+        if need_w and weight.dtype == ctx.cdtype:
+            grad_w = torch.zeros_like(weight)
+            acc_w = grad_w[:n_real]
+        elif need_w:
+            acc_w = torch.zeros(w.shape, dtype=ctx.cdtype, device=w.device)
+            w_part = torch.empty_like(w)  # one chunk's weight grad, before fp32 accumulation
         factors = _row_factors(total, mean_shifted, g_logp, g_ent, owned, ctx.inv_t)
-        rows = min(step, hidden.shape[0])
-        bufs = _buffers(rows, n_real, ctx.cdtype, hidden.device)
-        z_buf = hidden.new_empty(rows, n_real)
+        z_buf, bufs, sub = _fused_buffers(min(step, hidden.shape[0]), n_real, hidden, ctx.cdtype)
         for c0 in range(0, hidden.shape[0], step):
             c1 = min(c0 + step, hidden.shape[0])
             sl = slice(c0, c1)
             h = hidden[sl]
-            z = torch.mm(h, w.t(), out=z_buf[:c1 - c0])
-            gz = _grad_chunk(z, big_m[sl], *(_rows(f, sl) for f in factors), local_targets[sl],
-                             ctx.inv_t, bufs)
-            if gz.dtype != hidden.dtype:
-                gz = z.copy_(gz)  # the logits' buffer is free again: reuse it for the grad
+            gz = torch.mm(h, w.t(), out=z_buf[:c1 - c0])
+            # Each row's logits are replaced by their gradient, in the input dtype: the GEMMs'
+            # operand, as Megatron's output layer would receive it.
+            for s0 in range(c0, c1, sub):
+                rs = slice(s0, min(s0 + sub, c1))
+                z = gz[s0 - c0:rs.stop - c0]
+                g = _grad_chunk(z, big_m[rs], *(_rows(f, rs) for f in factors),
+                                local_targets[rs], ctx.inv_t, bufs)
+                if g is not z:
+                    z.copy_(g)
             if need_h:
                 torch.mm(gz, w, out=grad_h[sl])
             if need_w:
@@ -343,7 +379,8 @@ class _FusedLinearLogprobEntropy(torch.autograd.Function):
                 else:
                     acc_w.add_(torch.mm(gz.t(), h, out=w_part))
         del bufs, z_buf, w_part
-        if need_w and acc_w.data_ptr() != grad_w.data_ptr():
+        if need_w and grad_w is None:
+            grad_w = torch.zeros_like(weight)
             grad_w[:n_real] = acc_w
         return grad_h, grad_w, None, None, None, None, None
 

@@ -11,6 +11,7 @@ import torch
 from harness import run_distributed
 from tolerance import logprob_tol, rounding_tol
 
+from megatron_entropy.ops import logprob_entropy
 from megatron_entropy.ops.logprob_entropy import (fused_linear_logprob_entropy,
                                                   vocab_parallel_logprob_entropy)
 
@@ -182,6 +183,34 @@ def test_low_precision_inputs_compute_in_float32(dtype):
     spread = float((p64 * (z64 - (p64 * z64).sum(-1, keepdim=True)).abs()).sum(-1).max())
     torch.testing.assert_close(flogp, clogp, rtol=0, atol=2 * dz + logprob_tol(z, clogp, 250))
     torch.testing.assert_close(fent, cent, rtol=0, atol=spread * dz + logprob_tol(z, cent, 250))
+
+
+def _fused_run(dtype: torch.dtype, only: str | None):
+    """The fused op at TP=1 on _case(250) in ``dtype``: (log p, entropy, grad hidden, grad
+    weight), the loss taking both outputs or ``only`` one."""
+    _, targets, hidden, weight, up_logp, up_ent = _case(250)
+    h, w = hidden.to(dtype).requires_grad_(), weight.to(dtype).requires_grad_()
+    logp, ent = fused_linear_logprob_entropy(h, w, targets, vocab_size=250, temperature=0.7,
+                                             chunk_tokens=CHUNK)
+    loss = {None: logp * up_logp.to(logp.dtype) + ent * up_ent.to(ent.dtype),
+            "logp": logp * up_logp.to(logp.dtype), "entropy": ent * up_ent.to(ent.dtype)}[only]
+    loss.sum().backward()
+    return logp.detach(), ent.detach(), h.grad, w.grad
+
+
+@pytest.mark.parametrize("only", [None, "logp", "entropy"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_fused_rows_in_passes_change_nothing(monkeypatch, dtype, only):
+    # The fused op keeps one chunk-sized buffer (its logits, then their gradient in place) and
+    # works through it a few rows at a time: here passes of 2 rows in chunks of 5 (the ragged
+    # last pass and chunk included) against one pass per chunk. Every value is a per-row
+    # function of the chunk's GEMM output, so the results must be bit for bit the same.
+    one_pass = _fused_run(dtype, only)
+    monkeypatch.setattr(logprob_entropy, "CPU_CHUNK_ELEMENTS", 2 * 250)
+    in_passes = _fused_run(dtype, only)
+    for what, ours, ref in zip(("logp", "entropy", "grad hidden", "grad weight"), in_passes,
+                               one_pass):
+        assert ours.dtype == ref.dtype and torch.equal(ours, ref), what
 
 
 @pytest.mark.parametrize("only", ["logp", "entropy"])
