@@ -11,13 +11,17 @@
    it, glibc's mmap threshold fixed at 64 KiB so that RSS follows the live tensors
    (megatron_entropy/testing/memory.py); the larger rank counts. Target: CP=2 <= 0.55x CP=1.
 3. The fused log-prob/entropy op (hidden states x output layer, chunked) at --op-tokens tokens x
-   152k vocabulary, bf16, forward and backward: its peak memory beyond its inputs (hidden
-   [T, H] and the weight [V, H]) against one chunk's fp32 logits plus those inputs. Target:
-   within 1.2x.
+   152k vocabulary, forward and backward: its peak memory beyond its inputs (hidden [T, H] and
+   the weight [V, H]) against one chunk's logits plus those inputs, both in --op-dtype. Target:
+   within 1.2x. float32 by default: this CPU has no native bf16 GEMM (torch emulates it, ~25x
+   slower than fp32), so 32k tokens in bf16 would take about an hour; --op-dtype bfloat16 at a
+   few thousand tokens shows what bf16 adds (the weight's gradient accumulates in fp32).
 
     PYTHONPATH=. python bench/bench_long_reasoning.py            # the full run (~10-30 min)
     PYTHONPATH=. python bench/bench_long_reasoning.py --quick    # small sizes (smoke test)
     PYTHONPATH=. python bench/bench_long_reasoning.py --only op  # one case (run them at once)
+    PYTHONPATH=. python bench/bench_long_reasoning.py --only op --op-tokens 2048 \
+        --op-dtype bfloat16                                     # the op in bf16
 """
 
 from __future__ import annotations
@@ -120,12 +124,14 @@ def _update_peak(context: int, length: int, model: dict) -> dict:
     return {"peak_mb": (status_kb("VmHWM") - base) / 1024}
 
 
-def _op_peak(tokens: int, hidden: int) -> dict:
+def _op_peak(tokens: int, hidden: int, dtype_name: str) -> dict:
+    dtype = getattr(torch, dtype_name)
+    size = torch.finfo(dtype).bits // 8
     g = torch.Generator().manual_seed(0)
-    h = (torch.randn(tokens, hidden, generator=g) * 0.5).to(torch.bfloat16).requires_grad_()
-    w = (torch.randn(VOCAB, hidden, generator=g) * 0.05).to(torch.bfloat16).requires_grad_()
+    h = (torch.randn(tokens, hidden, generator=g) * 0.5).to(dtype).requires_grad_()
+    w = (torch.randn(VOCAB, hidden, generator=g) * 0.05).to(dtype).requires_grad_()
     targets = torch.randint(0, VOCAB, (tokens,), generator=g)
-    inputs_mb = (h.numel() + w.numel()) * 2 / 2 ** 20
+    inputs_mb = (h.numel() + w.numel()) * size / 2 ** 20
     base = reset_peak()
     t0 = time.process_time()
     logp, entropy = fused_linear_logprob_entropy(h, w, targets, vocab_size=VOCAB, group=None,
@@ -133,7 +139,7 @@ def _op_peak(tokens: int, hidden: int) -> dict:
     (logp.sum() - 1e-3 * entropy.sum()).backward()
     peak_mb = (status_kb("VmHWM") - base) / 1024
     rows = max(64, FUSED_CPU_CHUNK_ELEMENTS // VOCAB)
-    chunk_mb = rows * VOCAB * 4 / 2 ** 20
+    chunk_mb = rows * VOCAB * size / 2 ** 20  # the op's one logits buffer, in the input dtype
     return {"peak_mb": peak_mb, "bound_mb": chunk_mb + inputs_mb, "chunk_mb": chunk_mb,
             "inputs_mb": inputs_mb, "cpu_s": time.process_time() - t0}
 
@@ -157,6 +163,8 @@ def main() -> None:
     ap.add_argument("--cp-tokens", type=int, default=8192, help="the CP case's sequence")
     ap.add_argument("--op-tokens", type=int, default=32768)
     ap.add_argument("--op-hidden", type=int, default=128)
+    ap.add_argument("--op-dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="the op's inputs (bf16 GEMMs are emulated on CPU: ~25x slower)")
     ap.add_argument("--only", nargs="+", choices=CASES, default=list(CASES),
                     help="the cases to measure (each its own process: run them at once)")
     args = ap.parse_args()
@@ -187,13 +195,15 @@ def main() -> None:
                    f"{peak1:.0f} MB", peak2 / peak1, 0.55, "peak beyond the weights and "
                    f"optimizer in one update of one {args.cp_tokens}-token sequence"), flush=True)
     if "op" in args.only:
-        op = run_distributed(_op_peak, 1, args.op_tokens, args.op_hidden,
+        op = run_distributed(_op_peak, 1, args.op_tokens, args.op_hidden, args.op_dtype,
                              timeout=CASE_LIMIT_S)[0]
+        dtype = {"float32": "fp32 on CPU, where bf16 GEMMs are emulated",
+                 "bfloat16": "bf16 (emulated GEMMs on CPU)"}[args.op_dtype]
         print(_row(f"entropy op peak, {args.op_tokens} x {VOCAB}", f"{op['peak_mb']:.0f} MB",
                    f"{op['bound_mb']:.0f} MB", op["peak_mb"] / op["bound_mb"], 1.2,
-                   f"fused op, bf16, H={args.op_hidden}, fwd+bwd ({op['cpu_s']:.0f} s CPU); "
-                   f"against one chunk's fp32 logits ({op['chunk_mb']:.0f} MB) + the inputs "
-                   f"({op['inputs_mb']:.0f} MB)"), flush=True)
+                   f"fused op, {dtype}, H={args.op_hidden}, fwd+bwd ({op['cpu_s']:.0f} s CPU); "
+                   f"against one chunk's logits in that dtype ({op['chunk_mb']:.0f} MB) + the "
+                   f"inputs ({op['inputs_mb']:.0f} MB)"), flush=True)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,8 @@ The estimate follows what the trainer builds (models/builder.py, trainer/model_s
   set without recompute; the first pipeline stage holds ``pipeline`` micro-batches in flight (1F1B);
   with CP each layer also keeps the keys and values of the whole micro-batch that its attention
   gathered (the all-gather's output, for the backward);
-- the LM head: one chunk of fp32 logits (fused log-prob) or the micro-batch's logits (chunked);
+- the LM head: one chunk of logits in ``model.dtype`` plus the fp32 scratch its rows are worked
+  through in (fused log-prob), or the micro-batch's logits (chunked);
 - in-process rollout: a full model copy in ``rollout.dtype`` and its KV cache on each DP leader;
 - a server GPU: weights / server_gpus, the rest of 90% of the GPU is KV cache (vLLM/SGLang default);
 - LoRA (``model.lora``): the base weights frozen in ``model.dtype``; the grad buffer, main
@@ -44,6 +45,7 @@ from megatron_entropy.config import Config, ConfigError, load_config
 from megatron_entropy.models.arch import ModelArch, UnsupportedModelError, arch_from_hf_config, \
     load_arch
 from megatron_entropy.models.lora_settings import LoraSettings
+from megatron_entropy.ops.logprob_entropy import GPU_SUB_BLOCKS
 from megatron_entropy.runtime import ParallelLayoutError
 from megatron_entropy.runtime.dtypes import DTYPES
 from megatron_entropy.launch.slurm import JobLayout, NotEnoughNodesError, job_layout
@@ -364,8 +366,10 @@ def _plan_trainer_work(plan: Plan, cfg: Config, seq: int) -> None:
                              * kv_bytes_per_token(arch, w, p.tensor) / arch.num_layers))
     vocab_shard = arch.padded_vocab_size / p.tensor
     if cfg.algorithm.logprob_impl == "fused":
-        logits = min(cfg.algorithm.logprob_chunk_tokens, tokens) * vocab_shard * 4 * 3
-        plan.trainer.append(("LM head (one fused chunk, fp32)", logits))
+        # At most two fp32 scratch blocks of 1/GPU_SUB_BLOCKS of the chunk beside it.
+        logits = min(cfg.algorithm.logprob_chunk_tokens, tokens) * vocab_shard * (
+            w + 2 * 4 / GPU_SUB_BLOCKS)
+        plan.trainer.append(("LM head (one fused chunk of logits)", logits))
     else:
         logits = tokens * vocab_shard * (w + 4 * 2)
         plan.trainer.append(("LM head (micro-batch logits + fp32 chunk work)", logits))

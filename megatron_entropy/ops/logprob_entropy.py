@@ -26,7 +26,11 @@ only need this rank's logits and the per-token M, S and q saved from the forward
 
 Both functions work token-chunk by token-chunk so that no [T, V_local] temporary beyond one chunk
 is alive; the fused variant computes each chunk's logits from the final hidden states and the
-output-layer shard and recomputes them in the backward, so the full logits never exist.
+output-layer shard and recomputes them in the backward, so the full logits never exist. It holds
+ONE chunk-sized buffer, in the input dtype: the GEMM writes the chunk's logits into it, the
+statistics (and, in the backward, the logits' gradient, written over the logits) are computed a
+few rows at a time in small compute-dtype scratch, and the backward GEMMs read the gradient from
+it.
 
 Columns at or beyond ``vocab_size`` (the padding of the vocabulary to a multiple of 128) are never
 read: they are a suffix of the padded vocabulary, so each rank simply uses a prefix of its shard.
