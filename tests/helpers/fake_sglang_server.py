@@ -120,6 +120,9 @@ PEFT_PREFIX = "base_model.model."
 # SGLang's FINISH_ABORT().to_json(): every abort answer (abort request, pause mode abort).
 ABORTED = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
 
+# SGLang's answer to a LoRA endpoint on a server started without --enable-lora.
+LORA_DISABLED = "LoRA is not enabled. Please set `--enable-lora` to enable LoRA."
+
 
 class BadRequest(Exception):
     pass
@@ -829,8 +832,7 @@ class FakeSGLang:
         if bad is not None:
             return bad
         if not self.args.enable_lora:
-            return self.lora_answer(False, "LoRA is not enabled. Please set `--enable-lora` to "
-                                           "enable LoRA.")
+            return self.lora_answer(False, LORA_DISABLED)
         try:
             adapter = await asyncio.get_running_loop().run_in_executor(
                 None, Adapter, body["lora_path"], self.model)
@@ -847,8 +849,7 @@ class FakeSGLang:
             return bad
         name = body["lora_name"]
         if not self.args.enable_lora:
-            return self.lora_answer(False, "LoRA is not enabled. Please set `--enable-lora` to "
-                                           "enable LoRA.")
+            return self.lora_answer(False, LORA_DISABLED)
         if name not in self.adapters:
             return self.lora_answer(False, f"LoRA with name {name} does not exist. Loaded "
                                            f"LoRAs: {self.adapters.keys()}")
