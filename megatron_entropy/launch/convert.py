@@ -30,6 +30,7 @@ import argparse
 import json
 import os
 import re
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -103,6 +104,10 @@ def run_convert(args: argparse.Namespace) -> int:
     """The exit code of run_conversion: 0, 2 for bad input, 130 when interrupted."""
     # Before torch loads: with no GPU visible the model is described on the meta device only.
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    missing = _missing_input(args)
+    if missing:  # said before Megatron loads (~9 s of CPU for a typo)
+        print(f"megatron-entropy convert: error: {missing}", file=sys.stderr)
+        return 2
     silence_harmless_warnings()  # the megatron-core notes `train` hides
     # Here, not at the top: `megatron-entropy --help` and the other commands start without torch.
     from megatron_entropy.models.conversion import (convert_checkpoint_to_hf,
@@ -121,6 +126,13 @@ def run_convert(args: argparse.Namespace) -> int:
                                          dtype=args.dtype, max_shard_bytes=args.max_shard_size,
                                          overwrite=args.overwrite, progress=not args.quiet),
         lambda stats: _summary(stats, args.out))
+
+
+def _missing_input(args: argparse.Namespace) -> Optional[str]:
+    """The line the conversion would refuse a missing input folder with, or None."""
+    if args.convert_command == "hf-to-mcore":
+        return None if args.hf_dir.exists() else f"--hf-dir: {str(args.hf_dir)!r} does not exist"
+    return None if args.ckpt.exists() else f"{args.ckpt} does not exist"
 
 
 def _lora_identity(ckpt: Path) -> Optional[dict]:

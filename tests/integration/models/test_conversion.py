@@ -20,6 +20,7 @@ import torch
 
 from harness import init_megatron, run_distributed
 from bridge_checks import LAYOUTS, S, check_results, load_and_run, run_conversions, tokens_for
+from cli_modules import cli_modules
 from tiny_models import FAMILIES, save_tiny_hf_model
 
 from megatron_entropy.models.arch import load_arch
@@ -386,15 +387,15 @@ def test_tools_run_with_any_accepted_megatron_without_the_cpu_layer(tmp_path):
 
 
 def test_the_commands_errors_are_one_line_naming_the_command(tmp_path):
+    """A missing input folder is refused in one line before torch (and Megatron) load."""
     missing = tmp_path / "missing"
     for args, line in (
             (["mcore-to-hf", "--ckpt", str(missing)], f"{missing} does not exist"),
             (["hf-to-mcore", "--hf-dir", str(missing)], f"--hf-dir: '{missing}' does not exist")):
-        done = subprocess.run([sys.executable, "-m", "megatron_entropy.cli", "convert", *args,
-                               "--out", str(tmp_path / "out")], capture_output=True, text=True,
-                              timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
-        assert (done.returncode, done.stderr.strip().splitlines()) == (
-            2, [f"megatron-entropy convert: error: {line}"])
+        loaded, err = cli_modules("convert", *args, "--out", str(tmp_path / "out"), code=2)
+        assert err == [f"megatron-entropy convert: error: {line}"]
+        assert "torch" not in loaded
+    assert not (tmp_path / "out").exists()
 
 
 def _cli_exit_and_stderr(argv: list[str]) -> tuple[int, str]:
