@@ -1,7 +1,8 @@
 """``megatron-entropy eval CONFIG --checkpoint PATH``: a checkpoint on a held-out split.
 
 PATH is an HF model folder, a dist checkpoint (a step folder, or a run's ``checkpoints/`` folder
-whose ``latest`` is used, or the run folder itself), converted to HF in a temporary folder first.
+whose ``latest`` is used, or the run folder itself), converted to HF in a temporary folder first
+(a LoRA run's adapters merged into its base).
 The problems are the ``eval.split`` of the config's data (the hinted task has a test split that
 no training run, tuning or early stopping reads; other data: ``eval.files``). The engine is
 ``rollout.engine`` (in-process, or a vLLM / SGLang server it starts); rewards are ``reward``'s.
@@ -46,15 +47,15 @@ def model_folder(path: Path, scratch: Path) -> tuple[Path, Optional[Path]]:
     """(HF folder to serve, the dist checkpoint it was converted from or None)."""
     if (path / "config.json").is_file():
         return path, None
-    from megatron_entropy.models.conversion import convert_checkpoint_to_hf
     from megatron_entropy.models.megatron_checkpoint import resolve_checkpoint_dir
+    from megatron_entropy.trainer.lora_run import export_hf
 
     if (path / "checkpoints").is_dir():
         path = path / "checkpoints"
     if not path.exists():
         raise FileNotFoundError(f"--checkpoint: {path} does not exist")
     ckpt = resolve_checkpoint_dir(path)
-    convert_checkpoint_to_hf(ckpt, scratch / "hf")
+    export_hf(ckpt, scratch / "hf")  # a LoRA run's: merged into its base
     return scratch / "hf", ckpt
 
 

@@ -27,7 +27,7 @@ meta device only.
 from __future__ import annotations
 
 import argparse
-import json
+import functools
 import os
 import re
 import sys
@@ -110,22 +110,21 @@ def run_convert(args: argparse.Namespace) -> int:
         return 2
     silence_harmless_warnings()  # the megatron-core notes `train` hides
     # Here, not at the top: `megatron-entropy --help` and the other commands start without torch.
-    from megatron_entropy.models.conversion import (convert_checkpoint_to_hf,
-                                                    convert_hf_to_checkpoint, run_conversion)
+    from megatron_entropy.models.conversion import convert_hf_to_checkpoint, run_conversion
+    from megatron_entropy.trainer.lora_run import export_adapters, export_hf
 
     if args.convert_command == "hf-to-mcore":
-        return run_conversion(
-            lambda: convert_hf_to_checkpoint(args.hf_dir, args.out, dtype=args.dtype,
-                                             tensor=args.tp, pipeline=args.pp,
-                                             overwrite=args.overwrite, progress=not args.quiet),
-            lambda stats: _summary(stats, args.out))
-    if args.convert_command == "mcore-to-peft" or _lora_identity(args.ckpt) is not None:
-        return run_conversion(lambda: _export_lora(args), lambda stats: _summary(stats, args.out))
-    return run_conversion(
-        lambda: convert_checkpoint_to_hf(args.ckpt, args.out, hf_config_from=args.hf_config_from,
-                                         dtype=args.dtype, max_shard_bytes=args.max_shard_size,
-                                         overwrite=args.overwrite, progress=not args.quiet),
-        lambda stats: _summary(stats, args.out))
+        convert = functools.partial(convert_hf_to_checkpoint, args.hf_dir, args.out,
+                                    dtype=args.dtype, tensor=args.tp, pipeline=args.pp,
+                                    overwrite=args.overwrite, progress=not args.quiet)
+    elif args.convert_command == "mcore-to-peft":
+        convert = functools.partial(export_adapters, args.ckpt, args.out, args.overwrite)
+    else:
+        convert = functools.partial(export_hf, args.ckpt, args.out,
+                                    hf_config_from=args.hf_config_from, base=args.base,
+                                    dtype=args.dtype, max_shard_bytes=args.max_shard_size,
+                                    overwrite=args.overwrite, progress=not args.quiet)
+    return run_conversion(convert, lambda stats: _summary(stats, args.out))
 
 
 def _missing_input(args: argparse.Namespace) -> Optional[str]:
@@ -133,36 +132,6 @@ def _missing_input(args: argparse.Namespace) -> Optional[str]:
     if args.convert_command == "hf-to-mcore":
         return None if args.hf_dir.exists() else f"--hf-dir: {str(args.hf_dir)!r} does not exist"
     return None if args.ckpt.exists() else f"{args.ckpt} does not exist"
-
-
-def _lora_identity(ckpt: Path) -> Optional[dict]:
-    """The LoRA identity a trainer checkpoint records (trainer/lora_run.py), or None."""
-    from megatron_entropy.models.megatron_checkpoint import resolve_checkpoint_dir
-    from megatron_entropy.trainer.checkpoint import TRAINER_STATE
-    from megatron_entropy.trainer.lora_run import STATE_KEY
-
-    try:
-        state = resolve_checkpoint_dir(ckpt) / TRAINER_STATE
-    except ValueError:
-        return None  # not a checkpoint: the conversion says so
-    return json.loads(state.read_text()).get(STATE_KEY) if state.is_file() else None
-
-
-def _export_lora(args: argparse.Namespace) -> dict[str, float]:
-    from megatron_entropy.models.lora_export import export_merged, export_peft
-    from megatron_entropy.models.megatron_checkpoint import (CheckpointError, HF_SUBDIR,
-                                                             read_arch, resolve_checkpoint_dir)
-
-    ckpt = resolve_checkpoint_dir(args.ckpt)
-    identity = _lora_identity(ckpt)
-    if identity is None:
-        raise CheckpointError(f"--ckpt {args.ckpt}: not a LoRA run's checkpoint (it holds every "
-                              "weight: use mcore-to-hf)")
-    arch = read_arch(ckpt)
-    if args.convert_command == "mcore-to-peft":
-        return export_peft(ckpt, args.out, identity, arch, args.overwrite)
-    return export_merged(ckpt, args.out, identity, arch, args.hf_config_from or ckpt / HF_SUBDIR,
-                         args.base, args.dtype, args.max_shard_size, args.overwrite)
 
 
 def _summary(stats: dict[str, float], out: str) -> str:

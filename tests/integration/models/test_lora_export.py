@@ -83,6 +83,27 @@ def test_merged_export_equals_the_adapter_forward(lora_run, tmp_path):
     _check(logits, trainer_logits, load_arch(hf_dir), tokens)
 
 
+def _eval_model_logits(ckpts, scratch, tokens) -> torch.Tensor:
+    """Worker: the logits of the HF folder `megatron-entropy eval` serves for ``ckpts``."""
+    import transformers
+
+    from megatron_entropy.evaluation.command import model_folder
+
+    folder, converted = model_folder(ckpts, scratch)
+    assert converted is not None
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+def test_eval_serves_the_runs_policy_not_its_base(lora_run, tmp_path):
+    """`eval` of a LoRA run's checkpoint (adapters only) serves the base with the adapters merged
+    in: the trainer's log-probs."""
+    hf_dir, ckpts, tokens, trainer_logits = lora_run
+    (logits,) = run_distributed(_eval_model_logits, 1, ckpts, tmp_path, tokens)
+    _check(logits, trainer_logits, load_arch(hf_dir), tokens)
+
+
 def test_exports_refuse_what_they_cannot_do(lora_run, tmp_path):
     """One line naming the problem, exit 2, no output: another base than the run's (same
     architecture), and a PEFT export of a checkpoint without adapters."""
