@@ -59,7 +59,8 @@ from megatron_entropy.trainer.batch import MicroBatch, Sample, engine_token_stat
 from megatron_entropy.trainer.context_parallel import gather_token_stats
 from megatron_entropy.trainer.entropy_change import entropy_change_metrics
 from megatron_entropy.trainer.model_setup import optimizer_step
-from megatron_entropy.trainer.moe_routing import MoeRouting, is_filler, with_fillers
+from megatron_entropy.trainer.moe_routing import (MoeRouting, is_filler, router_padding,
+                                                  with_fillers)
 from megatron_entropy.trainer.packing import (SampleOrder, micro_batches, resolve_layouts,
                                               thd_params)
 from megatron_entropy.trainer.step_methods import (MethodsStep, fill_token_stats,
@@ -143,9 +144,12 @@ class Actor:
             if mb.attention_mask is not None:  # shared-prompt rows: positions token by token
                 stack.enter_context(token_positions(model, mb.position_ids))
             packed = thd_params(mb)
+            # A mixture of experts leaves padding out of its router losses; dense: as before.
+            kwargs = ({"padding_mask": router_padding(model, mb)}
+                      if self.routing is not None else {})
             if packed is None:
-                return model(mb.tokens, mb.position_ids, mb.attention_mask)
-            return model(mb.tokens, mb.position_ids, None, packed_seq_params=packed)
+                return model(mb.tokens, mb.position_ids, mb.attention_mask, **kwargs)
+            return model(mb.tokens, mb.position_ids, None, packed_seq_params=packed, **kwargs)
 
     def _pack(self, samples: list[Sample], ids: Optional[list[int]] = None
               ) -> list[MicroBatch]:

@@ -124,6 +124,10 @@ class MicroBatch:
     # [S / CP] the columns of the whole (CP-padded) rows that this rank's tokens are.
     stat_owner: Optional[torch.Tensor] = None
     cp_columns: Optional[torch.Tensor] = None
+    # [rows, S] bool, True on padding (a row's right end, a packed sequence's divisibility
+    # padding): a mixture of experts leaves it out of its router losses (Megatron's
+    # ``padding_mask``). None: no padding (fillers).
+    padding: Optional[torch.Tensor] = None
 
     @property
     def num_tokens(self) -> int:
@@ -232,7 +236,9 @@ def _make_micro_batch(samples: list[Sample], rows: list[list[int]], pad_id: int,
             torch.ones(S, S, dtype=torch.bool).tril()
         sees |= torch.eye(S, dtype=torch.bool)
         attention_mask = ~sees.unsqueeze(1)
-    return assemble_micro_batch(samples, ids, tokens, positions, flat, index, attention_mask)
+    mb = assemble_micro_batch(samples, ids, tokens, positions, flat, index, attention_mask)
+    mb.padding = torch.tensor(segments) < 0
+    return mb
 
 
 def assemble_micro_batch(samples: list[Sample], ids: list[int], tokens: list[list[int]],

@@ -44,7 +44,7 @@ def shard_micro_batch(mb: MicroBatch, rank: int, cp: int, pad_id: int = 0) -> Mi
         raise ValueError("context parallelism takes padded or packed micro-batches, not "
                          "shared-prompt rows (trainer.micro_batch_layout)")
     rows, S = mb.tokens.shape
-    tokens, positions = mb.tokens, mb.position_ids
+    tokens, positions, padding = mb.tokens, mb.position_ids, mb.padding
     if mb.cu_seqlens_padded is not None:
         bounds = mb.cu_seqlens_padded.tolist()
         width = S
@@ -54,6 +54,8 @@ def shard_micro_batch(mb: MicroBatch, rank: int, cp: int, pad_id: int = 0) -> Mi
             tokens = torch.cat([tokens, tokens.new_full((rows, width - S), pad_id)], dim=1)
             positions = torch.cat([positions, positions[:, -1:] + torch.arange(
                 1, width - S + 1).expand(rows, -1)], dim=1)
+            if padding is not None:
+                padding = torch.cat([padding, padding.new_ones(rows, width - S)], dim=1)
         bounds = [0, width]
     owners = [torch.full((width,), -1, dtype=torch.long) for _ in range(cp)]
     mine = []
@@ -75,7 +77,8 @@ def shard_micro_batch(mb: MicroBatch, rank: int, cp: int, pad_id: int = 0) -> Mi
     own = owner == rank
     return replace(mb, tokens=tokens[:, mine], position_ids=positions[:, mine],
                    flat_positions=local[own], targets=mb.targets[own], stat_owner=owner,
-                   cp_columns=torch.tensor(mine, dtype=torch.long))
+                   cp_columns=torch.tensor(mine, dtype=torch.long),
+                   padding=None if padding is None else padding[:, mine])
 
 
 class _GatherTokens(torch.autograd.Function):

@@ -101,6 +101,27 @@ def is_filler(mb: MicroBatch) -> bool:
     return not mb.sample_ids
 
 
+def router_padding(model, mb: MicroBatch) -> Optional[torch.Tensor]:
+    """``mb.padding`` as Megatron's ``padding_mask`` takes it at this model chunk: [rows, S],
+    True on padding. Megatron splits it over TP for sequence parallelism on the first pipeline
+    stage only; a later stage's hidden states are the TP rank's part of the sequence too, so
+    there it gets that part of the mask."""
+    if mb.padding is None:
+        return None
+    module = unwrap_model(model)
+    if not module.config.sequence_parallel or module.pre_process:
+        return mb.padding
+    tp, rank = (ps.get_tensor_model_parallel_world_size(),
+                ps.get_tensor_model_parallel_rank())
+    part = mb.padding.shape[1] // tp
+    return mb.padding[:, rank * part:(rank + 1) * part]
+
+
+def real_tokens(mb: MicroBatch) -> int:
+    """The tokens of ``mb`` that are no padding (all of them where it says of none)."""
+    return mb.tokens.numel() if mb.padding is None else int((~mb.padding).sum())
+
+
 def engine_notes(engine: str, arch) -> list[str]:
     """Start-up warnings for an MoE policy on an engine with a known MoE problem (a warning, not
     a refusal: the drift was measured on the CPU build only, and rollout correction can bound
@@ -362,7 +383,7 @@ class MoeRouting:
     @contextlib.contextmanager
     def aux_loss_scale(self, micro_batches: Sequence[MicroBatch]) -> Iterator[None]:
         """For one optimizer step's schedule: the aux-loss gradient scale (module docstring)."""
-        tokens = torch.tensor([float(sum(mb.tokens.numel() for mb in micro_batches
+        tokens = torch.tensor([float(sum(real_tokens(mb) for mb in micro_batches
                                          if not is_filler(mb)))], dtype=torch.float64)
         dist.all_reduce(tokens, group=ps.get_data_parallel_group(with_context_parallel=True))
         original = MoEAuxLossAutoScaler.set_loss_scale

@@ -83,6 +83,7 @@ def _packed_row(samples: list[Sample], ids: list[int], pad_id: int, multiple: in
     tokens: list[int] = []
     positions: list[int] = []
     flat: list[int] = []
+    padding: list[bool] = []
     real, padded = [0], [0]
     for i in ids:
         s = samples[i]
@@ -93,14 +94,17 @@ def _packed_row(samples: list[Sample], ids: list[int], pad_id: int, multiple: in
         size = padded_length(n, multiple)
         tokens += s.prompt_ids + s.response_ids + [pad_id] * (size - n)
         positions += range(size)
+        padding += [False] * n + [True] * (size - n)
         real.append(real[-1] + n)
         padded.append(padded[-1] + size)
     extra = padded_length(len(tokens), row_multiple) - len(tokens)
     if extra:  # the last sequence takes the row's end padding
         tokens += [pad_id] * extra
         positions += range(positions[-1] + 1, positions[-1] + 1 + extra)
+        padding += [True] * extra
         padded[-1] += extra
     mb = assemble_micro_batch(samples, ids, [tokens], [positions], flat, index)
+    mb.padding = torch.tensor([padding])
     mb.cu_seqlens = torch.tensor(real, dtype=torch.int32)
     mb.cu_seqlens_padded = torch.tensor(padded, dtype=torch.int32)
     return mb

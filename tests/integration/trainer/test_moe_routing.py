@@ -41,11 +41,12 @@ def moe8_dir(tmp_path_factory):
 
 def _moe_actor(hf_dir, expert: int, replay: str = "none", aux: float = 1e-2, lr: float = 1e-2,
                recompute: bool = False, pipeline: int = 1, micro_batch_tokens: int = 48,
-               algorithm: Optional[dict] = None, context: int = 1, layout: str = "auto"):
+               algorithm: Optional[dict] = None, context: int = 1, layout: str = "auto",
+               z_loss: float = 0.0):
     """Inside a rank: Megatron at EP=``expert`` x PP=``pipeline`` x CP=``context``, the tiny MoE
-    from its HF weights and its Actor (KL-Cov unless ``algorithm`` says otherwise; 2 epochs x 2
-    mini-batches a step; micro-batches in ``layout``); returns (actor, this stage's full weights
-    before)."""
+    from its HF weights (router losses: ``aux``, ``z_loss``) and its Actor (KL-Cov unless
+    ``algorithm`` says otherwise; 2 epochs x 2 mini-batches a step; micro-batches in
+    ``layout``); returns (actor, this stage's full weights before)."""
     from megatron_entropy.config import (AlgorithmConfig, ModelConfig, ParallelConfig,
                                          TrainerConfig)
     from megatron_entropy.models.bridge import load_hf_weights
@@ -57,7 +58,8 @@ def _moe_actor(hf_dir, expert: int, replay: str = "none", aux: float = 1e-2, lr:
     arch = load_arch(hf_dir)
     chunks = build_trainable_model(
         arch, ModelConfig(dtype="fp32", transformer_impl="local", seq_length=64,
-                          moe_aux_loss_coeff=aux, recompute_activations=recompute),
+                          moe_aux_loss_coeff=aux, moe_z_loss_coeff=z_loss,
+                          recompute_activations=recompute),
         ParallelConfig(pipeline=pipeline, expert=expert), routing_replay=replay != "none")
     load_hf_weights(chunks[0], hf_dir, arch)
     initial = full_state_dict(chunks[0])
@@ -75,19 +77,23 @@ def _moe_update_worker(hf_dir, expert: int, replay: str = "none", aux: float = 1
                        lr: float = 1e-2, recompute: bool = False,
                        backward_replay: Optional[bool] = None, pipeline: int = 1,
                        micro_batch_tokens: int = 48, algorithm: Optional[dict] = None,
-                       context: int = 1, layout: str = "auto", multiple: int = 1):
+                       context: int = 1, layout: str = "auto", multiple: int = 1,
+                       z_loss: float = 0.0, advantage: Optional[float] = None):
     """One RL step of ``_moe_actor`` on ``random_samples(0)`` (each sample cut to a multiple of
-    ``multiple`` tokens) split over the DP ranks; returns this rank's weights after (global
-    names: its experts), the metrics, the weights before and its samples' recorded routing. ``backward_replay`` overrides
-    whether the backward's re-forward replays (a test's control)."""
+    ``multiple`` tokens; every advantage ``advantage`` where given) split over the DP ranks;
+    returns this rank's weights after (global names: its experts), the metrics, the weights
+    before and its samples' recorded routing. ``backward_replay`` overrides whether the
+    backward's re-forward replays (a test's control)."""
     from megatron_entropy.models.sharding import full_state_dict
     from megatron_entropy.trainer.rollouts import dp_share
 
     actor, initial = _moe_actor(hf_dir, expert, replay, aux, lr, recompute, pipeline,
-                                micro_batch_tokens, algorithm, context, layout)
+                                micro_batch_tokens, algorithm, context, layout, z_loss)
     if backward_replay is not None:
         actor.routing.backward_replay = backward_replay
     mine = dp_share(_cut(random_samples(0), multiple))
+    for s in mine if advantage is not None else ():
+        s.advantage = advantage
     actor.recompute(mine)
     metrics = actor.update(mine, step=1)
     metrics["max_abs_logp"] = float(torch.cat([s.old_logprobs for s in mine]).abs().max())
@@ -211,6 +217,25 @@ def test_context_parallel_equals_one_rank_with_experts_and_replay(moe_dir, exper
         # and holds its replica's samples' routing whole, as CP=1 recorded it (discrete: the
         # same experts for every token)
         assert all(torch.equal(a, b) for a, b in zip(routing, ref[rank // 2][3], strict=True))
+
+
+@pytest.mark.parametrize("z_loss", [0.0, 1e-1], ids=["aux", "aux+z"])
+def test_router_losses_leave_padding_out(moe_dir, z_loss):
+    """The router's losses of the same micro-batches, padded (each row right-padded to the
+    longest) and packed (back to back, no padding at CP = 1: the losses over the real tokens
+    only): the same load-balancing (and z-) loss and, with every advantage 0 so that the router
+    losses are all the gradient there is, the same update. Counting padding, the padded layout's
+    would differ."""
+    kw = dict(algorithm=dict(loss="ppo_clip"), aux=1.0, z_loss=z_loss, advantage=0.0,
+              micro_batch_tokens=96)
+    packed = run_distributed(_moe_update_worker, 1, moe_dir, 1, layout="packed", **kw)
+    padded = run_distributed(_moe_update_worker, 1, moe_dir, 1, layout="padded", **kw)
+    _assert_same_update(moe_dir, packed, padded)
+    m1, m2 = packed[0][1], padded[0][1]
+    assert m1["grad_norm"] > 0
+    if z_loss:
+        assert m2["moe/z_loss"] == pytest.approx(m1["moe/z_loss"],
+                                                 abs=rounding_tol(m1["moe/z_loss"], _paths(moe_dir)[1]))
 
 
 def test_aux_loss_coefficient_acts_on_the_update(moe_dir):
