@@ -211,6 +211,24 @@ def test_context_parallel_equals_one_rank_with_experts_and_replay(moe_dir, exper
         assert all(torch.equal(a, b) for a, b in zip(routing, ref[rank // 2][3], strict=True))
 
 
+def test_pp2_ep2_cp2_equals_one_process(moe_dir):
+    """PP = 2 x EP = 2 x CP = 2 on 4 ranks (DP = 1; Megatron carves the EP group out of DP x CP:
+    each stage's CP pair is its EP group) against one process: one KL-Cov step with R2 replay on
+    packed rows whose samples CP pads, the same weights after, losses, aux loss, expert loads,
+    gradient norm, and each stage's routing record is its layers of the one process's."""
+    kw = dict(replay="recompute", micro_batch_tokens=48, layout="packed")
+    ref = run_distributed(_moe_update_worker, 1, moe_dir, 1, **kw)
+    got = run_distributed(_moe_update_worker, 4, moe_dir, 2, pipeline=2, context=2, timeout=300,
+                          **kw)
+    _assert_same_update(moe_dir, ref, got)
+    assert got[0][1]["selected_frac"] == ref[0][1]["selected_frac"] > 0
+    for rank, (_, metrics, _, routing) in enumerate(got):
+        assert metrics == got[0][1], rank
+        stage = rank // 2  # ranks [0, 1]: stage 0's CP pair, [2, 3]: stage 1's
+        assert all(torch.equal(a, b[stage:stage + 1])
+                   for a, b in zip(routing, ref[0][3], strict=True)), rank
+
+
 @pytest.mark.parametrize("z_loss", [0.0, 1e-1], ids=["aux", "aux+z"])
 def test_router_losses_leave_padding_out(moe_dir, z_loss):
     """The router's losses of the same micro-batches, padded (each row right-padded to the
