@@ -186,6 +186,8 @@ class Actor:
                                             {"filler": True})
             with scope(mb) if scope else contextlib.nullcontext():
                 output = self._model_forward(model, mb)
+            if self.routing is not None and not forward_only:
+                self.routing.weigh(output, mb)
             return output, lambda out: loss_fn(model, out, mb)
 
         seq = max(mb.tokens.shape[1] for mb in micro_batches)

@@ -31,18 +31,23 @@ each router reads its routing map [tokens, experts] (tokens in Megatron's [S, B]
   update replays the columns of the record its rank holds.
 * Expert load: tokens routed to each expert over the step's update forwards (real tokens, summed
   over DP x CP), per layer; the router's losses as Megatron's tracker holds them.
-* The load-balancing loss's gradient scale: with ``calculate_per_token_loss`` Megatron scales a
-  micro-batch's aux-loss gradient by its token count and expects ``finalize_model_grads`` to divide
-  by the step's; this trainer's losses arrive normalised (trainer/model_setup.py), so for the
-  schedule's duration the scale is divided by the step's routed tokens over DP: the aux loss
-  then enters as its token-weighted mean over micro-batches and DP ranks, times its coefficient.
-  Under context parallelism Megatron counts a micro-batch's tokens per expert over TP x CP and
-  each CP rank's loss is its own tokens' share (the shares add up to the CP = 1 loss); the
-  divisor is the routed tokens over DP x CP (each CP rank's own ``mb.tokens``), which gives
-  CP = 1's gradient (measured, tests/integration/trainer/test_moe_routing.py; over DP alone the
-  aux loss's gradient came out CP times CP = 1's). CP pads each row (each packed sequence) to a
-  multiple of 2 x CP; those tokens are routed, like the padded layout's own padding, so the aux
-  loss equals CP = 1's where no such padding is added.
+* The router losses (load balancing, z-loss) count real tokens only: each micro-batch hands its
+  padding (``MicroBatch.padding``: a padded row's right end, CP's and TP's divisibility padding
+  of a row or of a packed sequence) to Megatron's ``padding_mask``, which leaves it out of the
+  losses and of their token counts (routing and replay are unchanged: padding is routed, its
+  routing recorded nowhere and replayed as the first k experts, and no real token sees it).
+* Their gradient scale: Megatron attaches a micro-batch's router losses as they are (each
+  router's ``calculate_per_token_loss`` is off, whatever the model's config says) and multiplies their gradient by the scale ``MoEAuxLossAutoScaler`` holds during the
+  backward. The losses of this trainer arrive normalised by the step, so each micro-batch's
+  weight is its real tokens (the whole micro-batch's, over CP) over the step's (over DP x CP),
+  set as the backward of that micro-batch's output begins (``weigh``: per micro-batch in any
+  pipeline order): the router losses enter the step as their token-weighted mean over
+  micro-batches and DP ranks, times their coefficients, however the tokens are cut into
+  micro-batches. Under context parallelism each CP rank's load-balancing loss is its tokens'
+  share of the micro-batch's (the shares add up to it exactly); Megatron's z-loss there is
+  the mean of each CP rank's real tokens over CP, the micro-batch's mean where the CP ranks
+  hold as many real tokens (CP's padding can make them differ by a few), and its tracked value
+  the sum of the CP ranks' (so the metric divides by CP).
 """
 
 from __future__ import annotations
@@ -153,11 +158,17 @@ class MoeRouting:
         self.losses = [n for n, on in (("load_balancing_loss", module.config.moe_aux_loss_coeff),
                                        ("z_loss", module.config.moe_z_loss_coeff)) if on]
         self._maps: Optional[list[torch.Tensor]] = None
+        # Inside an update schedule: each micro-batch's router-loss weight (by index) and
+        # Megatron's scale for them (aux_loss_scale).
+        self._weights: dict[int, float] = {}
+        self._base_scale = torch.ones(())
+        self._set_scale = MoEAuxLossAutoScaler.set_loss_scale
         # Inside an update forward: whether it is a filler's; per router, that of each forward
         # whose re-forward is still to come (activation recompute).
         self._filler: Optional[bool] = None
         self._reforwards: list[collections.deque] = [collections.deque() for _ in self.routers]
         for i, router in enumerate(self.routers):
+            router.calculate_per_token_loss = False  # weighted by ``weigh`` instead
             router.register_forward_pre_hook(functools.partial(self._before, i))
             router.register_forward_hook(self._capture)
         self._reset()
@@ -382,18 +393,41 @@ class MoeRouting:
 
     @contextlib.contextmanager
     def aux_loss_scale(self, micro_batches: Sequence[MicroBatch]) -> Iterator[None]:
-        """For one optimizer step's schedule: the aux-loss gradient scale (module docstring)."""
-        tokens = torch.tensor([float(sum(real_tokens(mb) for mb in micro_batches
-                                         if not is_filler(mb)))], dtype=torch.float64)
-        dist.all_reduce(tokens, group=ps.get_data_parallel_group(with_context_parallel=True))
-        original = MoEAuxLossAutoScaler.set_loss_scale
-        divisor = max(float(tokens), 1.0)
-        MoEAuxLossAutoScaler.set_loss_scale = staticmethod(
-            lambda scale: original(scale / divisor))
+        """For one optimizer step's schedule: the router losses' gradient scale (module
+        docstring): each micro-batch's weight, its real tokens (over CP) over the step's (over
+        DP x CP), times the scale Megatron sets (the mixed-precision loss scale)."""
+        real = [mb for mb in micro_batches if not is_filler(mb)]
+        local = torch.tensor([float(real_tokens(mb)) for mb in real], dtype=torch.float64)
+        total = local.sum().reshape(1)
+        dist.all_reduce(total, group=ps.get_data_parallel_group(with_context_parallel=True))
+        if ps.get_context_parallel_world_size() > 1:
+            dist.all_reduce(local, group=ps.get_context_parallel_group())
+        divisor = max(float(total), 1.0)
+        self._weights = {mb.index: float(n) / divisor for mb, n in zip(real, local)}
+        original = self._set_scale = MoEAuxLossAutoScaler.set_loss_scale
+
+        def remember(scale: torch.Tensor) -> None:  # Megatron's, at each forward
+            self._base_scale = scale
+
+        MoEAuxLossAutoScaler.set_loss_scale = staticmethod(remember)
         try:
             yield
         finally:
             MoEAuxLossAutoScaler.set_loss_scale = staticmethod(original)
+            self._weights = {}
+
+    def weigh(self, output: torch.Tensor, mb: MicroBatch) -> None:
+        """On an update forward's output: its backward, which reaches the routers' losses
+        after it, first sets their gradient scale to the micro-batch's weight (per micro-batch,
+        whatever order the pipeline schedule runs the backwards in)."""
+        weight = self._weights.get(mb.index)
+        if weight is None or not output.requires_grad:
+            return
+
+        def set_scale(grad: torch.Tensor) -> None:
+            self._set_scale(self._base_scale * weight)
+
+        output.register_hook(set_scale)
 
     def metrics(self) -> dict[str, float]:
         """The step's routing metrics on every rank: pairs, losses and loads summed over DP x CP
@@ -428,7 +462,9 @@ class MoeRouting:
             out["moe/rollout_routing_mismatch"] = float(per_pp[2]) / float(per_pp[3])
         for name, total in zip(self.losses, per_pp[4:-1]):
             if forwards:
-                out[_TRACKED_LOSSES[name]] = float(total) / (forwards * layers)
+                # a CP rank's z-loss is its own tokens' mean (module docstring)
+                ranks = ps.get_context_parallel_world_size() if name == "z_loss" else 1
+                out[_TRACKED_LOSSES[name]] = float(total) / (forwards * layers * ranks)
         imbalance = 0.0
         for n, row in enumerate(load):
             if row.sum() > 0:

@@ -58,15 +58,16 @@ def test_ep2_run_syncs_every_expert_and_replay_removes_the_mismatch(moe_model, t
     assert all(r["moe/rollout_routing_mismatch"] == 0 for r in engine)
 
 
-def test_ep2_cp2_run_replays_the_engines_routing_chunk_by_chunk(moe_model, tmp_path):
-    """EP=2 x CP=2 on 2 ranks (the EP group is the CP pair) with R3, packed rows (auto): CP rank
-    0's engine routing travels with its samples to both CP ranks, the recompute replays each
-    rank's chunks of it and records what its routers chose, gathered whole, and every update
-    replays that: no (token, layer) pair routes elsewhere than the engine, and the engines
-    hold every trained expert (the weight check passes)."""
+@pytest.mark.parametrize("pipeline", [1, 2], ids=["pp1", "pp2"])
+def test_ep2_cp2_run_replays_the_engines_routing_chunk_by_chunk(moe_model, tmp_path, pipeline):
+    """EP=2 x CP=2 (x PP=2: 4 ranks) with R3, packed rows (auto); the EP group is each stage's
+    CP pair: CP rank 0's engine routing travels with its samples to both CP ranks, the recompute
+    replays each rank's chunks of it and records what its routers chose, gathered whole, and
+    every update replays that: no (token, layer) pair routes elsewhere than the engine, and the
+    engines hold every trained expert (the weight check passes)."""
     cfg = _config(moe_model, tmp_path, "cp", "rollout", 2)
-    cfg["parallel"]["context"] = 2
-    run_distributed(train_from_dict, 2, cfg, timeout=300)
+    cfg["parallel"].update(context=2, pipeline=pipeline)
+    run_distributed(train_from_dict, 2 * pipeline, cfg, timeout=300)
     rows = metrics_rows(tmp_path / "cp")
     assert [r["step"] for r in rows] == [1, 2]
     assert all(r["weight_check/replicas"] == 1 for r in rows)

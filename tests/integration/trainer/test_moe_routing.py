@@ -4,6 +4,7 @@ makes every update route as the recompute did."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import pytest
@@ -246,6 +247,38 @@ def test_router_losses_leave_padding_out(moe_dir, z_loss):
     if z_loss:
         tol = rounding_tol(m1["moe/z_loss"], _paths(moe_dir)[1])
         assert m2["moe/z_loss"] == pytest.approx(m1["moe/z_loss"], abs=tol)
+
+
+def _copies_worker(hf_dir, micro_batch_tokens: int):
+    """One step of aux and z-loss alone (PPO-clip, advantages 0) on 8 copies of one sample (4 a
+    mini-batch) in packed rows of ``micro_batch_tokens``: the weights after and the metrics."""
+    from megatron_entropy.models.sharding import full_state_dict
+
+    actor, _ = _moe_actor(hf_dir, 1, aux=1.0, z_loss=1e-2, micro_batch_tokens=micro_batch_tokens,
+                          algorithm=dict(loss="ppo_clip"), layout="packed")
+    one = random_samples(0)[0]
+    samples = [dataclasses.replace(one, advantage=0.0) for _ in range(8)]
+    actor.recompute(samples)
+    metrics = actor.update(samples, step=1)
+    return full_state_dict(actor.model[0]), metrics
+
+
+def test_router_losses_enter_as_their_token_weighted_mean(moe_dir):
+    """The router losses enter a step as their token-weighted mean over micro-batches times their
+    coefficients: a mini-batch of 4 copies of a sample in one micro-batch has the losses (and
+    gradient) of the sample, and so has each of 4 micro-batches of one copy, whose mean is
+    that. Weighted otherwise (each micro-batch's loss over the step's tokens), 4 micro-batches
+    would give 4 times the gradient of one."""
+    length = random_samples(0)[0].length
+    one = run_distributed(_copies_worker, 1, moe_dir, 4 * length)[0]
+    four = run_distributed(_copies_worker, 1, moe_dir, length)[0]
+    path = _paths(moe_dir)[1]
+    assert one[1]["grad_norm"] > 0
+    for key in ("moe/aux_loss", "moe/z_loss", "grad_norm"):
+        assert four[1][key] == pytest.approx(one[1][key], abs=rounding_tol(one[1][key], path)), key
+    for name in one[0]:
+        torch.testing.assert_close(four[0][name], one[0][name], rtol=0, msg=name,
+                                   atol=rounding_tol(float(one[0][name].abs().max()), path))
 
 
 def test_aux_loss_coefficient_acts_on_the_update(moe_dir):
