@@ -44,11 +44,12 @@ class ModelConfig(Settings):
     seq_length: int = _f(4096, ge=16, help="the longest sequence the model is built for; must "
                                            "hold rollout.max_prompt_tokens + max_new_tokens")
     moe_aux_loss_coeff: Optional[float] = _f(
-        None, ge=0, help="mixture of experts: weight of the router's load-balancing loss (mean "
-                         "over layers and micro-batches); null = the HF config's "
-                         "router_aux_loss_coef, 0 = none")
+        None, ge=0, help="mixture of experts: weight of the router's load-balancing loss (over "
+                         "real tokens; mean over layers, token-weighted mean over "
+                         "micro-batches); null = the HF config's router_aux_loss_coef, 0 = none")
     moe_z_loss_coeff: float = _f(0.0, ge=0, help="mixture of experts: weight of the router's "
-                                                 "z-loss (0 = none)")
+                                                 "z-loss (over real tokens, as the load-balancing "
+                                                 "loss; 0 = none)")
     lora: LoraSettings = _f(default_factory=LoraSettings)
 
 
