@@ -249,15 +249,21 @@ def test_router_losses_leave_padding_out(moe_dir, z_loss):
         assert m2["moe/z_loss"] == pytest.approx(m1["moe/z_loss"], abs=tol)
 
 
-def _copies_worker(hf_dir, micro_batch_tokens: int):
+def _copy(index: int = 0):
+    """``random_samples(0)[index]`` cut to 16 tokens (a multiple of 2 x CP = 4), advantage 0."""
+    one = random_samples(0)[index]
+    return dataclasses.replace(one, prompt_ids=one.prompt_ids[one.length - 16:], advantage=0.0)
+
+
+def _copies_worker(hf_dir, micro_batch_tokens: int, context: int = 1):
     """One step of aux and z-loss alone (PPO-clip, advantages 0) on 8 copies of one sample (4 a
-    mini-batch) in packed rows of ``micro_batch_tokens``: the weights after and the metrics."""
+    mini-batch) in packed rows of ``micro_batch_tokens`` at CP = ``context``: the weights after
+    and the metrics."""
     from megatron_entropy.models.sharding import full_state_dict
 
     actor, _ = _moe_actor(hf_dir, 1, aux=1.0, z_loss=1e-2, micro_batch_tokens=micro_batch_tokens,
-                          algorithm=dict(loss="ppo_clip"), layout="packed")
-    one = random_samples(0)[0]
-    samples = [dataclasses.replace(one, advantage=0.0) for _ in range(8)]
+                          algorithm=dict(loss="ppo_clip"), layout="packed", context=context)
+    samples = [_copy() for _ in range(8)]
     actor.recompute(samples)
     metrics = actor.update(samples, step=1)
     return full_state_dict(actor.model[0]), metrics
@@ -269,16 +275,31 @@ def test_router_losses_enter_as_their_token_weighted_mean(moe_dir):
     gradient) of the sample, and so has each of 4 micro-batches of one copy, whose mean is
     that. Weighted otherwise (each micro-batch's loss over the step's tokens), 4 micro-batches
     would give 4 times the gradient of one."""
-    length = random_samples(0)[0].length
-    one = run_distributed(_copies_worker, 1, moe_dir, 4 * length)[0]
-    four = run_distributed(_copies_worker, 1, moe_dir, length)[0]
-    path = _paths(moe_dir)[1]
+    one = run_distributed(_copies_worker, 1, moe_dir, 4 * 16)[0]
+    four = run_distributed(_copies_worker, 1, moe_dir, 16)[0]
     assert one[1]["grad_norm"] > 0
+    _assert_same_router_losses(moe_dir, one, four)
+
+
+def test_router_losses_under_context_parallelism(moe_dir):
+    """CP = 2 equals CP = 1 in the router losses' values (the z-loss's too: each CP rank tracks
+    its own tokens' mean) and gradient where the CP ranks hold as many real tokens (samples of
+    16 tokens, no CP padding; with uneven ones the z-loss is the mean of each rank's mean, see
+    docs/long_sequences.md)."""
+    ref = run_distributed(_copies_worker, 1, moe_dir, 4 * 16)[0]
+    got = run_distributed(_copies_worker, 2, moe_dir, 4 * 16, context=2)
+    assert got[0][1] == got[1][1]
+    _assert_same_router_losses(moe_dir, ref, got[0])
+
+
+def _assert_same_router_losses(hf_dir, ref: tuple, got: tuple) -> None:
+    """Two runs of ``_copies_worker``: the same router losses, gradient norm and weights."""
+    path = _paths(hf_dir)[1]
     for key in ("moe/aux_loss", "moe/z_loss", "grad_norm"):
-        assert four[1][key] == pytest.approx(one[1][key], abs=rounding_tol(one[1][key], path)), key
-    for name in one[0]:
-        torch.testing.assert_close(four[0][name], one[0][name], rtol=0, msg=name,
-                                   atol=rounding_tol(float(one[0][name].abs().max()), path))
+        assert got[1][key] == pytest.approx(ref[1][key], abs=rounding_tol(ref[1][key], path)), key
+    for name in ref[0]:
+        torch.testing.assert_close(got[0][name], ref[0][name], rtol=0, msg=name,
+                                   atol=rounding_tol(float(ref[0][name].abs().max()), path))
 
 
 def test_aux_loss_coefficient_acts_on_the_update(moe_dir):
