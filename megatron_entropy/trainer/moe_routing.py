@@ -38,8 +38,9 @@ each router reads its routing map [tokens, experts] (tokens in Megatron's [S, B]
   routing recorded nowhere and replayed as the first k experts, and no real token sees it).
 * Their gradient scale: Megatron attaches a micro-batch's router losses as they are (each
   router's ``calculate_per_token_loss`` is off, whatever the model's config says) and
-  multiplies their gradient by the scale ``MoEAuxLossAutoScaler`` holds during the backward. The losses of this trainer arrive normalised by the step, so each micro-batch's
-  weight is its real tokens (the whole micro-batch's, over CP) over the step's (over DP x CP),
+  multiplies their gradient by the scale ``MoEAuxLossAutoScaler`` holds during the backward.
+  The losses of this trainer arrive normalised by the step, so each micro-batch's weight is
+  its real tokens (the whole micro-batch's, over CP) over the step's (over DP x CP),
   set as the backward of that micro-batch's output begins (``weigh``: per micro-batch in any
   pipeline order): the router losses enter the step as their token-weighted mean over
   micro-batches and DP ranks, times their coefficients, however the tokens are cut into
