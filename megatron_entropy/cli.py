@@ -410,9 +410,10 @@ DESCRIPTION = "megatron-entropy COMMAND: one entry point for every user-facing t
 
 def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] != "train":  # train sets its ranks' own (their count is in the config)
-        # Every other command computes in this one process (eval generates, convert reshards):
-        # the same defaults as a one-process run, before a command's module loads torch.
+    # train sets its ranks' own (their count is in the config), study its runs' (they share the
+    # cores); every other command computes in this one process (eval generates, convert
+    # reshards): the same defaults as a one-process run, before a command's module loads torch.
+    if argv and argv[0] not in ("train", "study"):
         apply_thread_defaults(1)
     parser = argparse.ArgumentParser(prog="megatron-entropy", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"megatron-entropy {__version__}")

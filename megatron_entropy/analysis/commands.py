@@ -108,6 +108,9 @@ def add_study_args(p: argparse.ArgumentParser) -> None:
                                                "<logging.runs_dir>/<logging.name>_study[_quick])")
     p.add_argument("--quick", action="store_true",
                    help="the same matrix at toy length (the study.quick overrides first)")
+    p.add_argument("--jobs", type=int, default=None,
+                   help="runs trained at once, each with its share of the cores as threads "
+                        "(default: study.jobs)")
     p.add_argument("--dry-run", action="store_true",
                    help="list the runs and what sets each apart; run nothing")
 
@@ -129,6 +132,8 @@ def run_study(args: argparse.Namespace) -> int:
     from megatron_entropy.analysis.study import StudyError, plan_study
     from megatron_entropy.analysis.study_runner import execute
 
+    if args.jobs is not None and args.jobs < 1:
+        raise ConfigError(f"--jobs: {args.jobs} must be at least 1")
     plan = plan_study(args.config, args.overrides, args.out, args.quick,
                       _comma_list(args.losses, "--losses"),
                       _comma_list(args.seeds, "--seeds", integers=True))
@@ -142,7 +147,7 @@ def run_study(args: argparse.Namespace) -> int:
                   "at the values their tuning runs choose")
         return 0
     try:
-        return execute(plan)
+        return execute(plan, jobs=plan.study.jobs if args.jobs is None else args.jobs)
     except StudyError as e:
         print(f"megatron-entropy study: error: {e}", file=sys.stderr)
         return 1

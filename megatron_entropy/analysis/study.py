@@ -243,6 +243,23 @@ def run_wall_seconds(state: Optional[dict]) -> float:
     return sum(a.get("wall_s") or 0.0 for a in (state or {}).get("attempts", []))
 
 
+def elapsed_seconds(states: list[Optional[dict]]) -> float:
+    """The study's run time: the union of its runs' recorded attempts (runs trained at once,
+    ``study.jobs``, count once); an attempt recorded without its start time counts whole."""
+    spans, loose = [], 0.0
+    for state in states:
+        for a in (state or {}).get("attempts", []):
+            if a.get("start_unix") is None:
+                loose += a.get("wall_s") or 0.0
+            elif a.get("wall_s"):
+                spans.append((a["start_unix"], a["start_unix"] + a["wall_s"]))
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(spans):
+        total += max(0.0, end - max(start, reach))
+        reach = max(reach, end)
+    return total + loose
+
+
 def checkpoint_step(run_dir: Path) -> int:
     """The step of the checkpoint the trainer would resume from (0: none)."""
     latest = latest_checkpoint(checkpoints_folder(run_dir))

@@ -33,7 +33,8 @@ import numpy as np
 from megatron_entropy.analysis.entropy_law import (ceiling_interval, fit_and_predict,
                                                    fit_entropy_law)
 from megatron_entropy.analysis.plots import paired_series, read_metrics, series
-from megatron_entropy.analysis.study import (StudyPlan, StudyRun, config_value, read_run_state,
+from megatron_entropy.analysis.study import (StudyPlan, StudyRun, config_value,
+                                             elapsed_seconds, read_run_state,
                                              run_wall_seconds)
 from megatron_entropy.analysis.study_tuning import choices, render_tuning
 from megatron_entropy.analysis.study_eval import (arm_test, render_comparison,
@@ -263,7 +264,8 @@ def summarize(plan: StudyPlan, results: Sequence[RunResult]) -> dict:
                "window": st.window, "early_fraction": st.early_fraction,
                "performance_key": perf, "baseline": st.baseline, "arms": arms,
                "sweeps": sweeps, "runs": per_run, "tuning": choices(plan),
-               "wall_s": sum(r.wall_s for r in results), "n_runs": len(results)}
+               "wall_s": elapsed_seconds([read_run_state(r.run) for r in results]),
+               "run_s": sum(r.wall_s for r in results), "n_runs": len(results)}
     summary["targets"] = targets(summary, plan)
     summary["notes"] = study_notes(plan)
     return summary
@@ -425,7 +427,8 @@ def render_report(summary: dict, figures: dict[str, Path]) -> str:
         "# Entropy study", "",
         f"Config `{summary['config']}`{' with --quick (toy length)' if summary['quick'] else ''}"
         f"; {summary['n_runs']} runs, {summary['wall_s'] / 60:.1f} minutes of recorded run "
-        "time. Made by `megatron-entropy study`; each run's metrics are in `runs/NAME/`.", "",
+        f"time ({summary['run_s'] / 60:.1f} summed over the runs, which overlap when "
+        "study.jobs > 1). Made by `megatron-entropy study`; each run's metrics are in `runs/NAME/`.", "",
         f"Start / end: mean over a run's first / last {summary['window']} steps; entropy is the "
         "mean of per-sequence mean token entropies (`entropy/seq_mean`); initial / final "
         "validation accuracy: a run's first / last validation point; ± is the standard "

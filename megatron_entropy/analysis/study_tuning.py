@@ -9,16 +9,17 @@ split only, by a stated rule within a stated budget:
   (the arm's default: list the paper's value first).
 
 The chosen value then runs at every seed of the study as the arm's own runs; the test split is
-read only by ``eval`` of those runs. The runner adds them once the tuning runs have finished
-(``add_tuned_runs``), so a resumed study makes the same choice from the same runs.
+read only by ``eval`` of those runs. The runner adds an arm's runs once its tuning runs have
+finished (``add_tuned_runs``), so a resumed study makes the same choice from the same runs.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Collection
 
 from megatron_entropy.analysis.plots import read_metrics, series
 from megatron_entropy.analysis.study import StudyError, StudyPlan, StudyRun, add_runs
+from megatron_entropy.config.study import StudyLoss
 
 
 def _tuning_run(plan: StudyPlan, arm: str, value: float) -> StudyRun:
@@ -40,37 +41,41 @@ def tuning_score(plan: StudyPlan, run: StudyRun) -> float:
     return sum(last) / len(last)
 
 
+def _choose(plan: StudyPlan, arm: StudyLoss) -> dict[str, Any]:
+    """One tuned arm's key, each candidate's score and the chosen value."""
+    scores = {value: tuning_score(plan, _tuning_run(plan, arm.name, value))
+              for value in arm.tune_values}
+    best = max(scores.values())
+    chosen = next(v for v in arm.tune_values if scores[v] == best)
+    return {"key": arm.tune_key, "scores": scores, "chosen": chosen,
+            "runs": [_tuning_run(plan, arm.name, v).name for v in arm.tune_values]}
+
+
 def choices(plan: StudyPlan) -> dict[str, dict[str, Any]]:
     """Per tuned arm of the plan: its key, each candidate's score and the chosen value."""
-    out: dict[str, dict[str, Any]] = {}
     if not plan.study.tune:  # each arm ran its first candidate
-        return out
+        return {}
     arms = {arm.name: arm for arm in plan.study.losses}
-    for name in plan.arms:
-        arm = arms[name]
-        if not arm.tune_values:
-            continue
-        scores = {value: tuning_score(plan, _tuning_run(plan, name, value))
-                  for value in arm.tune_values}
-        best = max(scores.values())
-        chosen = next(v for v in arm.tune_values if scores[v] == best)
-        out[name] = {"key": arm.tune_key, "scores": scores, "chosen": chosen,
-                     "runs": [_tuning_run(plan, name, v).name for v in arm.tune_values]}
-    return out
+    return {name: _choose(plan, arms[name]) for name in plan.arms if arms[name].tune_values}
 
 
-def add_tuned_runs(plan: StudyPlan) -> list[StudyRun]:
-    """After the tuning runs: the pending arms' runs at every seed with their chosen value
-    (checked and added to the plan); returns them."""
-    if not plan.pending:
+def add_tuned_runs(plan: StudyPlan, finished: Collection[str]) -> list[StudyRun]:
+    """The runs at every seed, with its chosen value, of each pending arm whose tuning runs
+    are all ``finished`` (run names): checked and added to the plan in the arms' order, the
+    arm no longer pending; returns them. An arm's runs never start before its choice."""
+    arms = {arm.name: arm for arm in plan.study.losses}
+    ready = [name for name in plan.pending
+             if all(_tuning_run(plan, name, value).name in finished
+                    for value in arms[name].tune_values)]
+    if not ready:
         return []
-    chosen = choices(plan)
-    arms = {arm.name: arm for arm in plan.study.losses}
-    entries = [(f"{name}-seed{seed}",
-                [*arms[name].overrides, f"{arms[name].tune_key}={chosen[name]['chosen']!r}"],
-                seed, ("loss", name))
-               for name in plan.pending for seed in plan.seeds]
-    plan.pending = []
+    entries = []
+    for name in ready:
+        arm = arms[name]
+        value = _choose(plan, arm)["chosen"]
+        entries += [(f"{name}-seed{seed}", [*arm.overrides, f"{arm.tune_key}={value!r}"], seed,
+                     ("loss", name)) for seed in plan.seeds]
+    plan.pending = [name for name in plan.pending if name not in ready]
     return add_runs(plan, entries)
 
 

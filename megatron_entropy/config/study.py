@@ -84,6 +84,9 @@ class StudyConfig(Settings):
                                "arm runs its first tune_values entry, no tuning runs")
     tuning_seed: int = _f(101, help="the seed of the tuning runs (tune_key); not one of seeds: "
                                     "the final runs never saw the choice")
+    jobs: int = _f(1, ge=1, help="runs trained at once (--jobs); each run's process gets "
+                                 "its share of the cores as OpenMP threads, and on the CPU "
+                                 "the thread count changes a run's numbers (fp32 sums)")
     tuning_metric: str = _f("val/acc/mean", help="what the tuning rule maximises: its mean over "
                                                  "a tuning run's last `window` logged values")
 

@@ -1,6 +1,7 @@
 """``megatron-entropy study``: the run matrix from the config's study section, real training runs
-one at a time (the CLI's train), a real interruption (the study killed mid-run) resumed without
-re-running finished runs, and a report whose numbers are those of the runs' metrics."""
+(the CLI's train) one at a time or several at once, a real interruption (the study killed or
+stopped mid-run) resumed without re-running finished runs, and a report whose numbers are those of
+the runs' metrics."""
 
 from __future__ import annotations
 
@@ -12,13 +13,16 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import pytest
 import yaml
 
-from megatron_entropy.analysis.study import (StudyError, check_same_run, plan_study,
-                                             read_run_state, settings_of)
+from harness import STABLE, train_cli
+
+from megatron_entropy.analysis.study import (StudyError, check_same_run, checkpoint_step,
+                                             plan_study, read_run_state, settings_of)
 from megatron_entropy.analysis.study_runner import execute
 from megatron_entropy.config import Config, ConfigError
 
@@ -145,11 +149,12 @@ def test_a_run_recorded_before_a_key_existed_is_the_same_run_at_its_default(tmp_
         check_same_run(run, read_run_state(run))
 
 
-def _study(cfg: Path, out: Path, log: Path) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+def _study(cfg: Path, out: Path, log: Path, *args: str, env: Optional[dict] = None
+           ) -> subprocess.Popen:
+    env = {**(env or {**os.environ, "OMP_NUM_THREADS": "1"}), "PYTHONPATH": str(REPO)}
     return subprocess.Popen(
         [sys.executable, "-m", "megatron_entropy.cli", "study", str(cfg), "--quick", "--out",
-         str(out), "--seeds", "1"], cwd=REPO, env=env, stdout=log.open("w"),
+         str(out), "--seeds", "1", *args], cwd=REPO, env=env, stdout=log.open("w"),
         stderr=subprocess.STDOUT, start_new_session=True)
 
 
@@ -223,6 +228,96 @@ def test_killed_study_resumes_and_writes_every_figure_and_the_report(tmp_path):
     assert got == pytest.approx(want)
     assert f"{want:.3f} over 4 steps" in report
     assert summary["sweeps"]["threshold_sweep"]["values"].keys() == {"0.05", "0.2"}
+
+
+THREAD_VARS = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")
+CPUS = len(os.sched_getaffinity(0))
+
+
+def _attempts(run_dir: Path) -> list[dict]:
+    return json.loads((run_dir / "study_run.json").read_text())["attempts"]
+
+
+def _span(attempt: dict) -> tuple[float, float]:
+    return attempt["start_unix"], attempt["start_unix"] + attempt["wall_s"]
+
+
+@pytest.mark.slow
+def test_runs_at_once_stop_together_and_resume_with_other_jobs_as_uninterrupted_runs(tmp_path):
+    """``--jobs 2``: the first two runs train at once, each with half the cores as threads (no
+    OpenMP variable set: the study's defaults); SIGTERM to the study stops both at the end of a
+    step. Started again with ``--jobs 3`` (one more slot than runs that can start), the two
+    resume from their checkpoints at the thread count they started with and end with the
+    metrics of the same runs trained uninterrupted at that count; the tuned arm's run starts
+    only after both of its tuning runs ended, though a slot was free."""
+    cfg = _study_config(tmp_path / "s.yaml", seeds=[1], tuning_seed=7,
+                        entropy_bonus={"values": []}, threshold_sweep={"values": []},
+                        losses=[{"name": "grpo", "overrides": ["algorithm.loss=ppo_clip"]},
+                                {"name": "kl_cov", "overrides": ["algorithm.loss=kl_cov"],
+                                 "tune_key": "algorithm.kl_cov_ratio",
+                                 "tune_values": [0.05, 0.2]}])
+    out, steps = tmp_path / "out", ["trainer.steps=20"]
+    plan = plan_study(str(cfg), steps, str(out), quick=True)
+    first_two = plan.runs[:2]
+    assert [r.name for r in plan.runs] == ["grpo-seed1", "kl_cov-tune0.05", "kl_cov-tune0.2"]
+    threads = str(max(1, CPUS // 2))
+    env = {k: v for k, v in os.environ.items() if k not in THREAD_VARS}
+    first = _study(cfg, out, tmp_path / "first.log", "--jobs", "2", *steps, env=env)
+    deadline = time.monotonic() + 400
+    try:
+        # Both training at once: each has logged a step, neither has finished.
+        while not all(any(r["step"] >= 1 for r in _metric_rows(run.run_dir))
+                      for run in first_two):
+            assert first.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "the study made no progress"
+            time.sleep(0.2)
+        first.send_signal(signal.SIGTERM)
+        assert first.wait(timeout=200) == 75, (tmp_path / "first.log").read_text()[-3000:]
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+    text = (tmp_path / "first.log").read_text()
+    assert text.count("run the same command again to resume") == 2, text[-3000:]
+    a, b = (_span(_attempts(run.run_dir)[0]) for run in first_two)
+    assert a[0] < b[1] and b[0] < a[1]  # they overlapped
+    for run in first_two:
+        assert 1 <= checkpoint_step(run.run_dir) < 20
+        assert [x["threads"] for x in _attempts(run.run_dir)] == [threads]
+    assert not (out / "runs" / "kl_cov-tune0.2").exists()
+
+    # The references: the same two runs, uninterrupted, at the thread count they had.
+    refs = [train_cli(cfg, *run.overrides, f"logging.runs_dir={tmp_path / 'ref'}",
+                      log=tmp_path / f"ref_{run.name}.log", OMP_NUM_THREADS=threads,
+                      PYTHONPATH=str(REPO)) for run in first_two]
+
+    second = _study(cfg, out, tmp_path / "second.log", "--jobs", "3", *steps, env=env)
+    try:
+        assert second.wait(timeout=600) == 0, (tmp_path / "second.log").read_text()[-3000:]
+        for ref in refs:
+            assert ref.wait(timeout=300) == 0
+    finally:
+        for proc in (second, *refs):
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    text = (tmp_path / "second.log").read_text()
+    assert "[1/4] grpo-seed1: resuming from the checkpoint of step" in text
+    assert "[2/4] kl_cov-tune0.05: resuming from the checkpoint of step" in text
+    assert "[4/4] kl_cov-seed1: done in" in text and (out / "report.md").is_file()
+    for run in first_two:
+        attempts = _attempts(run.run_dir)
+        assert [x["threads"] for x in attempts] == [threads, threads]  # kept, not 3 jobs' own
+        got, want = _metric_rows(run.run_dir), _metric_rows(tmp_path / "ref" / run.name)
+        assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(21))
+        for g, w in zip(got, want):
+            assert {k: v for k, v in g.items() if not k.startswith(STABLE)} == \
+                {k: v for k, v in w.items() if not k.startswith(STABLE)}
+    assert _attempts(out / "runs" / "kl_cov-tune0.2")[0]["threads"] == str(max(1, CPUS // 3))
+    tuned_start = _span(_attempts(out / "runs" / "kl_cov-seed1")[0])[0]
+    assert tuned_start >= max(_span(_attempts(out / "runs" / name)[-1])[1]
+                              for name in ("kl_cov-tune0.05", "kl_cov-tune0.2"))
+    # The study's time: the runs' attempts, overlaps once.
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["wall_s"] < summary["run_s"]
 
 
 def _synthetic_run(run, steps: int, h0: float, h_end: float, b: float, slope: float, noise,
