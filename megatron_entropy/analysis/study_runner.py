@@ -186,11 +186,11 @@ def _run_all(plan: StudyPlan, jobs: int, lock_fd: Optional[int], interrupt: _Int
                 finished.add(name)
             elif stopped is None:
                 stopped = end.value
-                interrupt.stop()
         except Exception as e:  # noqa: BLE001 - raised once the other runs have stopped
             failure = failure or e
-            interrupt.stop()
         running.pop(name, None)
+        if (stopped is not None or failure is not None) and not interrupt.raised:
+            interrupt.stop()  # once: a second SIGTERM would not let a run finish its checkpoint
 
     while True:
         if not interrupt.raised:

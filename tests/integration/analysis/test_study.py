@@ -244,30 +244,29 @@ def _span(attempt: dict) -> tuple[float, float]:
 
 @pytest.mark.slow
 def test_runs_at_once_stop_together_and_resume_with_other_jobs_as_uninterrupted_runs(tmp_path):
-    """``--jobs 2``: the first two runs train at once, each with half the cores as threads (no
-    OpenMP variable set: the study's defaults); SIGTERM to the study stops both at the end of a
-    step. Started again with ``--jobs 3`` (one more slot than runs that can start), the two
-    resume from their checkpoints at the thread count they started with and end with the
-    metrics of the same runs trained uninterrupted at that count; the tuned arm's run starts
-    only after both of its tuning runs ended, though a slot was free."""
-    cfg = _study_config(tmp_path / "s.yaml", seeds=[1], tuning_seed=7,
+    """``--jobs 3``: an arm's two tuning runs train at once, each with a third of the cores as
+    threads (no OpenMP variable set: the study's defaults), and the arm's run at the value they
+    choose waits though a slot is free; SIGTERM to the study stops both at the end of a step.
+    Started again with ``--jobs 1``, the two resume from their checkpoints at the thread count
+    they started with (not the count one job gets) and end with the metrics of the same runs
+    trained uninterrupted at that count; the arm's run starts after both have ended."""
+    cfg = _study_config(tmp_path / "s.yaml", seeds=[1], tuning_seed=7, baseline="kl_cov",
                         entropy_bonus={"values": []}, threshold_sweep={"values": []},
-                        losses=[{"name": "grpo", "overrides": ["algorithm.loss=ppo_clip"]},
-                                {"name": "kl_cov", "overrides": ["algorithm.loss=kl_cov"],
+                        losses=[{"name": "kl_cov", "overrides": ["algorithm.loss=kl_cov"],
                                  "tune_key": "algorithm.kl_cov_ratio",
                                  "tune_values": [0.05, 0.2]}])
-    out, steps = tmp_path / "out", ["trainer.steps=20"]
+    out, steps = tmp_path / "out", ["trainer.steps=10"]
     plan = plan_study(str(cfg), steps, str(out), quick=True)
-    first_two = plan.runs[:2]
-    assert [r.name for r in plan.runs] == ["grpo-seed1", "kl_cov-tune0.05", "kl_cov-tune0.2"]
-    threads = str(max(1, CPUS // 2))
+    tuning = plan.runs
+    assert [r.name for r in tuning] == ["kl_cov-tune0.05", "kl_cov-tune0.2"]
+    threads = str(max(1, CPUS // 3))
     env = {k: v for k, v in os.environ.items() if k not in THREAD_VARS}
-    first = _study(cfg, out, tmp_path / "first.log", "--jobs", "2", *steps, env=env)
+    first = _study(cfg, out, tmp_path / "first.log", "--jobs", "3", *steps, env=env)
     deadline = time.monotonic() + 400
     try:
         # Both training at once: each has logged a step, neither has finished.
         while not all(any(r["step"] >= 1 for r in _metric_rows(run.run_dir))
-                      for run in first_two):
+                      for run in tuning):
             assert first.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
             assert time.monotonic() < deadline, "the study made no progress"
             time.sleep(0.2)
@@ -278,19 +277,19 @@ def test_runs_at_once_stop_together_and_resume_with_other_jobs_as_uninterrupted_
             os.killpg(first.pid, signal.SIGKILL)
     text = (tmp_path / "first.log").read_text()
     assert text.count("run the same command again to resume") == 2, text[-3000:]
-    a, b = (_span(_attempts(run.run_dir)[0]) for run in first_two)
+    a, b = (_span(_attempts(run.run_dir)[0]) for run in tuning)
     assert a[0] < b[1] and b[0] < a[1]  # they overlapped
-    for run in first_two:
-        assert 1 <= checkpoint_step(run.run_dir) < 20
-        assert [x["threads"] for x in _attempts(run.run_dir)] == [threads]
-    assert not (out / "runs" / "kl_cov-tune0.2").exists()
-
+    for run in tuning:
+        assert 1 <= checkpoint_step(run.run_dir) < 10
+        assert [(x["threads"], x["exit_code"]) for x in _attempts(run.run_dir)] == \
+            [(threads, 75)]
+    assert not (out / "runs" / "kl_cov-seed1").exists()
     # The references: the same two runs, uninterrupted, at the thread count they had.
     refs = [train_cli(cfg, *run.overrides, f"logging.runs_dir={tmp_path / 'ref'}",
                       log=tmp_path / f"ref_{run.name}.log", OMP_NUM_THREADS=threads,
-                      PYTHONPATH=str(REPO)) for run in first_two]
+                      PYTHONPATH=str(REPO)) for run in tuning]
 
-    second = _study(cfg, out, tmp_path / "second.log", "--jobs", "3", *steps, env=env)
+    second = _study(cfg, out, tmp_path / "second.log", "--jobs", "1", *steps, env=env)
     try:
         assert second.wait(timeout=600) == 0, (tmp_path / "second.log").read_text()[-3000:]
         for ref in refs:
@@ -300,21 +299,19 @@ def test_runs_at_once_stop_together_and_resume_with_other_jobs_as_uninterrupted_
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
     text = (tmp_path / "second.log").read_text()
-    assert "[1/4] grpo-seed1: resuming from the checkpoint of step" in text
-    assert "[2/4] kl_cov-tune0.05: resuming from the checkpoint of step" in text
-    assert "[4/4] kl_cov-seed1: done in" in text and (out / "report.md").is_file()
-    for run in first_two:
-        attempts = _attempts(run.run_dir)
-        assert [x["threads"] for x in attempts] == [threads, threads]  # kept, not 3 jobs' own
+    assert "[1/3] kl_cov-tune0.05: resuming from the checkpoint of step" in text
+    assert "[2/3] kl_cov-tune0.2: resuming from the checkpoint of step" in text
+    assert "[3/3] kl_cov-seed1: done in" in text and (out / "report.md").is_file()
+    for run in tuning:
+        assert [x["threads"] for x in _attempts(run.run_dir)] == [threads, threads]
         got, want = _metric_rows(run.run_dir), _metric_rows(tmp_path / "ref" / run.name)
-        assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(21))
+        assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(11))
         for g, w in zip(got, want):
             assert {k: v for k, v in g.items() if not k.startswith(STABLE)} == \
                 {k: v for k, v in w.items() if not k.startswith(STABLE)}
-    assert _attempts(out / "runs" / "kl_cov-tune0.2")[0]["threads"] == str(max(1, CPUS // 3))
-    tuned_start = _span(_attempts(out / "runs" / "kl_cov-seed1")[0])[0]
-    assert tuned_start >= max(_span(_attempts(out / "runs" / name)[-1])[1]
-                              for name in ("kl_cov-tune0.05", "kl_cov-tune0.2"))
+    [tuned] = _attempts(out / "runs" / "kl_cov-seed1")
+    assert tuned["threads"] == str(CPUS)
+    assert _span(tuned)[0] >= max(_span(_attempts(run.run_dir)[-1])[1] for run in tuning)
     # The study's time: the runs' attempts, overlaps once.
     summary = json.loads((out / "summary.json").read_text())
     assert summary["wall_s"] < summary["run_s"]
