@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import yaml
 
-from harness import STABLE, train_cli
+from harness import STABLE, study_cli, train_cli
 
 from megatron_entropy.analysis.study import (StudyError, check_same_run, checkpoint_step,
                                              plan_study, read_run_state, settings_of)
@@ -96,6 +96,17 @@ def test_plan_errors_name_the_problem(tmp_path):
         plan_study(str(cfg), [], str(tmp_path / "out"), losses=["ppo"])
     with pytest.raises(ConfigError, match=r"study.threshold_sweep.base: 'x' is not one of"):
         plan_study(str(cfg), ["study.threshold_sweep.base=x"], str(tmp_path / "out"))
+
+
+def test_jobs_below_one_is_one_line_naming_the_flag_or_key(tmp_path):
+    cfg = _study_config(tmp_path / "s.yaml")
+    for args, name in ((["--jobs", "0"], "--jobs: 0 must be at least 1"),
+                       (["study.jobs=0"], "study.jobs")):
+        done = study_cli(str(cfg), "--out", str(tmp_path / "out"), *args)
+        assert done.returncode == 2, done.stderr
+        [line] = done.stderr.strip().splitlines()
+        assert name in line
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("study", ["study.yaml", "study_quickstart.yaml", "study_hinted.yaml"])
