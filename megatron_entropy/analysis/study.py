@@ -1,5 +1,6 @@
 """``megatron-entropy study CONFIG``: the paper's comparison at toy scale, one training run at a
-time, then a report with the counterpart of each of the paper's figures.
+time (or ``study.jobs`` at once), then a report with the counterpart of each of the paper's
+figures.
 
 The run matrix comes from the config's ``study`` section (config/study.py):
 
@@ -20,7 +21,8 @@ through the trainer's own resume (so it loses at most ``trainer.save_interval`` 
 folder made with other settings is an error naming the keys that differ. One study at a time
 holds ``OUT/study.lock``; the lock is shared with the running ``train`` process, so a study
 started again while a killed study's run is still finishing its step waits for it. A run whose
-study dies gets SIGTERM (Linux), checkpoints at the end of its step and exits.
+study dies gets SIGTERM (Linux), checkpoints at the end of its step and exits. Each attempt
+records its OpenMP thread count, which a run that resumes keeps (study_runner.py).
 
 This module plans the study and keeps each run's record; study_runner.py runs the plan and
 writes the report.
