@@ -20,7 +20,8 @@ from megatron_entropy.analysis.plots import read_metrics, series
 def test_methods_study_tunes_on_validation_then_runs_the_choice(tmp_path):
     out = tmp_path / "out"
     done = study_cli("examples/study_methods.yaml", "--quick", "--out", str(out), "--losses",
-                     "grpo,siren", "study.tune=true", "study.tuning_seed=7", "study.window=2",
+                     "grpo_80_20,siren", "study.tune=true", "study.tuning_seed=7",
+                     "study.window=2",
                      "study.eval_runs=false", "trainer.steps=2", "trainer.save_interval=2",
                      "trainer.val_interval=1", "data.prompts_per_step=4", "rollout.n_samples=4",
                      "data.hinted.num_val=8", "rollout.val_n_samples=4")
@@ -44,9 +45,9 @@ def test_methods_study_tunes_on_validation_then_runs_the_choice(tmp_path):
     config = (out / "runs" / "siren-seed1" / "config.yaml").read_text()
     assert f"coef: {chosen}" in config
     assert done.stdout.index("siren-tune0.05: done") < done.stdout.index("siren-seed1: training")
-    assert set(summary["arms"]) == {"grpo", "siren"}
+    assert set(summary["arms"]) == {"grpo_80_20", "siren"}
     assert summary["arms"]["siren"]["runs"] == ["siren-seed1"]
-    for name in ("grpo-seed1", "siren-tune0.005", "siren-tune0.05", "siren-seed1"):
+    for name in ("grpo_80_20-seed1", "siren-tune0.005", "siren-tune0.05", "siren-seed1"):
         rows = read_metrics(out / "runs" / name)
         assert not undocumented_metrics({k for r in rows for k in r})
         assert not (out / "runs" / name / "eval.json").exists()
