@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from megatron_entropy.config import ChainsConfig
-from megatron_entropy.data.chains import ChainProblem, train_val_chain_problems
+from megatron_entropy.data.chains import ChainProblem, chain_splits
 from megatron_entropy.data.dataset import DEFAULT_PROMPT_SUFFIX, render_prompt
 from pretrain_quickstart_model import (common_arguments, rewards_of, save, tokenizer_and_model,
                                        train_on_examples)
@@ -81,8 +81,7 @@ def main() -> None:
     started = time.time()
 
     cfg = ChainsConfig()
-    _, val = train_val_chain_problems(0, cfg.num_val, cfg.length_modes, cfg.min_steps,
-                                      cfg.max_steps, cfg.max_start, cfg.max_step, cfg.seed)
+    val = chain_splits(cfg, 0, 0)["val"]
     items = training_items(args, {p.question for p in val})
     tokenizer, model, pad_id, _ = tokenizer_and_model(items[:5000], args)
     # RoPE's frequencies do not depend on it: the config states what the RL runs reach

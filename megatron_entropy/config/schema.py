@@ -383,6 +383,14 @@ class ChainsConfig(Settings):
     max_steps: int = _f(160, ge=1, help="most additions")
     max_start: int = _f(99, ge=1, help="the start is drawn from 1 to it")
     max_step: int = _f(9, ge=1, help="the step added is drawn from 1 to it")
+    num_test: int = _f(0, ge=0, help="problems of the test split (megatron-entropy eval); "
+                                     "disjoint from train and validation; 0 = none")
+    guess_right: Optional[float] = _f(
+        None, ge=0, le=1, help="each question ends with a guess of its answer, right with this "
+        "chance (as data.hinted.guess_right): the long two-mode task, answered by boxing the "
+        "guess or by working the chain; null = no guess")
+    guess_error: Literal["ten", "random"] = _f(
+        "random", help="how far a wrong guess is off (as data.hinted.guess_error)")
     seed: int = _f(0, help="seed of the generated problems")
 
     def validate(self) -> None:
@@ -426,12 +434,15 @@ class DataConfig(Settings):
     chains: ChainsConfig = _f(default_factory=ChainsConfig)
 
     def split_problem(self, split: str) -> Optional[str]:
-        """Why this data has no ``split`` ("train", "val" or "test"), or None: only data.task
-        hinted's generated problems have a test split."""
-        if split == "test" and (self.train_files or self.task != "hinted"):
-            what = "data.train_files" if self.train_files else f"data.task={self.task!r}"
-            return f"{what} has no test split: give test files (eval.files) or eval.split=val"
-        return None
+        """Why this data has no ``split`` ("train", "val" or "test"), or None: only the
+        generated problems of data.task hinted, and of chains with data.chains.num_test, have a
+        test split."""
+        if split != "test" or not self.train_files and (
+                self.task == "hinted" or self.task == "chains" and self.chains.num_test):
+            return None
+        what = ("data.train_files" if self.train_files else "data.chains.num_test=0"
+                if self.task == "chains" else f"data.task={self.task!r}")
+        return f"{what} has no test split: give test files (eval.files) or eval.split=val"
 
 
 @dataclass

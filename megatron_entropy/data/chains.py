@@ -21,6 +21,14 @@ One mode (the default: median 32 additions, sigma 0.55) gives the long-tailed le
 reasoning responses: a median near 420 tokens, 90% under ~900, a tail to ~2,000 (measured with
 the chains model's tokenizer); two modes give a task whose responses come short or long, e.g.
 ``length_modes: [{median: 10, weight: 1}, {median: 80, weight: 1}]``.
+
+With ``data.chains.guess_right`` set, each question ends with a guess of its answer, drawn as the
+hinted task draws one (megatron_entropy/data/hinted.py: right with that chance, else off by
+``guess_error``), and a response solves it in one of the hinted task's two modes: ``direct``, the
+guess boxed (a few tokens, right exactly when the guess is), or ``worked``, the whole chain (~400
+tokens, right as often as no line slips, which practice improves): the long two-mode task
+(docs/study/long.md). Its data sources are ``hinted_chains_<length class>``, so the hinted task's
+mode metrics classify its responses.
 """
 
 from __future__ import annotations
@@ -28,9 +36,10 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
-from megatron_entropy.config import ChainLengthMode
+from megatron_entropy.config import ChainLengthMode, ChainsConfig
+from megatron_entropy.data.hinted import GuessError, check_guess, draw_guess, test_seed
 from megatron_entropy.data.sums import draw_distinct
 from megatron_entropy.runtime.seeds import task_split_seeds
 
@@ -40,10 +49,16 @@ class ChainProblem:
     start: int
     step: int
     steps: int  # additions
+    guess: Optional[int] = None  # of the answer, shown after the question
+
+    @property
+    def chain(self) -> str:
+        """The question without its guess: what tells problems apart across splits."""
+        return f"Start at {self.start} and add {self.step}, {self.steps} times. What do you get?"
 
     @property
     def question(self) -> str:
-        return f"Start at {self.start} and add {self.step}, {self.steps} times. What do you get?"
+        return self.chain if self.guess is None else f"{self.chain} Guess: {self.guess}"
 
     @property
     def answer(self) -> str:
@@ -51,9 +66,10 @@ class ChainProblem:
 
     @property
     def source(self) -> str:
-        """The chain's length class: short (< 20 additions), medium (< 60) or long."""
-        return "chains_" + ("short" if self.steps < 20 else "medium" if self.steps < 60
-                            else "long")
+        """The chain's length class: short (< 20 additions), medium (< 60) or long; with a
+        guess, ``hinted_`` before it (the hinted task's modes)."""
+        length = "short" if self.steps < 20 else "medium" if self.steps < 60 else "long"
+        return ("chains_" if self.guess is None else "hinted_chains_") + length
 
     def solution(self, lines: int | None = None) -> str:
         """The worked solution; its first ``lines`` lines only, when given (a prefix)."""
@@ -77,30 +93,47 @@ def draw_steps(rng: random.Random, modes: Sequence[ChainLengthMode], min_steps: 
 
 def generate_chain_problems(num: int, modes: Sequence[ChainLengthMode], min_steps: int,
                             max_steps: int, max_start: int, max_step: int, seed: int,
-                            exclude: frozenset[str] = frozenset()) -> list[ChainProblem]:
-    """``num`` distinct problems from a generator seeded by ``seed`` (questions in ``exclude``
-    skipped)."""
+                            exclude: frozenset[str] = frozenset(),
+                            guess_right: Optional[float] = None,
+                            guess_error: GuessError = "random") -> list[ChainProblem]:
+    """``num`` distinct problems from a generator seeded by ``seed`` (chains in ``exclude``
+    skipped); each with a guess of its answer when ``guess_right`` is given."""
     if not modes:
         raise ValueError("data.chains.length_modes is empty: give at least one mode")
     if not 1 <= min_steps <= max_steps:
         raise ValueError(f"need 1 <= min_steps <= max_steps, got {min_steps}, {max_steps}")
+    if guess_right is not None:
+        check_guess(guess_right, guess_error)
     rng = random.Random(seed)
 
     def draw() -> ChainProblem:
         steps = draw_steps(rng, modes, min_steps, max_steps)
-        return ChainProblem(rng.randint(1, max_start), rng.randint(1, max_step), steps)
+        p = ChainProblem(rng.randint(1, max_start), rng.randint(1, max_step), steps)
+        if guess_right is None:
+            return p
+        return ChainProblem(p.start, p.step, steps,
+                            draw_guess(rng, int(p.answer), guess_right, guess_error))
 
-    return draw_distinct(num, draw, lambda p: p.question, exclude,
+    return draw_distinct(num, draw, lambda p: p.chain, exclude,
                          f"max_start={max_start}, max_step={max_step}")
 
 
-def train_val_chain_problems(num_train: int, num_val: int, modes: Sequence[ChainLengthMode],
-                             min_steps: int, max_steps: int, max_start: int, max_step: int,
-                             seed: int) -> tuple[list[ChainProblem], list[ChainProblem]]:
-    """Disjoint train and validation problems; both depend only on the arguments."""
-    train_seed, val_seed = task_split_seeds(seed)
-    val = generate_chain_problems(num_val, modes, min_steps, max_steps, max_start, max_step,
-                                  val_seed)
-    train = generate_chain_problems(num_train, modes, min_steps, max_steps, max_start, max_step,
-                                    train_seed, exclude=frozenset(p.question for p in val))
-    return train, val
+def chain_splits(cfg: ChainsConfig, num_train: int, num_test: int
+                 ) -> dict[str, list[ChainProblem]]:
+    """Disjoint train (``num_train``), validation (``cfg.num_val``) and test (``num_test``)
+    problems of ``cfg``; each depends only on the arguments, and a smaller validation or test set
+    is a prefix of a larger one (as the hinted task's splits)."""
+    train_seed, val_seed = task_split_seeds(cfg.seed)
+
+    def problems(num: int, seed: int, exclude: frozenset[str] = frozenset()):
+        return generate_chain_problems(num, cfg.length_modes, cfg.min_steps, cfg.max_steps,
+                                       cfg.max_start, cfg.max_step, seed, exclude,
+                                       cfg.guess_right, cfg.guess_error)
+
+    val = problems(cfg.num_val, val_seed)
+    # The test set avoids every validation problem of up to 4096 (a prefix), so that growing
+    # num_val never moves a test problem into validation.
+    test = problems(num_test, test_seed(cfg.seed), frozenset(
+        p.chain for p in problems(max(cfg.num_val, 4096), val_seed))) if num_test else []
+    train = problems(num_train, train_seed, frozenset(p.chain for p in val + test))
+    return {"train": train, "val": val, "test": test}

@@ -21,7 +21,7 @@ from transformers import AutoTokenizer
 from megatron_entropy.config import (ArithmeticConfig, ChainsConfig, DataConfig, HintedConfig,
                                      SumsConfig)
 from megatron_entropy.data.arithmetic import train_val_problems
-from megatron_entropy.data.chains import train_val_chain_problems
+from megatron_entropy.data.chains import chain_splits
 from megatron_entropy.data.hinted import hinted_splits
 from megatron_entropy.data.sums import train_val_sum_problems
 from megatron_entropy.models.tokenizer_files import tokenizer_problem
@@ -172,11 +172,9 @@ def sums_rows(cfg: SumsConfig, split: Literal["train", "val"]) -> list[PromptRow
                       where=f"sums {split} problem {i}") for i, p in enumerate(problems)]
 
 
-def chains_rows(cfg: ChainsConfig, split: Literal["train", "val"]) -> list[PromptRow]:
-    train, val = train_val_chain_problems(cfg.num_train, cfg.num_val, cfg.length_modes,
-                                          cfg.min_steps, cfg.max_steps, cfg.max_start,
-                                          cfg.max_step, cfg.seed)
-    problems = train if split == "train" else val
+def chains_rows(cfg: ChainsConfig, split: Literal["train", "val", "test"]) -> list[PromptRow]:
+    problems = chain_splits(cfg, cfg.num_train if split == "train" else 0,
+                            cfg.num_test if split == "test" else 0)[split]
     return [PromptRow(prompt=p.question, answer=p.answer, source=p.source,
                       where=f"chains {split} problem {i}") for i, p in enumerate(problems)]
 
@@ -297,7 +295,8 @@ def load_prompt_dataset(data: DataConfig, tokenizer: Any, max_prompt_tokens: int
                         split: Literal["train", "val", "test"],
                         tools: Optional[list[dict]] = None) -> PromptDataset:
     """The train, validation or test prompts of a run. No ``data.train_files`` means the
-    synthetic task ``data.task`` (train and validation; test: data.task hinted only); real
+    synthetic task ``data.task`` (train and validation; test: data.task hinted, and chains
+    with data.chains.num_test); real
     training files without ``data.val_files`` mean no validation set (an empty dataset).
     ``tools``: the tools the chat template lists in each prompt."""
     problem = data.split_problem(split)
@@ -305,7 +304,8 @@ def load_prompt_dataset(data: DataConfig, tokenizer: Any, max_prompt_tokens: int
         raise DatasetError(problem)
     files = data.train_files if split == "train" else data.val_files
     if split == "test":
-        rows = hinted_rows(data.hinted, "test")
+        rows = (chains_rows(data.chains, "test") if data.task == "chains"
+                else hinted_rows(data.hinted, "test"))
     elif files:
         rows: list[PromptRow] = []
         for f in files:

@@ -41,7 +41,8 @@ MODES = ("direct", "worked", "tool", "other")
 Split = Literal["train", "val", "test"]
 GuessError = Literal["ten", "random"]
 _DIRECT = re.compile(r"\s*\\boxed\{-?\d+\}\s*")
-_LINE = re.compile(r"-?\d+(?:[+-]\d+)+=")
+# A line that adds numbers; a chains line starts with the count of additions left.
+_LINE = re.compile(r"(?:\d+: )?-?\d+(?:[+-]\d+)+=")
 
 
 @dataclass(frozen=True)
@@ -70,8 +71,8 @@ class HintedProblem:
         return f"hinted_{len(self.terms)}terms"
 
 
-def direct_solution(problem: HintedProblem) -> str:
-    """The direct mode: the guess, boxed."""
+def direct_solution(problem) -> str:
+    """The direct mode: the guess, boxed (of a hinted problem or a chains one with a guess)."""
     return f"\\boxed{{{problem.guess}}}"
 
 
@@ -96,13 +97,26 @@ def solution_mode(text: str) -> str:
 def make_hinted_problem(rng: random.Random, min_terms: int, max_terms: int, max_operand: int,
                         guess_right: float, guess_error: GuessError = "random") -> HintedProblem:
     terms = make_problem(rng, min_terms, max_terms, max_operand).terms
-    total = sum(terms)
+    return HintedProblem(terms, draw_guess(rng, sum(terms), guess_right, guess_error))
+
+
+def draw_guess(rng: random.Random, total: int, guess_right: float,
+               guess_error: GuessError = "random") -> int:
+    """A guess of ``total``: right with probability ``guess_right``, else off as
+    ``guess_error`` says (module docstring)."""
     if rng.random() < guess_right:
-        return HintedProblem(terms, total)
+        return total
     off = 10 if guess_error == "ten" else rng.randint(1, 10)
     # Down only where that stays positive.
     down = total > off and rng.random() < 0.5
-    return HintedProblem(terms, total - off if down else total + off)
+    return total - off if down else total + off
+
+
+def check_guess(guess_right: float, guess_error: str) -> None:
+    if not 0.0 <= guess_right <= 1.0:
+        raise ValueError(f"guess_right must be in [0, 1], got {guess_right}")
+    if guess_error not in ("ten", "random"):
+        raise ValueError(f"guess_error must be 'ten' or 'random', got {guess_error!r}")
 
 
 def generate_hinted_problems(num: int, min_terms: int, max_terms: int, max_operand: int,
@@ -112,10 +126,7 @@ def generate_hinted_problems(num: int, min_terms: int, max_terms: int, max_opera
     """``num`` problems whose sums (the terms, in order) are distinct and not in ``exclude``
     (sums, not questions: a problem does not reappear in another split with another guess)."""
     check_sizes(min_terms, max_terms, max_operand)
-    if not 0.0 <= guess_right <= 1.0:
-        raise ValueError(f"guess_right must be in [0, 1], got {guess_right}")
-    if guess_error not in ("ten", "random"):
-        raise ValueError(f"guess_error must be 'ten' or 'random', got {guess_error!r}")
+    check_guess(guess_right, guess_error)
     rng = random.Random(seed)
     return draw_distinct(num, lambda: make_hinted_problem(rng, min_terms, max_terms, max_operand,
                                                           guess_right, guess_error),

@@ -9,7 +9,7 @@ import statistics
 import pytest
 
 from megatron_entropy.config import ChainLengthMode, ChainsConfig, DataConfig, load_config
-from megatron_entropy.data.chains import ChainProblem, train_val_chain_problems
+from megatron_entropy.data.chains import ChainProblem, chain_splits
 from megatron_entropy.rewards import math_rewards
 
 
@@ -25,9 +25,7 @@ def test_a_worked_solution_counts_down_to_the_boxed_answer():
 
 
 def _steps(modes, n=4000, **kw):
-    cfg = ChainsConfig(length_modes=modes, **kw)
-    train, _ = train_val_chain_problems(n, 1, cfg.length_modes, cfg.min_steps, cfg.max_steps,
-                                        cfg.max_start, cfg.max_step, cfg.seed)
+    train = chain_splits(ChainsConfig(length_modes=modes, num_val=1, **kw), n, 0)["train"]
     return [p.steps for p in train]
 
 
@@ -46,12 +44,11 @@ def test_the_number_of_additions_follows_the_modes():
 
 
 def test_train_and_validation_are_disjoint_and_reproducible():
-    cfg = ChainsConfig()
-    args = (200, 50, cfg.length_modes, cfg.min_steps, cfg.max_steps, cfg.max_start,
-            cfg.max_step, cfg.seed)
-    train, val = train_val_chain_problems(*args)
+    cfg = ChainsConfig(num_val=50)
+    splits = chain_splits(cfg, 200, 0)
+    train, val = splits["train"], splits["val"]
     assert not {p.question for p in train} & {p.question for p in val}
-    assert (train, val) == train_val_chain_problems(*args)
+    assert splits == chain_splits(cfg, 200, 0) and splits["test"] == []
 
 
 def test_the_modes_are_configured_by_yaml_keys(tmp_path):
