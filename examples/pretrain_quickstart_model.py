@@ -158,7 +158,10 @@ def train_on_examples(model, examples, pad_id: int, args, rng: random.Random, st
                       evaluate: Callable[[int], float]) -> tuple[int, float]:
     """Supervised training in shuffled batches (AdamW, warm-up then cosine to 10%), evaluated
     every ``args.eval_every`` steps; stops at ``args.max_steps`` or once ``evaluate(step)``
-    reaches ``args.target_acc``. Returns the steps taken and the last accuracy."""
+    reaches ``args.target_acc``. Returns the steps taken and the last accuracy. With
+    ``args.length_buckets`` = K > 0, each batch is drawn from a window of K batches' examples
+    sorted by length, so that responses of very different lengths (short and long modes) are
+    not padded to each other."""
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.01)
 
     def lr_at(step: int) -> float:
@@ -167,14 +170,24 @@ def train_on_examples(model, examples, pad_id: int, args, rng: random.Random, st
         frac = (step - args.warmup) / max(1, args.max_steps - args.warmup)
         return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
 
-    order: list[int] = []
+    batches: list[list[int]] = []
+    window = args.batch_size * max(1, getattr(args, "length_buckets", 0))
     acc, step = 0.0, 0
     model.train()
     while step < args.max_steps:
-        if len(order) < args.batch_size:
+        if not batches:
             order = list(range(len(examples)))
             rng.shuffle(order)
-        batch = [examples[order.pop()] for _ in range(args.batch_size)]
+            # Taken from the end, the remainder at the start left out.
+            order = order[::-1][:len(order) - len(order) % args.batch_size]
+            if window > args.batch_size:
+                order = [i for w in range(0, len(order), window) for i in sorted(
+                    order[w:w + window], key=lambda i: len(examples[i][1]))]
+            batches = [order[b:b + args.batch_size] for b in range(0, len(order),
+                                                                     args.batch_size)][::-1]
+            if window > args.batch_size:
+                rng.shuffle(batches)
+        batch = [examples[i] for i in batches.pop()]
         ids, labels = make_batch(batch, pad_id)
         for group in opt.param_groups:
             group["lr"] = lr_at(step)
