@@ -28,12 +28,15 @@ import time
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM
 
 from megatron_entropy.config import ChainsConfig
 from megatron_entropy.data.chains import chain_splits
+from megatron_entropy.data.dataset import load_tokenizer
 from megatron_entropy.data.hinted import direct_solution, mode_accuracy, solution_mode
 from megatron_entropy.rewards import math_rewards
-from pretrain_quickstart_model import common_arguments, save, train_on_examples
+from pretrain_hinted_model import hinted_arguments
+from pretrain_quickstart_model import encode_examples, save, train_on_examples
 from pretrain_study_model import Worked, prepare, sample_responses
 
 
@@ -69,23 +72,20 @@ def start_report(out_dir: Path, problems: list[Worked], tokenizer, n: int,
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    common_arguments(ap, Path(__file__).parent / "long_model", hidden=64, ffn=256, layers=3,
-                     vocab=300, num_train=40_000, batch_size=8, lr=3e-3, warmup=100,
-                     max_steps=5000, eval_every=500, eval_problems=48, threads=1)
+    hinted_arguments(ap, Path(__file__).parent / "long_model")
+    ap.set_defaults(vocab=300, num_train=40_000, batch_size=8, lr=3e-3, warmup=100,
+                    max_steps=5000, eval_every=500, eval_problems=48, threads=1,
+                    target_worked=0.35, report_samples=2)
     ap.add_argument("--length-buckets", type=int, default=32,
                     help="batches drawn from windows of this many batches sorted by length")
-    ap.add_argument("--held-out", type=int, default=1024,
-                    help="validation (and as many test) problems of the RL config kept out")
     ap.add_argument("--guess-right", type=float, default=0.6,
                     help="data.chains.guess_right of the RL runs")
     ap.add_argument("--direct-prob", type=float, default=0.5,
                     help="share of training problems answered in the direct mode")
-    ap.add_argument("--target-worked", type=float, default=0.35,
-                    help="stop once the worked mode's T=1 accuracy on held-out problems reaches "
-                         "this and the direct mode copies the guess --target-copy of the time")
-    ap.add_argument("--target-copy", type=float, default=0.8)
-    ap.add_argument("--report-samples", type=int, default=2, help="samples per problem at the end")
     ap.add_argument("--report-problems", type=int, default=128)
+    ap.add_argument("--init", type=Path, default=None, metavar="MODEL_DIR",
+                    help="continue from this model folder (its tokenizer and weights) instead "
+                         "of a new model")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     started = time.time()
@@ -102,7 +102,15 @@ def main() -> None:
     rng = random.Random(args.seed)
     train = [worked(p, direct_solution(p) if rng.random() < args.direct_prob else p.solution())
              for p in splits["train"]]
-    tokenizer, model, pad_id, examples, n_params, max_new = prepare(train, args)
+    if args.init:
+        tokenizer = load_tokenizer(args.init)
+        model = AutoModelForCausalLM.from_pretrained(args.init)
+        pad_id = tokenizer.pad_token_id
+        examples = encode_examples(train, tokenizer)
+        n_params = sum(p.numel() for p in model.parameters())
+        max_new = max(len(r) for _, r in examples) + 8
+    else:
+        tokenizer, model, pad_id, examples, n_params, max_new = prepare(train, args)
     # RoPE's frequencies do not depend on it: the config states what the RL runs reach
     model.config.max_position_embeddings = tokenizer.model_max_length = 4096
 
@@ -123,7 +131,11 @@ def main() -> None:
         return 1.0 if done else 0.0
 
     args.target_acc = 1.0
-    step, _ = train_on_examples(model, examples, pad_id, args, rng, started, evaluate)
+    # Batches of chains of like lengths, each problem in its own mode: both modes in every
+    # batch (batches of one mode swing the mode-choice token from step to step), no long
+    # response padded to a short one.
+    step, _ = train_on_examples(model, examples, pad_id, args, rng, started, evaluate,
+                                lengths=[p.steps for p in splits["train"]])
     save(model, tokenizer, args.out)
     seconds = time.time() - started
     report = start_report(args.out, val[:args.report_problems], tokenizer, args.report_samples,

@@ -155,13 +155,14 @@ def tokenizer_and_model(train, args):
 
 
 def train_on_examples(model, examples, pad_id: int, args, rng: random.Random, started: float,
-                      evaluate: Callable[[int], float]) -> tuple[int, float]:
+                      evaluate: Callable[[int], float], lengths: list[int] | None = None
+                      ) -> tuple[int, float]:
     """Supervised training in shuffled batches (AdamW, warm-up then cosine to 10%), evaluated
     every ``args.eval_every`` steps; stops at ``args.max_steps`` or once ``evaluate(step)``
     reaches ``args.target_acc``. Returns the steps taken and the last accuracy. With
     ``args.length_buckets`` = K > 0, each batch is drawn from a window of K batches' examples
-    sorted by length, so that responses of very different lengths (short and long modes) are
-    not padded to each other."""
+    sorted by ``lengths`` (default: the responses' lengths), so that long responses are not
+    padded to short ones."""
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.01)
 
     def lr_at(step: int) -> float:
@@ -182,7 +183,8 @@ def train_on_examples(model, examples, pad_id: int, args, rng: random.Random, st
             order = order[::-1][:len(order) - len(order) % args.batch_size]
             if window > args.batch_size:
                 order = [i for w in range(0, len(order), window) for i in sorted(
-                    order[w:w + window], key=lambda i: len(examples[i][1]))]
+                    order[w:w + window],
+                    key=lambda i: len(examples[i][1]) if lengths is None else lengths[i])]
             batches = [order[b:b + args.batch_size] for b in range(0, len(order),
                                                                      args.batch_size)][::-1]
             if window > args.batch_size:
