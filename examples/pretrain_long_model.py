@@ -11,8 +11,10 @@ validation and test problems of the study's ``data.chains`` (the default lengths
 problems copy the guess in the direct mode at least ``--target-copy`` of the time and the worked
 mode is right at least ``--target-worked`` of the time: below the guess's rate, with one slip
 in a line enough to lose a chain, so that the worked mode pays less at first and practice (fewer
-slips a line) can make it pay more. The defaults make examples/long_model; training_summary.json
-holds what RL starts from, with the worked mode's accuracy by chain length.
+slips a line) can make it pay more. examples/long_model was made with it in two phases, the
+second continuing the first (``--init``), stopped by the time budget short of the targets; its
+training_summary.json holds the phases and what RL starts from, with the worked mode's accuracy
+by chain length.
 
     python examples/pretrain_long_model.py                 # writes examples/long_model
 """

@@ -5,6 +5,11 @@ hand-written responses, and the config keys."""
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
+from pathlib import Path
+
 import pytest
 
 from megatron_entropy.config import ChainsConfig, ConfigError, load_config
@@ -76,3 +81,19 @@ def test_the_config_keys_select_the_task_and_its_test_split():
         load_config(overrides=["data.chains.guess_right=1.5"])
     with pytest.raises(ConfigError, match=r"data\.chains\.guess_error"):
         load_config(overrides=["data.chains.guess_error=five"])
+
+
+def test_the_long_model_held_out_the_study_validation_and_test_sets():
+    """examples/long_model never saw the problems examples/study_long.yaml validates or is
+    evaluated on: its training summary names the held-out chains by digest, and the study's
+    splits are prefixes of them."""
+    repo = Path(__file__).resolve().parents[3]
+    summary = json.loads((repo / "examples" / "long_model" / "training_summary.json").read_text())
+    n = summary["held_out"]
+    study = load_config(repo / "examples" / "study_long.yaml").data.chains
+    held = chain_splits(dataclasses.replace(study, num_val=n), 0, n)
+    chains = [p.chain for p in held["val"] + held["test"]]
+    assert hashlib.sha256("\n".join(chains).encode()).hexdigest() == summary["held_out_sha256"]
+    ours = chain_splits(study, 0, study.num_test)
+    assert ours["val"] == held["val"][:study.num_val]
+    assert ours["test"] == held["test"][:study.num_test]
