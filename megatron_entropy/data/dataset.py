@@ -173,8 +173,8 @@ def sums_rows(cfg: SumsConfig, split: Literal["train", "val"]) -> list[PromptRow
 
 
 def chains_rows(cfg: ChainsConfig, split: Literal["train", "val", "test"]) -> list[PromptRow]:
-    problems = chain_splits(cfg, cfg.num_train if split == "train" else 0,
-                            cfg.num_test if split == "test" else 0)[split]
+    # The test split is always drawn: training skips its chains.
+    problems = chain_splits(cfg, cfg.num_train if split == "train" else 0, cfg.num_test)[split]
     return [PromptRow(prompt=p.question, answer=p.answer, source=p.source,
                       where=f"chains {split} problem {i}") for i, p in enumerate(problems)]
 

@@ -67,6 +67,15 @@ def test_splits_are_disjoint_deterministic_and_prefix_stable():
     assert b["val"][:100] == a["val"] and b["test"] == a["test"][:50]
 
 
+def test_a_runs_training_rows_leave_out_its_test_chains():
+    """20,000 training chains of ~136k possible: about 9 would be test chains if training did
+    not skip them."""
+    cfg = ChainsConfig(guess_right=0.6, num_train=20_000, num_val=8, num_test=64)
+    test = {r.prompt.split(" Guess:")[0] for r in chains_rows(cfg, "test")}
+    train = {r.prompt.split(" Guess:")[0] for r in chains_rows(cfg, "train")}
+    assert len(test) == 64 and len(train) == 20_000 and not train & test
+
+
 def test_the_config_keys_select_the_task_and_its_test_split():
     cfg = load_config(overrides=["data.task=chains", "data.chains.guess_right=0.6",
                                  "data.chains.num_test=16", "data.chains.num_val=8"])
